@@ -1,0 +1,292 @@
+"""KVarNCache: a per-layer KV cache of [sink tokens] [KVarN tiles ...] [fp16 window].
+
+Token order in a layer: the first ``sink_tokens`` tokens stay unquantized for the sequence's
+lifetime; then come compressed tiles of ``tile_tokens`` tokens each; the newest tokens (at most
+``window``) are kept in the cache dtype. After every ``append`` the window holds at most ``window``
+tokens: whenever it would hold more, its oldest full tiles are compressed, so the number of tiles
+after n tokens is ``max(0, ceil((n - sink_tokens - window) / tile_tokens))`` whatever the split of
+the ``append`` calls, and the tile records are byte-identical for any split.
+
+Storage per layer (all on ``device``):
+
+* ``tiles``: uint8 [batch, tile_capacity, num_kv_heads, tile_nbytes], records [b, i, h] of tile i
+  (tokens ``sink + i*T .. sink + (i+1)*T - 1``); a pool laid out so that one KV head's walk over its
+  tiles reads records ``tile_nbytes * num_kv_heads`` apart.
+* ``window_k`` / ``window_v``: [batch, num_kv_heads, window, head_dim] in ``dtype``, valid prefix
+  ``window_len`` (oldest first).
+* ``sink_k`` / ``sink_v``: [batch, num_kv_heads, sink_tokens, head_dim], valid prefix ``sink_len``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import codec
+from .format import DEFAULT_SINKHORN_ITERS, TileSpec
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Layer:
+    tiles: torch.Tensor
+    n_tiles: int
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+    window_len: int
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_len: int
+    tile_tokens: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.sink_len + self.n_tiles * self.tile_tokens + self.window_len
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class KVarNCache:
+    """Quantized KV cache for ``num_layers`` attention layers of one batch of sequences.
+
+    Args:
+        num_layers, batch_size, num_kv_heads: positive ints.
+        head_dim: 64, 128 or 256.
+        preset: tile preset (see ``kvarn_cutlass.format.PRESETS``), default ``k4v2_g128``.
+        window: fp16 window in tokens: a multiple of the tile size, at least one tile (default 256).
+        sink_tokens: 0 or a multiple of the tile size; the first tokens kept unquantized.
+        dtype: float16 or bfloat16, the dtype of the window and sink.
+        device: where every tensor of the cache lives.
+        scale_dtype: float16 (default) or float32 for the scales inside tile records.
+        sinkhorn_iters: variance-normalization iterations of the codec.
+        max_seq_len: optional capacity in tokens; preallocates the tile pool (needed to capture
+            decode in CUDA graphs, since a growing pool moves). ``None`` grows the pool by doubling.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        preset: str = "k4v2_g128",
+        window: int = 256,
+        sink_tokens: int = 0,
+        dtype: torch.dtype = torch.float16,
+        device: str | torch.device = "cpu",
+        scale_dtype: torch.dtype = torch.float16,
+        sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self.num_layers = _positive_int("num_layers", num_layers)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        self.spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=scale_dtype, sinkhorn_iters=sinkhorn_iters)
+        T = self.spec.tile_tokens
+        if isinstance(window, bool) or not isinstance(window, int) or window < T or window % T:
+            raise ValueError(f"window must be a multiple of the tile size {T} and at least {T}, got {window!r}")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0 or sink_tokens % T:
+            raise ValueError(f"sink_tokens must be 0 or a multiple of the tile size {T}, got {sink_tokens!r}")
+        if dtype not in CACHE_DTYPES:
+            raise TypeError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype}")
+        if max_seq_len is not None:
+            _positive_int("max_seq_len", max_seq_len)
+        self.window = window
+        self.sink_tokens = sink_tokens
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_seq_len = max_seq_len
+        capacity = 0 if max_seq_len is None else max(0, math.ceil((max_seq_len - sink_tokens) / T))
+        self._layers = [self._new_layer(capacity) for _ in range(num_layers)]
+
+    # --- construction helpers ------------------------------------------------------------------
+    def _new_layer(self, tile_capacity: int) -> _Layer:
+        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        z = lambda n: torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
+        tiles = torch.zeros(B, tile_capacity, H, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device)
+        return _Layer(tiles, 0, z(self.window), z(self.window), 0, z(self.sink_tokens), z(self.sink_tokens), 0,
+                      self.spec.tile_tokens)
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def preset(self) -> str:
+        return self.spec.preset
+
+    # --- queries -------------------------------------------------------------------------------
+    def _layer(self, layer) -> _Layer:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return self._layers[layer]
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens held by ``layer`` (the same for every sequence of the batch)."""
+        return self._layer(layer).seq_len
+
+    def num_tiles(self, layer: int) -> int:
+        return self._layer(layer).n_tiles
+
+    def tile_bytes(self, layer: int) -> torch.Tensor:
+        """uint8 [batch, n_tiles, num_kv_heads, tile_nbytes]: a view of the live records."""
+        st = self._layer(layer)
+        return st.tiles[:, : st.n_tiles]
+
+    def tile_pool(self, layer: int) -> torch.Tensor:
+        """The whole preallocated pool, uint8 [batch, tile_capacity, num_kv_heads, tile_nbytes]."""
+        return self._layer(layer).tiles
+
+    def window_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [batch, num_kv_heads, window_len, head_dim] of the newest unquantized tokens."""
+        st = self._layer(layer)
+        return st.window_k[:, :, : st.window_len], st.window_v[:, :, : st.window_len]
+
+    def sink_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [batch, num_kv_heads, sink_len, head_dim] of the sink tokens."""
+        st = self._layer(layer)
+        return st.sink_k[:, :, : st.sink_len], st.sink_v[:, :, : st.sink_len]
+
+    def positions(self, layer: int) -> dict[str, tuple[int, int]]:
+        """Token ranges ``[start, stop)`` of the sink, tiles and window of ``layer``."""
+        st = self._layer(layer)
+        tiles_end = st.sink_len + st.n_tiles * self.spec.tile_tokens
+        return {"sink": (0, st.sink_len), "tiles": (st.sink_len, tiles_end), "window": (tiles_end, st.seq_len)}
+
+    def nbytes(self) -> int:
+        """Bytes of live data: tile records plus unquantized sink and window tokens, all layers."""
+        per_token = 2 * self.head_dim * self.dtype.itemsize * self.batch_size * self.num_kv_heads
+        total = 0
+        for st in self._layers:
+            total += st.n_tiles * self.batch_size * self.num_kv_heads * self.spec.tile_nbytes
+            total += (st.sink_len + st.window_len) * per_token
+        return total
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated by the cache's tensors (pool capacity, window and sink buffers)."""
+        return sum(
+            t.numel() * t.element_size()
+            for st in self._layers
+            for t in (st.tiles, st.window_k, st.window_v, st.sink_k, st.sink_v)
+        )
+
+    # --- mutation ------------------------------------------------------------------------------
+    def _check_kv(self, name: str, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in codec.FLOAT_INPUT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(codec.FLOAT_INPUT_DTYPES)}")
+        want = (self.batch_size, self.num_kv_heads, self.head_dim)
+        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want or x.shape[2] < 1:
+            raise ValueError(
+                f"{name} must have shape [batch={want[0]}, num_kv_heads={want[1]}, n_new>=1, head_dim={want[2]}], "
+                f"got {list(x.shape)}"
+            )
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append n_new tokens to ``layer``.
+
+        k, v: [batch, num_kv_heads, n_new, head_dim], float16/bfloat16/float32 on the cache's
+        device, finite once converted to the cache dtype. On any error nothing is changed.
+        """
+        st = self._layer(layer)
+        self._check_kv("k", k)
+        self._check_kv("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        n = k.shape[2]
+        if self.max_seq_len is not None and st.seq_len + n > self.max_seq_len:
+            raise ValueError(
+                f"appending {n} tokens to layer {layer} (holding {st.seq_len}) exceeds max_seq_len={self.max_seq_len}"
+            )
+        k = k.to(self.dtype)
+        v = v.to(self.dtype)
+        for name, x in (("k", k), ("v", v)):
+            if not torch.isfinite(x).all():
+                raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
+
+        # Everything below computes new state first and commits only after compression succeeded.
+        n_sink = min(self.sink_tokens - st.sink_len, n)
+        rest_k, rest_v = k[:, :, n_sink:], v[:, :, n_sink:]
+        stream_k = torch.cat((st.window_k[:, :, : st.window_len], rest_k), dim=2)
+        stream_v = torch.cat((st.window_v[:, :, : st.window_len], rest_v), dim=2)
+        T = self.spec.tile_tokens
+        n_new_tiles = max(0, math.ceil((stream_k.shape[2] - self.window) / T))
+        records = None
+        if n_new_tiles:
+            records = self._compress(stream_k[:, :, : n_new_tiles * T], stream_v[:, :, : n_new_tiles * T])
+            if st.n_tiles + n_new_tiles > st.tiles.shape[1]:
+                self._grow(st, st.n_tiles + n_new_tiles)
+
+        if n_sink:
+            st.sink_k[:, :, st.sink_len : st.sink_len + n_sink] = k[:, :, :n_sink]
+            st.sink_v[:, :, st.sink_len : st.sink_len + n_sink] = v[:, :, :n_sink]
+            st.sink_len += n_sink
+        if records is not None:
+            st.tiles[:, st.n_tiles : st.n_tiles + n_new_tiles] = records
+            st.n_tiles += n_new_tiles
+        keep = stream_k.shape[2] - n_new_tiles * T
+        st.window_k[:, :, :keep] = stream_k[:, :, n_new_tiles * T :]
+        st.window_v[:, :, :keep] = stream_v[:, :, n_new_tiles * T :]
+        st.window_len = keep
+
+    def _compress(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v [B, H, n_tiles*T, D] -> records uint8 [B, n_tiles, H, tile_nbytes]."""
+        B, H, n, D = k.shape
+        T = self.spec.tile_tokens
+        to_tiles = lambda x: x.reshape(B, H, n // T, T, D).transpose(1, 2)  # noqa: E731
+        return codec.encode_tiles(to_tiles(k), to_tiles(v), self.spec)
+
+    def _grow(self, st: _Layer, needed: int) -> None:
+        if self.max_seq_len is not None:
+            raise AssertionError("a preallocated pool never grows (max_seq_len is checked first)")
+        new_cap = max(needed, 2 * st.tiles.shape[1], 8)
+        pool = torch.zeros(
+            self.batch_size, new_cap, self.num_kv_heads, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device
+        )
+        pool[:, : st.n_tiles] = st.tiles[:, : st.n_tiles]
+        st.tiles = pool
+
+    def truncate(self, layer_or_all: int | None, new_len: int) -> None:
+        """Drop the newest tokens so that the layer (or every layer, for ``None``) holds ``new_len``.
+
+        Only tokens still unquantized can be dropped: rewinding into compressed tiles raises
+        ValueError, and then no layer is changed.
+        """
+        layers = range(self.num_layers) if layer_or_all is None else [layer_or_all]
+        states = [self._layer(i) for i in layers]
+        if isinstance(new_len, bool) or not isinstance(new_len, int) or new_len < 0:
+            raise ValueError(f"new_len must be a non-negative int, got {new_len!r}")
+        for i, st in zip(layers, states):
+            if new_len > st.seq_len:
+                raise ValueError(f"new_len={new_len} exceeds layer {i}'s length {st.seq_len}")
+            tiles_end = st.sink_len + st.n_tiles * self.spec.tile_tokens
+            if st.n_tiles and new_len < tiles_end:
+                raise ValueError(
+                    f"new_len={new_len} rewinds layer {i} into compressed tiles (they end at token {tiles_end}); "
+                    "only the fp16 window can be truncated"
+                )
+        for st in states:
+            if new_len >= st.sink_len + st.n_tiles * self.spec.tile_tokens:
+                st.window_len = new_len - st.sink_len - st.n_tiles * self.spec.tile_tokens
+            else:  # no tiles yet: the cut falls inside the sink
+                st.window_len = 0
+                st.sink_len = new_len
+
+    def __repr__(self) -> str:
+        return (
+            f"KVarNCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, preset={self.preset!r}, window={self.window}, sink={self.sink_tokens}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )

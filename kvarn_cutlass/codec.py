@@ -1,0 +1,294 @@
+"""Reference KVarN codec (torch, CPU or any device): encode and decode tile records.
+
+Every step is written so that its float32 result is fixed bit for bit by IEEE-754, whatever the
+machine, so that the GPU compression kernel (``csrc/compress.cu``) can reproduce the bytes exactly:
+
+* only correctly rounded operations (+, -, *, /, sqrt, round-half-even, min, max, frexp/ldexp),
+  never exp/log (their last bit differs between libraries) and never a fused multiply-add;
+* every sum is a *halving tree*: ``x[i] + x[i + n/2]`` for i < n/2, repeated until one element is
+  left (a GPU reproduces it with ``__shfl_xor`` butterflies and shared memory);
+* the Walsh-Hadamard transform is the in-place butterfly with strides 1, 2, 4, ..., D/2 (Sylvester
+  order), then one multiplication by ``float32(1/sqrt(D))``.
+
+Scheme, per tile [T, D] and per KV head, for K and V separately:
+
+1. ``y = WHT(x)`` along head_dim.
+2. Variance normalization: with row factors r[T] and column factors s[D] (start at 1), candidate
+   ``z = (y / s) / r``; its imbalance score is max/min of the column RMS plus max/min of the row
+   RMS. An iteration multiplies s by the column RMS of z, recomputes z and multiplies r by the
+   row RMS. The factors are accumulated as products in float32 rather than in log space, because
+   exp/log are not reproducible bit for bit across CPU and GPU; the factors stay in range because
+   step 3 keeps them balanced and every input is finite. RMS values under ``TINY_RMS`` count as 1
+   (constant-zero rows/columns are left alone). The candidate with the lowest score among the
+   identity and the ``sinkhorn_iters`` iterations is kept (the first one on ties).
+3. Exact power-of-two exchange between r and s so that max(r) and max(s) have binary exponents
+   within one of each other: the stored scales then stay far inside float16 range for any fp16
+   input (rotated |y| <= 65504 * 16, so each factor is about sqrt(|y|) <= 1024).
+4. K: ``row_scale = r`` (stored), ``u = y / row_scale`` and asymmetric round-to-nearest-even per
+   channel over the tile's tokens (4 bits): ``chan_min = min_t u``, ``chan_step = (max - min) / 15``
+   (both stored), ``code = clamp(rint((u - chan_min) / chan_step), 0, 15)`` computed from the
+   *stored* (rounded) scale values. V: ``col_scale = s``, ``w = y / col_scale``, per token over the
+   channels with 2 or 4 bits. A zero step gives code 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .format import TileSpec
+
+TINY_RMS = 2.0**-100
+FLOAT_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --- deterministic primitives ------------------------------------------------------------------
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum along ``dim`` (power-of-two length) as a halving tree; see the module docstring."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"tree_sum needs a power-of-two length, got {n}")
+    while n > 1:
+        n //= 2
+        x = x[..., :n] + x[..., n:]
+    return x[..., 0]
+
+
+def wht(x: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform along the last dim (Sylvester order, its own inverse).
+
+    x: [..., D] float32 or float64, D a power of two. Returns a new tensor of the same dtype.
+    """
+    D = x.shape[-1]
+    if D & (D - 1):
+        raise ValueError(f"wht needs a power-of-two last dim, got {D}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, D)
+    h = 1
+    while h < D:
+        pairs = y.reshape(-1, D // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, D)
+        h *= 2
+    return (y * torch.tensor(1.0 / math.sqrt(D), dtype=y.dtype)).reshape(*lead, D)
+
+
+def _rms(z: torch.Tensor, dim: int) -> torch.Tensor:
+    n = z.shape[dim]
+    rms = torch.sqrt(tree_sum(z * z, dim) / float(n))
+    return torch.where(rms < TINY_RMS, torch.ones_like(rms), rms)
+
+
+def _imbalance(col_rms: torch.Tensor, row_rms: torch.Tensor) -> torch.Tensor:
+    return col_rms.amax(-1) / col_rms.amin(-1) + row_rms.amax(-1) / row_rms.amin(-1)
+
+
+def normalization_factors(y: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row factors r [..., T] and column factors s [..., D] for rotated tiles y [..., T, D] float32."""
+    r = torch.ones(y.shape[:-1], dtype=y.dtype)
+    s = torch.ones(y.shape[:-2] + y.shape[-1:], dtype=y.dtype)
+    best_r, best_s = r, s
+    best_score = torch.full(y.shape[:-2], math.inf, dtype=y.dtype)
+    for it in range(iters + 1):
+        z = y / s[..., None, :] / r[..., :, None]
+        col_rms, row_rms = _rms(z, -2), _rms(z, -1)
+        score = _imbalance(col_rms, row_rms)
+        better = score < best_score
+        best_score = torch.where(better, score, best_score)
+        best_r = torch.where(better[..., None], r, best_r)
+        best_s = torch.where(better[..., None], s, best_s)
+        if it == iters:
+            break
+        s = s * col_rms
+        r = r * _rms(y / s[..., None, :] / r[..., :, None], -1)
+    return _balance(best_r, best_s)
+
+
+def _balance(r: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move an exact power of two from r to s so their maxima have close binary exponents."""
+    er = torch.frexp(r.amax(-1)).exponent
+    es = torch.frexp(s.amax(-1)).exponent
+    shift = torch.div(er - es, 2, rounding_mode="floor")  # floor, as an arithmetic shift right
+    return torch.ldexp(r, -shift[..., None].to(r.dtype)), torch.ldexp(s, shift[..., None].to(s.dtype))
+
+
+def _store(x: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """Round to the storage dtype (round-to-nearest-even) and back to float32."""
+    stored = x.to(dtype)
+    if not torch.isfinite(stored).all():
+        raise ValueError(
+            f"{what} overflows {dtype}: the input's magnitude needs scale_dtype=torch.float32"
+        )
+    return stored.to(torch.float32)
+
+
+def _positive_scale(x: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """Stored factor, clamped to the smallest positive value of ``dtype`` (never 0: we divide by it)."""
+    smallest = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    return _store(torch.clamp_min(x, smallest), dtype, what)
+
+
+def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
+    """Asymmetric RTN of u along ``dim``: returns (step, min) as stored float32 and int codes."""
+    qmax = float(2**bits - 1)
+    lo, hi = u.amin(dim, keepdim=True), u.amax(dim, keepdim=True)
+    step = _store((hi - lo) / qmax, dtype, what + " step")
+    low = _store(lo, dtype, what + " min")
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round((u - low) / safe).clamp_(0, qmax)
+    codes = torch.where(step > 0, codes, torch.zeros_like(codes))
+    return step.squeeze(dim), low.squeeze(dim), codes.to(torch.uint8)
+
+
+def _pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., n] uint8 -> bytes [..., n*bits/8], code j of a byte at bit j*bits."""
+    per = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack_low_first(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
+    return c.reshape(*packed.shape[:-1], n).to(torch.uint8)
+
+
+def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).contiguous().view(torch.uint8)
+
+
+# --- validation --------------------------------------------------------------------------------
+def check_tile_input(name: str, x, spec: TileSpec) -> None:
+    """Raise a ValueError/TypeError naming ``name`` unless x is a finite float [..., T, D] tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(FLOAT_INPUT_DTYPES)}")
+    if x.dim() < 2 or tuple(x.shape[-2:]) != (spec.tile_tokens, spec.head_dim):
+        raise ValueError(
+            f"{name} must have shape [..., {spec.tile_tokens}, {spec.head_dim}] "
+            f"(tile_tokens, head_dim), got {list(x.shape)}"
+        )
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+# --- encode / decode ---------------------------------------------------------------------------
+def encode_tiles(k: torch.Tensor, v: torch.Tensor, spec: TileSpec) -> torch.Tensor:
+    """Encode tiles of K and V into records.
+
+    k, v: [..., tile_tokens, head_dim], float16/bfloat16/float32, finite, same shape.
+    Returns uint8 [..., spec.tile_nbytes] on the device of k, byte-identical for identical
+    inputs on any machine. Raises ValueError/TypeError naming the argument on bad input.
+    """
+    check_tile_input("k", k, spec)
+    check_tile_input("v", v, spec)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+    device, lead = k.device, k.shape[:-2]
+    T, D, sd = spec.tile_tokens, spec.head_dim, spec.scale_dtype
+    # The reference runs on the CPU: its float32 arithmetic is the definition of the format.
+    yk = wht(k.detach().to("cpu", torch.float32).reshape(-1, T, D))
+    yv = wht(v.detach().to("cpu", torch.float32).reshape(-1, T, D))
+
+    r, _ = normalization_factors(yk, spec.sinkhorn_iters)
+    row_scale = _positive_scale(r, sd, "K row_scale")
+    chan_step, chan_min, k_codes = _quantize(yk / row_scale[..., :, None], spec.k_bits, -2, sd, "K chan")
+
+    _, s = normalization_factors(yv, spec.sinkhorn_iters)
+    col_scale = _positive_scale(s, sd, "V col_scale")
+    tok_step, tok_min, v_codes = _quantize(yv / col_scale[..., None, :], spec.v_bits, -1, sd, "V tok")
+
+    parts = [
+        _pack_low_first(k_codes.transpose(-1, -2), spec.k_bits).reshape(-1, D * T * spec.k_bits // 8),
+        _as_bytes(chan_step, sd),
+        _as_bytes(chan_min, sd),
+        _as_bytes(row_scale, sd),
+        _pack_low_first(v_codes, spec.v_bits).reshape(-1, T * D * spec.v_bits // 8),
+        _as_bytes(tok_step, sd),
+        _as_bytes(tok_min, sd),
+        _as_bytes(col_scale, sd),
+    ]
+    rec = torch.cat(parts, dim=-1)
+    assert rec.shape[-1] == spec.tile_nbytes
+    return rec.reshape(*lead, spec.tile_nbytes).to(device)
+
+
+@dataclass
+class TileFields:
+    """The fields of records [...], unpacked (codes as uint8, scales as float32).
+
+    k_codes: [..., D, T] channel-major; v_codes: [..., T, D]; chan_step, chan_min, col_scale: [..., D];
+    row_scale, tok_step, tok_min: [..., T].
+    """
+
+    k_codes: torch.Tensor
+    chan_step: torch.Tensor
+    chan_min: torch.Tensor
+    row_scale: torch.Tensor
+    v_codes: torch.Tensor
+    tok_step: torch.Tensor
+    tok_min: torch.Tensor
+    col_scale: torch.Tensor
+
+
+def check_records(rec, spec: TileSpec, name: str = "rec") -> None:
+    if not isinstance(rec, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(rec).__name__}")
+    if rec.dtype != torch.uint8 or rec.dim() < 1 or rec.shape[-1] != spec.tile_nbytes:
+        raise ValueError(
+            f"{name} must be uint8 [..., {spec.tile_nbytes}] for {spec.preset} head_dim={spec.head_dim} "
+            f"scale_dtype={spec.scale_dtype}, got {rec.dtype} {list(rec.shape)}"
+        )
+
+
+def unpack_fields(rec: torch.Tensor, spec: TileSpec) -> TileFields:
+    """Split records uint8 [..., tile_nbytes] into their fields (same device as rec)."""
+    check_records(rec, spec)
+    T, D, sd = spec.tile_tokens, spec.head_dim, spec.scale_dtype
+    lead = rec.shape[:-1]
+    flat = rec.reshape(-1, spec.tile_nbytes)
+
+    def raw(name):
+        off, n = spec.section(name)
+        return flat[:, off : off + n]
+
+    def scales(name):
+        return raw(name).contiguous().view(sd).to(torch.float32).reshape(*lead, -1)
+
+    k_codes = _unpack_low_first(raw("k_codes").reshape(-1, D, T * spec.k_bits // 8), spec.k_bits, T)
+    v_codes = _unpack_low_first(raw("v_codes").reshape(-1, T, D * spec.v_bits // 8), spec.v_bits, D)
+    return TileFields(
+        k_codes=k_codes.reshape(*lead, D, T),
+        chan_step=scales("chan_step"),
+        chan_min=scales("chan_min"),
+        row_scale=scales("row_scale"),
+        v_codes=v_codes.reshape(*lead, T, D),
+        tok_step=scales("tok_step"),
+        tok_min=scales("tok_min"),
+        col_scale=scales("col_scale"),
+    )
+
+
+def dequantize_rotated(f: TileFields, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [..., T, D] in the rotated domain, computed in ``dtype``."""
+    c = lambda t: t.to(dtype)  # noqa: E731
+    k = c(f.row_scale)[..., :, None] * (c(f.chan_min)[..., None, :] + c(f.chan_step)[..., None, :] * c(f.k_codes).transpose(-1, -2))
+    v = c(f.col_scale)[..., None, :] * (c(f.tok_min)[..., :, None] + c(f.tok_step)[..., :, None] * c(f.v_codes))
+    return k, v
+
+
+def decode_tiles(rec: torch.Tensor, spec: TileSpec, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records uint8 [..., tile_nbytes] -> (k, v) [..., T, D] in the original (unrotated) domain.
+
+    Computed in ``dtype`` (float32 default; float64 for references).
+    """
+    k, v = dequantize_rotated(unpack_fields(rec, spec), dtype)
+    return wht(k), wht(v)

@@ -1,0 +1,121 @@
+"""Float64 reference attention over a KVarNCache, the oracle every GPU kernel is checked against.
+
+Semantics (shared by ``prefill_attention`` and ``decode_attention``): the n_q queries are the
+newest n_q tokens of the layer; query i sits at position ``seq_len - n_q + i`` and sees every
+position up to its own (causal). Keys and values are what the cache holds now: sink and window
+tokens exactly, tile tokens as their quantized reconstruction. GQA: query head h reads KV head
+``h // (num_q_heads // num_kv_heads)``.
+
+Two formulations that must agree to ~1e-9 relative:
+
+* ``dense``: dequantize the tiles to float64 in the original domain, then ordinary attention;
+* ``dequant_free``: the form the kernels use. With ``q_rot = WHT(q)``, a tile token's score is
+  ``row_scale[t] * (sum_c q_rot[c]*chan_step[c]*code[c,t] + sum_c q_rot[c]*chan_min[c])``; the tile
+  part of the output is aggregated in the rotated domain from the V codes, with tok_step and
+  tok_min folded into the probabilities, and one inverse WHT is applied at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codec
+from .cache import KVarNCache
+
+FORMULATIONS = ("dequant_free", "dense")
+
+
+def check_query(q, cache: KVarNCache, layer: int, name: str = "q") -> None:
+    """Validate q [batch, num_q_heads, n_q, head_dim] against ``cache``'s layer."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
+    if not q.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {q.dtype}")
+    L = cache.seq_len(layer)
+    if (
+        q.dim() != 4
+        or q.shape[0] != cache.batch_size
+        or q.shape[3] != cache.head_dim
+        or q.shape[1] < 1
+        or q.shape[1] % cache.num_kv_heads
+    ):
+        raise ValueError(
+            f"{name} must have shape [batch={cache.batch_size}, num_q_heads (a multiple of "
+            f"num_kv_heads={cache.num_kv_heads}), n_q, head_dim={cache.head_dim}], got {list(q.shape)}"
+        )
+    if not 1 <= q.shape[2] <= L:
+        raise ValueError(f"{name} has n_q={q.shape[2]} queries but layer {layer} holds {L} tokens (need 1 <= n_q <= seq_len)")
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, H, ...] -> [B, H*group, ...], KV head h repeated for its q heads."""
+    return x.repeat_interleave(group, dim=1)
+
+
+def attention(
+    q: torch.Tensor,
+    cache: KVarNCache,
+    layer: int,
+    scale: float | None = None,
+    formulation: str = "dequant_free",
+) -> torch.Tensor:
+    """Float64 attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache``.
+
+    Returns float64 [batch, num_q_heads, n_q, head_dim] on the cache's device. ``scale`` defaults to
+    1/sqrt(head_dim).
+    """
+    check_query(q, cache, layer)
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    spec, dev, f64 = cache.spec, cache.device, torch.float64
+    B, Hq, n_q, D = q.shape
+    group = Hq // cache.num_kv_heads
+    scale = D**-0.5 if scale is None else float(scale)
+    L = cache.seq_len(layer)
+    pos = cache.positions(layer)
+    q64 = q.to(dev, f64)
+    q_pos = torch.arange(L - n_q, L, device=dev)
+
+    sink_k, sink_v = cache.sink_kv(layer)
+    win_k, win_v = cache.window_kv(layer)
+    exact_k = _expand_heads(torch.cat((sink_k, win_k), 2).to(f64), group)  # [B, Hq, Ne, D]
+    exact_v = _expand_heads(torch.cat((sink_v, win_v), 2).to(f64), group)
+    exact_pos = torch.cat(
+        (torch.arange(*pos["sink"], device=dev), torch.arange(*pos["window"], device=dev))
+    )
+    rec = cache.tile_bytes(layer)  # [B, nt, H, nbytes]
+    nt, T = rec.shape[1], spec.tile_tokens
+    tile_pos = torch.arange(*pos["tiles"], device=dev)
+
+    s_exact = torch.einsum("bhqd,bhkd->bhqk", q64, exact_k) * scale
+    if formulation == "dense":
+        k_t, v_t = codec.decode_tiles(rec, spec, f64)  # [B, nt, H, T, D]
+        k_t = _expand_heads(k_t.permute(0, 2, 1, 3, 4).reshape(B, -1, nt * T, D), group)
+        v_t = _expand_heads(v_t.permute(0, 2, 1, 3, 4).reshape(B, -1, nt * T, D), group)
+        s_tile = torch.einsum("bhqd,bhkd->bhqk", q64, k_t) * scale
+    else:
+        f = codec.unpack_fields(rec, spec)
+        tofh = lambda x: _expand_heads(x.to(f64).transpose(1, 2), group)  # [B, nt, H, ...] -> [B, Hq, nt, ...]  # noqa: E731
+        q_rot = codec.wht(q64)
+        codes = tofh(f.k_codes)  # [B, Hq, nt, D, T]
+        qfold = torch.einsum("bhqd,bhnd->bhqnd", q_rot, tofh(f.chan_step))
+        bias = torch.einsum("bhqd,bhnd->bhqn", q_rot, tofh(f.chan_min))
+        dot = torch.einsum("bhqnd,bhndt->bhqnt", qfold, codes)
+        s_tile = (tofh(f.row_scale)[:, :, None] * (dot + bias[..., None]) * scale).reshape(B, Hq, n_q, nt * T)
+
+    scores = torch.cat((s_exact, s_tile), -1)
+    key_pos = torch.cat((exact_pos, tile_pos))
+    scores = scores.masked_fill(key_pos[None, None, None, :] > q_pos[None, None, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p_exact, p_tile = p[..., : exact_pos.numel()], p[..., exact_pos.numel() :]
+    out = torch.einsum("bhqk,bhkd->bhqd", p_exact, exact_v)
+    if nt == 0:
+        return out
+    if formulation == "dense":
+        return out + torch.einsum("bhqk,bhkd->bhqd", p_tile, v_t)
+    p_tile = p_tile.reshape(B, Hq, n_q, nt, T)
+    p_step = p_tile * tofh(f.tok_step)[:, :, None]  # tok_step folded into the probabilities
+    p_min = (p_tile * tofh(f.tok_min)[:, :, None]).sum(-1)  # [B, Hq, n_q, nt]
+    out_rot = torch.einsum("bhqnt,bhntd->bhqnd", p_step, tofh(f.v_codes)) + p_min[..., None]
+    out_rot = (out_rot * tofh(f.col_scale)[:, :, None]).sum(3)  # [B, Hq, n_q, D]
+    return out + codec.wht(out_rot)  # the deferred inverse WHT (the WHT is its own inverse)
