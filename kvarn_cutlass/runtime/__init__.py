@@ -1,0 +1,43 @@
+"""GPU runtime: every kernel of kvarn_cutlass is compiled, cached, loaded and launched through here.
+
+Build (no GPU needed)::
+
+    spec = KernelSpec("selftest.cu", ("kvarn_selftest_axpy",))
+    compiled = build(spec, "sm_90")          # CompiledModule: cubin + per-kernel resources
+
+Load and launch (on torch's current device and stream)::
+
+    module = get_module(spec)                 # cached per (spec, arch, device)
+    axpy = module.kernel("kvarn_selftest_axpy", ("ptr", "ptr", "f32", "i64"))
+    axpy.launch(grid, block, (y, x, 2.0, n))
+    hot = axpy.prepare(grid, block, (y, x, 2.0, n)); hot.launch()
+
+Lower-level pieces: :func:`compile_cubin` (NVRTC/nvcc), :func:`cached_artifact` (locked,
+atomic, checksummed disk cache under :func:`cache_root`), :func:`load_module`.
+"""
+
+from .arch import arch_target, device_arch, normalize_arch
+from .compiler import CompileResult, KernelResources, compile_cubin, compiler_version, cubin_sm, cubin_symbols
+from .diskcache import cache_root, cached_artifact
+from .errors import CompileError, CudaError
+from .module import Kernel, Module, PreparedLaunch, load_module
+
+__all__ = [
+    "CompileError",
+    "CompileResult",
+    "CudaError",
+    "Kernel",
+    "KernelResources",
+    "Module",
+    "PreparedLaunch",
+    "arch_target",
+    "cache_root",
+    "cached_artifact",
+    "compile_cubin",
+    "compiler_version",
+    "cubin_sm",
+    "cubin_symbols",
+    "device_arch",
+    "load_module",
+    "normalize_arch",
+]

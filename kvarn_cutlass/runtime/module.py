@@ -1,0 +1,418 @@
+"""Load CUBINs through the driver API and launch their kernels on PyTorch's streams.
+
+Modules are loaded into the primary context of a torch CUDA device, the context
+PyTorch itself uses, so tensors' ``data_ptr()`` and ``torch.cuda`` streams are valid
+in it. Kernels launch with ``cuLaunchKernelEx`` (needed for cluster dimensions on
+sm_90) on ``torch.cuda.current_stream()`` unless a stream is given.
+
+Arguments are packed from a declared signature, one entry per kernel parameter::
+
+    "ptr"      device pointer: a CUDA torch.Tensor (its data_ptr()), an int address, or None (nullptr)
+    "i32" "u32" "i64" "u64"   integers (range-checked)
+    "f32" "f64"               Python/NumPy real numbers
+    "bytes:N"  a by-value struct of N bytes (e.g. a CUTLASS Params struct): bytes of length N
+
+An entry may carry a parameter name after a space (``"f32 alpha"``); errors then use it.
+
+The launch path is CUDA-graph safe: it allocates no device memory, never synchronizes
+and reads nothing back from the device. :meth:`Kernel.prepare` packs arguments and the
+launch configuration once, so :meth:`PreparedLaunch.launch` only sets the stream and
+calls ``cuLaunchKernelEx``.
+
+Modules stay loaded for the life of the process: a captured CUDA graph may still refer
+to their kernels, and :func:`spec.get_module` caches them, so unloading would buy nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import numbers
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import check_driver
+
+__all__ = ["Module", "Kernel", "PreparedLaunch", "load_module", "primary_context"]
+
+# Launches with more dynamic shared memory than this need an explicit opt-in per function.
+_DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+_INT_RANGES = {
+    "i32": (ctypes.c_int32, -(2**31), 2**31 - 1),
+    "u32": (ctypes.c_uint32, 0, 2**32 - 1),
+    "i64": (ctypes.c_int64, -(2**63), 2**63 - 1),
+    "u64": (ctypes.c_uint64, 0, 2**64 - 1),
+}
+_FLOATS = {"f32": ctypes.c_float, "f64": ctypes.c_double}
+_ENTRY = re.compile(r"^(ptr|i32|u32|i64|u64|f32|f64|bytes:(\d+))(?:\s+([A-Za-z_]\w*))?$")
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parsed signature entry."""
+
+    kind: str  # "ptr", "i32", ..., or "bytes"
+    size: int  # bytes in the kernel's parameter space
+    label: str  # for messages: "argument 2 (f32 alpha)"
+
+
+def _parse_signature(kernel: str, signature: Sequence[str]) -> tuple[_Param, ...]:
+    if isinstance(signature, str) or not isinstance(signature, (tuple, list)):
+        raise TypeError(f"kernel {kernel!r}: signature must be a tuple of str like ('ptr', 'i32'), got {signature!r}")
+    params = []
+    for i, entry in enumerate(signature):
+        m = _ENTRY.match(entry.strip()) if isinstance(entry, str) else None
+        if m is None:
+            raise ValueError(
+                f"kernel {kernel!r}: signature entry {i} is {entry!r}; expected one of ptr, i32, u32, i64, u64, "
+                f"f32, f64, bytes:N, optionally followed by a space and a parameter name"
+            )
+        kind, nbytes, pname = m.group(1), m.group(2), m.group(3)
+        if nbytes is not None:
+            if int(nbytes) <= 0:
+                raise ValueError(f"kernel {kernel!r}: signature entry {i} {entry!r} must have N > 0")
+            kind, size = "bytes", int(nbytes)
+        else:
+            size = 8 if kind in ("ptr", "i64", "u64", "f64") else 4
+        label = f"argument {i} ({m.group(1)}{' ' + pname if pname else ''})"
+        params.append(_Param(kind, size, label))
+    return tuple(params)
+
+
+def _convert(p: _Param, value: Any, kernel: str, device_index: int) -> ctypes._SimpleCData | ctypes.Array:
+    """ctypes holder of one argument's value, after type and range checks."""
+    where = f"kernel {kernel!r} {p.label}"
+    if p.kind == "ptr":
+        if value is None:
+            return ctypes.c_uint64(0)
+        if hasattr(value, "data_ptr") and hasattr(value, "device"):
+            dev = value.device
+            if dev.type != "cuda":
+                raise ValueError(f"{where}: tensor is on {dev}, kernels need CUDA tensors")
+            if dev.index != device_index:
+                raise ValueError(f"{where}: tensor is on {dev}, the kernel's module is loaded on cuda:{device_index}")
+            return ctypes.c_uint64(value.data_ptr())
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            if not 0 <= int(value) < 2**64:
+                raise ValueError(f"{where}: address {int(value)} is out of range")
+            return ctypes.c_uint64(int(value))
+        raise TypeError(f"{where}: expected a CUDA tensor, an int address or None, got {type(value).__name__}")
+    if p.kind in _INT_RANGES:
+        ctype, lo, hi = _INT_RANGES[p.kind]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where}: expected an int, got {type(value).__name__}")
+        if not lo <= int(value) <= hi:
+            raise ValueError(f"{where}: {int(value)} is out of range [{lo}, {hi}]")
+        return ctype(int(value))
+    if p.kind in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            hint = " (pass a Python float; reading a tensor would synchronize)" if hasattr(value, "device") else ""
+            raise TypeError(f"{where}: expected a real number, got {type(value).__name__}{hint}")
+        return _FLOATS[p.kind](float(value))
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{where}: expected bytes of length {p.size}, got {type(value).__name__}")
+    raw = bytes(value)
+    if len(raw) != p.size:
+        raise ValueError(f"{where}: expected {p.size} bytes, got {len(raw)}")
+    return (ctypes.c_uint8 * p.size).from_buffer_copy(raw)
+
+
+def _dims(value: Any, argname: str) -> tuple[int, int, int]:
+    """(x, y, z) from an int or a 1-3 tuple of positive ints."""
+    dims = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+    if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:
+        raise TypeError(f"{argname} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 or d > 2**31 - 1:
+            raise ValueError(f"{argname}={value!r}: every dimension must be an int in [1, 2**31 - 1]")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))  # type: ignore[return-value]
+
+
+# --- contexts and streams -------------------------------------------------------------------------
+
+_ctx_lock = threading.Lock()
+_primary_contexts: dict[int, Any] = {}
+
+
+def _device_index(device: Any) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"device must be an int, str or torch.device, got {device!r}")
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r} is not a CUDA device")
+    return torch.cuda.current_device() if dev.index is None else dev.index
+
+
+def primary_context(device: Any = None) -> tuple[int, Any]:
+    """(device index, CUcontext) of the primary context of a torch CUDA device, made current on this thread.
+
+    PyTorch's CUDA runtime uses the primary context, so modules loaded into it see the
+    same memory and streams as torch. Initializes torch's CUDA state first.
+    """
+    import torch
+    from cuda.bindings import driver
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is available (torch.cuda.is_available() is False)")
+    torch.cuda.init()
+    index = _device_index(device)
+    with _ctx_lock:
+        ctx = _primary_contexts.get(index)
+        if ctx is None:
+            check_driver(driver.cuInit(0), "cuInit")
+            dev = check_driver(driver.cuDeviceGet(index), "cuDeviceGet")
+            # Retained once per device and never released: torch keeps it alive for the process anyway.
+            ctx = check_driver(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            _primary_contexts[index] = ctx
+    _make_current(ctx, int(ctx))
+    return index, ctx
+
+
+def _make_current(ctx: Any, ctx_int: int, kernel: str | None = None) -> None:
+    from cuda.bindings import driver
+
+    # torch.cuda.set_device() on this thread may have switched the current context since the last launch.
+    current = check_driver(driver.cuCtxGetCurrent(), "cuCtxGetCurrent", kernel)
+    if int(current) != ctx_int:
+        check_driver(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", kernel)
+
+
+def _raw_stream_getter():
+    import torch
+
+    # torch._C._cuda_getCurrentRawStream is what Triton uses: an int without building a Stream object.
+    fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fast is not None:
+        return fast
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def _stream_handle(stream: Any, device_index: int, current_stream) -> int:
+    if stream is None:
+        return current_stream(device_index)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream / ExternalStream
+    if isinstance(handle, int):
+        return handle
+    try:
+        from cuda.bindings import driver
+
+        if isinstance(stream, driver.CUstream):
+            return int(stream)
+    except ImportError:
+        pass
+    raise TypeError(f"stream must be None, a torch.cuda.Stream, a CUstream or an int handle, got {type(stream).__name__}")
+
+
+# --- modules, kernels, launches -------------------------------------------------------------------
+
+
+class Module:
+    """A CUBIN loaded into the primary context of one device. Create with :func:`load_module`."""
+
+    def __init__(self, handle: Any, device_index: int, ctx: Any):
+        self._handle = handle
+        self.device_index = device_index
+        self._ctx = ctx
+        self._kernels: dict[tuple[str, tuple[str, ...]], Kernel] = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, name: str, signature: tuple[str, ...]) -> "Kernel":
+        """The kernel ``name`` (an ``extern "C"`` symbol) with its argument signature.
+
+        The signature is checked against the kernel's parameter count and sizes
+        (``cuFuncGetParamInfo``), so a mismatch fails here instead of corrupting a launch.
+
+        Raises:
+            CudaError: the symbol is not in the module (``cuModuleGetFunction``).
+            TypeError / ValueError: malformed signature, or one that disagrees with the kernel.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"kernel name must be a non-empty str, got {name!r}")
+        params = _parse_signature(name, signature)
+        key = (name, tuple(signature))
+        with self._lock:
+            k = self._kernels.get(key)
+            if k is None:
+                _make_current(self._ctx, int(self._ctx), name)
+                from cuda.bindings import driver
+
+                func = check_driver(driver.cuModuleGetFunction(self._handle, name.encode()), "cuModuleGetFunction", name)
+                _check_params(func, name, params)
+                k = self._kernels[key] = Kernel(self, name, params, func)
+            return k
+
+
+def _check_params(func: Any, name: str, params: tuple[_Param, ...]) -> None:
+    """Compare a signature with the kernel's parameter sizes from the driver."""
+    from cuda.bindings import driver
+
+    for i, p in enumerate(params):
+        status, _, size = driver.cuFuncGetParamInfo(func, i)
+        if status == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+            raise TypeError(f"kernel {name!r} takes {i} parameters, the signature declares {len(params)}")
+        check_driver((status,), "cuFuncGetParamInfo", name)
+        if size != p.size:
+            raise ValueError(f"kernel {name!r} {p.label}: the kernel's parameter is {size} bytes, the signature says {p.size}")
+    status = driver.cuFuncGetParamInfo(func, len(params))[0]
+    if status == driver.CUresult.CUDA_SUCCESS:
+        raise TypeError(f"kernel {name!r} takes more than the {len(params)} parameters the signature declares")
+
+
+class Kernel:
+    """A kernel of a loaded :class:`Module` with a declared argument signature."""
+
+    def __init__(self, module: Module, name: str, params: tuple[_Param, ...], func: Any):
+        self.module = module
+        self.name = name
+        self._params = params
+        self._func = func
+        self._smem_opt_in = _DEFAULT_DYNAMIC_SMEM
+        self._current_stream = _raw_stream_getter()
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """Parameter kinds, e.g. ``("ptr", "ptr", "f32", "i32")`` (``"bytes:N"`` for structs)."""
+        return tuple(f"bytes:{p.size}" if p.kind == "bytes" else p.kind for p in self._params)
+
+    def attribute(self, attr: str) -> int:
+        """A ``CU_FUNC_ATTRIBUTE_*`` value, e.g. ``attribute("NUM_REGS")`` or ``attribute("MAX_THREADS_PER_BLOCK")``."""
+        from cuda.bindings import driver
+
+        enum = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr.upper()}", None)
+        if enum is None:
+            raise ValueError(f"attr={attr!r} is not a CU_FUNC_ATTRIBUTE_* name")
+        return check_driver(driver.cuFuncGetAttribute(enum, self._func), "cuFuncGetAttribute", self.name)
+
+    def pack(self, args: Sequence[Any]) -> tuple[list, ctypes.Array]:
+        """(holders, void* array) for ``args``; the holders must outlive every launch using the array."""
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"kernel {self.name!r}: args must be a tuple or list, got {type(args).__name__}")
+        if len(args) != len(self._params):
+            raise TypeError(
+                f"kernel {self.name!r} takes {len(self._params)} arguments ({', '.join(self.signature)}), got {len(args)}"
+            )
+        holders = [_convert(p, a, self.name, self.module.device_index) for p, a in zip(self._params, args)]
+        array = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
+        return holders, array
+
+    def prepare(
+        self,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        args: Sequence[Any],
+        shared_mem: int = 0,
+        cluster: int | tuple[int, ...] | None = None,
+    ) -> "PreparedLaunch":
+        """Pack arguments and launch configuration once, for repeated cheap launches.
+
+        Args:
+            grid: blocks per grid, int or (x[, y[, z]]); with ``cluster``, a multiple of it.
+            block: threads per block, int or (x[, y[, z]]).
+            args: one value per signature entry (tensors are read as ``data_ptr()`` now).
+            shared_mem: dynamic shared memory per block in bytes; above 48 KiB the
+                function's limit is raised (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).
+            cluster: thread-block cluster dims (sm_90+), int or (x[, y[, z]]).
+        """
+        from cuda.bindings import driver
+
+        gx, gy, gz = _dims(grid, "grid")
+        bx, by, bz = _dims(block, "block")
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, numbers.Integral) or shared_mem < 0:
+            raise ValueError(f"shared_mem={shared_mem!r} must be an int >= 0 (bytes)")
+        holders, array = self.pack(args)
+        if shared_mem > self._smem_opt_in:
+            _make_current(self.module._ctx, int(self.module._ctx), self.name)
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check_driver(driver.cuFuncSetAttribute(self._func, attr, int(shared_mem)), "cuFuncSetAttribute", self.name)
+            self._smem_opt_in = int(shared_mem)
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes = int(shared_mem)
+        attrs = []
+        if cluster is not None:
+            cx, cy, cz = _dims(cluster, "cluster")
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cx, cy, cz
+            attrs.append(attr)
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
+        return PreparedLaunch(self, config, holders, array)
+
+    def launch(
+        self,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        args: Sequence[Any],
+        shared_mem: int = 0,
+        stream: Any = None,
+        cluster: int | tuple[int, ...] | None = None,
+    ) -> None:
+        """Launch once: :meth:`prepare` then :meth:`PreparedLaunch.launch` (same arguments as those)."""
+        self.prepare(grid, block, args, shared_mem, cluster).launch(stream)
+
+
+class PreparedLaunch:
+    """A launch with packed arguments and configuration; :meth:`launch` is the hot path.
+
+    Tensor arguments were captured as addresses at :meth:`Kernel.prepare` time: keep the
+    tensors alive (and in place) while this object is used. Not thread-safe: launching
+    sets the configuration's stream, so prepare one per thread.
+    """
+
+    __slots__ = ("kernel", "_config", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device", "_stream_of")
+
+    def __init__(self, kernel: Kernel, config: Any, holders: list, array: ctypes.Array):
+        self.kernel = kernel
+        self._config = config
+        self._holders = holders  # keeps the ctypes argument values alive for the driver to read
+        self._array = array
+        self._array_addr = ctypes.addressof(array)
+        self._func = kernel._func
+        self._ctx = kernel.module._ctx
+        self._ctx_int = int(kernel.module._ctx)
+        self._device = kernel.module.device_index
+        self._stream_of = kernel._current_stream
+
+    def launch(self, stream: Any = None) -> None:
+        """Enqueue the kernel on ``stream`` (default: torch's current stream of the module's device).
+
+        No allocation, synchronization or device read-back: safe inside CUDA graph capture.
+
+        Raises:
+            CudaError: ``cuLaunchKernelEx`` failed (bad configuration, too many resources, ...).
+        """
+        from cuda.bindings import driver
+
+        self._config.hStream = self._stream_of(self._device) if stream is None else _stream_handle(stream, self._device, self._stream_of)
+        _make_current(self._ctx, self._ctx_int, self.kernel.name)
+        result = driver.cuLaunchKernelEx(self._config, self._func, self._array_addr, 0)
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            check_driver(result, "cuLaunchKernelEx", self.kernel.name)
+
+
+def load_module(cubin: bytes, device: Any = None) -> Module:
+    """Load a CUBIN into the primary context of ``device`` (torch's current device when ``None``).
+
+    Raises:
+        TypeError: ``cubin`` is not bytes.
+        CudaError: the driver rejected the image (e.g. built for another architecture).
+    """
+    from cuda.bindings import driver
+
+    if not isinstance(cubin, (bytes, bytearray)):
+        raise TypeError(f"cubin must be bytes, got {type(cubin).__name__}")
+    index, ctx = primary_context(device)
+    handle = check_driver(driver.cuModuleLoadData(bytes(cubin)), "cuModuleLoadData")
+    return Module(handle, index, ctx)
