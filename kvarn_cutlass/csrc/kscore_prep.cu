@@ -1,0 +1,169 @@
+// K-score GEMM prep kernels (NVRTC; sm_80+): unpack K tiles to int8 token-major rows, fold queries.
+//
+// Batch index convention (shared with kvarn_cutlass.gemm): l in [0, L), l = head * n_tiles + tile,
+// where tile_index[l] is the record index of that (tile, KV head) in the tile pool: the record
+// starts at pool + tile_index[l] * record_stride bytes.
+//
+// Tile record (uint8), see kvarn_cutlass.format.TileSpec: K codes channel-major at k_codes_offset
+// (channel c: T tokens, 2 codes per byte, even token in the LOW nibble) = D*T/2 bytes; chanStep[D]
+// at chan_step_offset; chanMin[D] at chan_min_offset; rowScale[T] at row_scale_offset; scales are
+// f16 (SCALE = __half) or f32 (SCALE = float).
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned char u8;
+typedef signed char s8;
+
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(float x) { return x; }
+
+// ---------------------------------------------------------------------------------------------
+// (a) unpack: codes_out int8 [L, T, D] (token-major, codes 0..15), rs_out f32 [L, T].
+// One block per batch l; the D*T/2 code bytes are staged in shared memory with an odd row pitch
+// (T/2 + 1 bytes) so the transposed reads are bank-conflict free; every thread then writes
+// 16-byte chunks of output rows (consecutive threads -> consecutive chunks of one row).
+// dynamic smem: D * (T/2 + 1) bytes.
+template <typename SCALE>
+__device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __restrict__ tile_index,
+                                   long long record_stride, int k_codes_offset, int row_scale_offset,
+                                   int T, int D, s8* __restrict__ codes_out, float* __restrict__ rs_out) {
+  extern __shared__ u8 smem[];
+  const int l = blockIdx.x;
+  const u8* rec = pool + (long long)tile_index[l] * record_stride;
+  const int half_t = T >> 1;
+  const int pitch = half_t + 1;
+  const u8* codes = rec + k_codes_offset;
+  // stage: 16-byte global loads (record offsets are 16-byte aligned), byte stores to smem
+  const int nvec = (D * half_t) >> 4;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    uint4 v = reinterpret_cast<const uint4*>(codes)[i];
+    const u8* b = reinterpret_cast<const u8*>(&v);
+    const int byte0 = i << 4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int g = byte0 + j;
+      const int c = g / half_t, k = g - c * half_t;
+      smem[c * pitch + k] = b[j];
+    }
+  }
+  __syncthreads();
+  const int chunks_per_row = D >> 4;
+  const int nchunks = T * chunks_per_row;
+  s8* out = codes_out + (long long)l * T * D;
+  for (int i = threadIdx.x; i < nchunks; i += blockDim.x) {
+    const int t = i / chunks_per_row, c0 = (i - t * chunks_per_row) << 4;
+    const int shift = (t & 1) << 2;
+    const int k = t >> 1;
+    unsigned w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      unsigned acc = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned code = (smem[(c0 + q * 4 + j) * pitch + k] >> shift) & 0xF;
+        acc |= code << (8 * j);
+      }
+      w[q] = acc;
+    }
+    reinterpret_cast<uint4*>(out + (long long)t * D + c0)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  const SCALE* rs = reinterpret_cast<const SCALE*>(rec + row_scale_offset);
+  for (int t = threadIdx.x; t < T; t += blockDim.x) rs_out[(long long)l * T + t] = to_f32(rs[t]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// (b) fold: for batch l (head h = l / n_tiles) and query row m:
+//   qfold[c] = q[h, m, c] * chanStep[c];  a = max_c |qfold| / 127;  qi8 = rint(qfold / a) (0 if a == 0)
+//   bias = sum_c q[h, m, c] * chanMin[c]
+// q: [H, M, D] with row stride q_row_stride and head stride q_head_stride (elements).
+// Out: qi8 int8 [L, M, D], a f32 [L, M], bias f32 [L, M].  One warp per (l, m); D <= 256 and a
+// multiple of 32 * (elements per lane) -- each lane owns VPL = D / 32 contiguous channels.
+template <typename QT, typename SCALE>
+__device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_stride, long long q_head_stride,
+                                 const u8* __restrict__ pool, const int* __restrict__ tile_index,
+                                 long long record_stride, int chan_step_offset, int chan_min_offset,
+                                 int M, int D, int n_tiles, s8* __restrict__ qi8, float* __restrict__ a_out,
+                                 float* __restrict__ bias_out) {
+  const int lane = threadIdx.x & 31;
+  const int warps = blockDim.x >> 5;
+  const int m = blockIdx.x * warps + (threadIdx.x >> 5);
+  const int l = blockIdx.y;
+  if (m >= M) return;
+  const int h = l / n_tiles;
+  const u8* rec = pool + (long long)tile_index[l] * record_stride;
+  const SCALE* step = reinterpret_cast<const SCALE*>(rec + chan_step_offset);
+  const SCALE* cmin = reinterpret_cast<const SCALE*>(rec + chan_min_offset);
+  const QT* qrow = q + (long long)h * q_head_stride + (long long)m * q_row_stride;
+  const int vpl = D >> 5;
+  const int c0 = lane * vpl;
+  float f[8];
+  float amax = 0.f, bias = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < vpl) {
+      const float qv = to_f32(qrow[c0 + j]);
+      f[j] = qv * to_f32(step[c0 + j]);
+      amax = fmaxf(amax, fabsf(f[j]));
+      bias = fmaf(qv, to_f32(cmin[c0 + j]), bias);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    bias += __shfl_xor_sync(0xffffffffu, bias, o);
+  }
+  const float a = amax / 127.0f;
+  unsigned packed[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < vpl) {
+      int v = a > 0.f ? __float2int_rn(f[j] / a) : 0;
+      v = max(-127, min(127, v));
+      packed[j >> 2] |= (unsigned)(v & 0xFF) << (8 * (j & 3));
+    }
+  }
+  const long long row = (long long)l * M + m;
+  s8* dst = qi8 + row * D + c0;
+  if (vpl == 8) {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
+  } else if (vpl == 4) {
+    reinterpret_cast<unsigned*>(dst)[0] = packed[0];
+  } else if (vpl == 2) {
+    reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)(packed[0] & 0xFFFF);
+  } else {
+    for (int j = 0; j < vpl; ++j) dst[j] = (s8)((packed[j >> 2] >> (8 * (j & 3))) & 0xFF);
+  }
+  if (lane == 0) {
+    a_out[row] = a;
+    bias_out[row] = bias;
+  }
+}
+
+#define KVARN_UNPACK(NAME, SCALE)                                                                     \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
+      const u8* pool, const int* tile_index, long long record_stride, int k_codes_offset,             \
+      int row_scale_offset, int T, int D, s8* codes_out, float* rs_out) {                             \
+    kscore_unpack_impl<SCALE>(pool, tile_index, record_stride, k_codes_offset, row_scale_offset, T, D, \
+                              codes_out, rs_out);                                                      \
+  }
+
+KVARN_UNPACK(kvarn_kscore_unpack_f16, __half)
+KVARN_UNPACK(kvarn_kscore_unpack_f32, float)
+
+#define KVARN_FOLD(NAME, QT, SCALE)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
+      const QT* q, long long q_row_stride, long long q_head_stride, const u8* pool,                   \
+      const int* tile_index, long long record_stride, int chan_step_offset, int chan_min_offset,      \
+      int M, int D, int n_tiles, s8* qi8, float* a_out, float* bias_out) {                            \
+    kscore_fold_impl<QT, SCALE>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,      \
+                                chan_step_offset, chan_min_offset, M, D, n_tiles, qi8, a_out,         \
+                                bias_out);                                                             \
+  }
+
+KVARN_FOLD(kvarn_kscore_fold_f16_f16, __half, __half)
+KVARN_FOLD(kvarn_kscore_fold_bf16_f16, __nv_bfloat16, __half)
+KVARN_FOLD(kvarn_kscore_fold_f32_f16, float, __half)
+KVARN_FOLD(kvarn_kscore_fold_f16_f32, __half, float)
+KVARN_FOLD(kvarn_kscore_fold_bf16_f32, __nv_bfloat16, float)
+KVARN_FOLD(kvarn_kscore_fold_f32_f32, float, float)

@@ -1,0 +1,132 @@
+"""Config selection from ``gemm_configs/sm<arch>.json``.
+
+Schema (``schema: 1``)::
+
+    {
+      "schema": 1,
+      "arch": "sm90",
+      "default": {<GemmConfig fields>},        # documentation of the fallback rule's base
+      "buckets": {
+        "M4096_T128_D128_f16": {
+          "config": {<GemmConfig fields>},
+          "status": "tuned" | "untuned",
+          "tops": 123.4 | null,                 # measured 2*M*N*K*L / time, 1e12/s (incl. epilogue)
+          "time_us": 45.6 | null,
+          "provenance": {"gpu": ..., "driver": ..., "cuda": ..., "nvidia_cutlass": ..., "torch": ...,
+                         "date": "YYYY-MM-DD", "tool": "tools/tune_gemm.py"} | null
+        }, ...
+      }
+    }
+
+Bucket key: ``M<m>_T<t>_D<d>_<out>`` with ``m`` = M rounded up to a power of two and clamped to
+[128, 16384] (query rows = chunk tokens x q heads per KV head), ``t`` = tile tokens = GEMM N (64 or
+128), ``d`` = head_dim = GEMM K (64/128/256), ``out`` = score dtype (f16/f32).  The number of
+batches L (KV heads x tiles) does not change the best tile much and is not part of the key.
+
+Fallback (:func:`default_config`): cooperative 128 x T x min(D, 128), cluster 1x1 -- documented,
+safe, never measured here.  A bucket that is missing, ``untuned``, or a file that is absent gives
+the fallback/untuned config with a :class:`UntunedConfigWarning`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .config import GemmConfig, validate_for_problem
+
+__all__ = ["UntunedConfigWarning", "bucket_key", "default_config", "select_config", "load_table", "config_dir",
+           "M_BUCKETS", "T_BUCKETS", "D_BUCKETS", "OUT_BUCKETS", "untuned_table"]
+
+CONFIG_ENV = "KVARN_CUTLASS_GEMM_CONFIGS"
+M_BUCKETS = tuple(2 ** i for i in range(7, 15))  # 128 .. 16384
+T_BUCKETS = (64, 128)
+D_BUCKETS = (64, 128, 256)
+OUT_BUCKETS = ("f16", "f32")
+
+
+class UntunedConfigWarning(UserWarning):
+    """The selected GEMM config was not measured on this architecture/bucket."""
+
+
+def config_dir() -> Path:
+    """``$KVARN_CUTLASS_GEMM_CONFIGS`` or the repository's ``gemm_configs/``."""
+    env = os.environ.get(CONFIG_ENV, "").strip()
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "gemm_configs"
+
+
+def m_bucket(M: int) -> int:
+    b = 1 << max(0, int(M - 1).bit_length())
+    return min(max(b, M_BUCKETS[0]), M_BUCKETS[-1])
+
+
+def bucket_key(M: int, N: int, K: int, out_dtype: str) -> str:
+    return f"M{m_bucket(M)}_T{N}_D{K}_{out_dtype}"
+
+
+def default_config(N: int, K: int, out_dtype: str) -> GemmConfig:
+    """The documented fallback: cooperative, tile 128 x N x min(K, 128), cluster 1x1."""
+    return GemmConfig(tile_m=128, tile_n=min(N, 128), tile_k=min(K, 128), cluster_m=1, cluster_n=1,
+                      kernel_schedule="cooperative", out_dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> dict:
+    with open(path) as f:
+        table = json.load(f)
+    if table.get("schema") != 1:
+        raise ValueError(f"{path}: unsupported schema {table.get('schema')!r} (expected 1)")
+    return table
+
+
+def load_table(arch: int = 90) -> dict | None:
+    path = config_dir() / f"sm{arch}.json"
+    if not path.is_file():
+        return None
+    return _load(str(path), path.stat().st_mtime)
+
+
+def select_config(arch: "int | str", M: int, N: int, K: int, L: int = 1, out_dtype: str = "f16") -> GemmConfig:
+    """Config for problem (M, N=T, K=D, L) on ``arch``; warns (``UntunedConfigWarning``) when untuned."""
+    from ..runtime import normalize_arch
+
+    cc = normalize_arch(arch)
+    key = bucket_key(M, N, K, out_dtype)
+    table = load_table(cc)
+    entry = (table or {}).get("buckets", {}).get(key)
+    if entry is not None:
+        cfg = GemmConfig.from_dict(entry["config"])
+        ok, why = validate_for_problem(cfg, M, N, K, L)
+        if ok:
+            if entry.get("status") != "tuned":
+                warnings.warn(f"GEMM config for sm{cc} bucket {key} is untuned ({cfg.name}); "
+                              f"run `kvarn-cutlass tune` on the GPU", UntunedConfigWarning, stacklevel=2)
+            return cfg
+        reason = f"table entry {cfg.name} invalid for this problem: {why}"
+    else:
+        reason = "no gemm_configs table" if table is None else "bucket missing from the table"
+    cfg = default_config(N, K, out_dtype)
+    warnings.warn(f"GEMM config for sm{cc} bucket {key}: {reason}; using the untuned default {cfg.name}",
+                  UntunedConfigWarning, stacklevel=2)
+    return cfg
+
+
+def untuned_table(arch: int = 90) -> dict[str, Any]:
+    """The committed table before tuning: every bucket holds the default config, marked untuned."""
+    buckets = {}
+    for m in M_BUCKETS:
+        for t in T_BUCKETS:
+            for d in D_BUCKETS:
+                for o in OUT_BUCKETS:
+                    buckets[f"M{m}_T{t}_D{d}_{o}"] = {
+                        "config": default_config(t, d, o).to_dict(), "status": "untuned",
+                        "tops": None, "time_us": None, "provenance": None,
+                    }
+    return {"schema": 1, "arch": f"sm{arch}", "default": default_config(128, 128, "f16").to_dict(),
+            "note": "untuned defaults; no measurements. Regenerate with `kvarn-cutlass tune` on an sm_90 GPU.",
+            "buckets": buckets}
