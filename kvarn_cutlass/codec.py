@@ -41,6 +41,9 @@ import torch
 from .format import TileSpec
 
 TINY_RMS = 2.0**-100
+# Largest accepted input magnitude: rotated values grow by at most sqrt(256) = 16 and their squares,
+# summed over 256 entries, must stay finite in float32 (2^(2*(48+4)+8) = 2^112 < 2^128).
+MAX_INPUT_ABS = 2.0**48
 FLOAT_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -176,6 +179,8 @@ def check_tile_input(name: str, x, spec: TileSpec) -> None:
         )
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} contains NaN or Inf")
+    if x.numel() and x.abs().max().item() > MAX_INPUT_ABS:
+        raise ValueError(f"{name} has values of magnitude > 2^48, outside the codec's float32 range")
 
 
 # --- encode / decode ---------------------------------------------------------------------------
@@ -261,10 +266,11 @@ def unpack_fields(rec: torch.Tensor, spec: TileSpec) -> TileFields:
         return flat[:, off : off + n]
 
     def scales(name):
-        return raw(name).contiguous().view(sd).to(torch.float32).reshape(*lead, -1)
+        return raw(name).contiguous().view(sd).to(torch.float32).reshape(*lead, spec.section(name)[1] // spec.scale_bytes)
 
-    k_codes = _unpack_low_first(raw("k_codes").reshape(-1, D, T * spec.k_bits // 8), spec.k_bits, T)
-    v_codes = _unpack_low_first(raw("v_codes").reshape(-1, T, D * spec.v_bits // 8), spec.v_bits, D)
+    n = flat.shape[0]
+    k_codes = _unpack_low_first(raw("k_codes").reshape(n, D, T * spec.k_bits // 8), spec.k_bits, T)
+    v_codes = _unpack_low_first(raw("v_codes").reshape(n, T, D * spec.v_bits // 8), spec.v_bits, D)
     return TileFields(
         k_codes=k_codes.reshape(*lead, D, T),
         chan_step=scales("chan_step"),

@@ -1,0 +1,53 @@
+"""Shared helpers for the tests: deterministic inputs, float64 Hadamard matrices, cache snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def hadamard64(D: int) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix [D, D] in float64, built by Kronecker products."""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    while H.shape[0] < D:
+        H = torch.kron(H, base)
+    return H / math.sqrt(D)
+
+
+def realistic_kv(*shape: int, generator: torch.Generator | None = None, dtype=torch.float16) -> torch.Tensor:
+    """Random K/V-like data [..., n, D]: Gaussian with a few outlier channels and a slow drift."""
+    x = torch.randn(*shape, generator=generator)
+    D = shape[-1]
+    outliers = torch.randperm(D, generator=generator)[: max(1, D // 32)]
+    x[..., outliers] *= 8.0
+    drift = torch.linspace(-1, 1, shape[-2])[:, None] * torch.randn(D, generator=generator)
+    return (x + drift).to(dtype)
+
+
+def snapshot(cache) -> list:
+    """Copy of everything a KVarNCache holds, to prove that failed calls change nothing."""
+    out = []
+    for st in cache._layers:
+        out.append(
+            (
+                st.n_tiles,
+                st.window_len,
+                st.sink_len,
+                st.tiles.clone(),
+                st.window_k.clone(),
+                st.window_v.clone(),
+                st.sink_k.clone(),
+                st.sink_v.clone(),
+            )
+        )
+    return out
+
+
+def assert_same_snapshot(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for la, lb in zip(a, b):
+        assert la[:3] == lb[:3]
+        for ta, tb in zip(la[3:], lb[3:]):
+            assert ta.shape == tb.shape and torch.equal(ta, tb)

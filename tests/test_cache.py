@@ -1,0 +1,236 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvarn_cutlass as kc
+
+from _helpers import assert_same_snapshot, realistic_kv, snapshot
+
+
+def _stream(B, H, n, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return realistic_kv(B, H, n, D, generator=g), realistic_kv(B, H, n, D, generator=g)
+
+
+def _fill(cache, layer, k, v, chunks):
+    pos = 0
+    for c in chunks:
+        cache.append(layer, k[:, :, pos : pos + c], v[:, :, pos : pos + c])
+        pos += c
+    assert pos == k.shape[2]
+
+
+def test_documented_api_and_tile_count_rule():
+    cache = kc.KVarNCache(2, 2, 2, 128, preset="k4v2_g128", window=256, sink_tokens=0, dtype=torch.float16, device="cpu")
+    k, v = _stream(2, 2, 700, 128)
+    cache.append(1, k, v)
+    assert cache.seq_len(1) == 700 and cache.seq_len(0) == 0
+    assert cache.num_tiles(1) == math.ceil((700 - 256) / 128) == 4
+    tb = cache.tile_bytes(1)
+    assert tb.shape == (2, 4, 2, 13824) and tb.dtype == torch.uint8
+    # Record [b, i, h] encodes tokens i*128 .. of sequence b, head h, exactly as encode_tiles does.
+    rec = kc.encode_tiles(k[1, 0, 256:384], v[1, 0, 256:384], cache.spec)
+    assert torch.equal(tb[1, 2, 0], rec)
+    wk, wv = cache.window_kv(1)
+    assert torch.equal(wk, k[:, :, 512:]) and torch.equal(wv, v[:, :, 512:])
+    assert cache.nbytes() == 4 * 2 * 2 * 13824 + 188 * 2 * 2 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize("preset, head_dim", [("k4v2_g128", 128), ("k4v4_g64", 64), ("k4v2_g64", 256)])
+def test_rechunking_gives_identical_tiles(preset, head_dim):
+    k, v = _stream(1, 2, 640, head_dim, seed=3)
+    splits = {
+        "one_call": [640],
+        "300_340": [300, 340],
+        "token_by_token": [1] * 640,
+    }
+    # Chunks of 44 and 84 alternating, trimmed to 640 tokens.
+    chunks, total = [], 0
+    for c in [44, 84] * 10:
+        c = min(c, 640 - total)
+        if c:
+            chunks.append(c)
+            total += c
+    splits["44_84"] = chunks
+    results = {}
+    for name, chunks in splits.items():
+        cache = kc.KVarNCache(1, 1, 2, head_dim, preset=preset, window=128 if preset.endswith("128") else 64)
+        _fill(cache, 0, k, v, chunks)
+        results[name] = (cache.tile_bytes(0).clone(), *[t.clone() for t in cache.window_kv(0)])
+    ref = results["one_call"]
+    assert ref[0].shape[1] > 0
+    for name, got in results.items():
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 150), min_size=1, max_size=12),
+    sink=st.sampled_from([0, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rechunking_property(chunks, sink, seed):
+    n = sum(chunks)
+    k, v = _stream(1, 1, n, 64, seed=seed % 1000)
+    one = kc.KVarNCache(1, 1, 1, 64, preset="k4v4_g64", window=64, sink_tokens=sink)
+    one.append(0, k, v)
+    many = kc.KVarNCache(1, 1, 1, 64, preset="k4v4_g64", window=64, sink_tokens=sink)
+    _fill(many, 0, k, v, chunks)
+    assert one.seq_len(0) == many.seq_len(0) == n
+    assert one.positions(0) == many.positions(0)
+    assert torch.equal(one.tile_bytes(0), many.tile_bytes(0))
+    for a, b in zip(one.window_kv(0) + one.sink_kv(0), many.window_kv(0) + many.sink_kv(0)):
+        assert torch.equal(a, b)
+
+
+def test_sink_tokens_stay_unquantized():
+    k, v = _stream(1, 2, 600, 64)
+    cache = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=128, sink_tokens=128)
+    _fill(cache, 0, k, v, [100, 1, 499])
+    sk, sv = cache.sink_kv(0)
+    assert torch.equal(sk, k[:, :, :128]) and torch.equal(sv, v[:, :, :128])
+    assert cache.positions(0) == {"sink": (0, 128), "tiles": (128, 128 + 64 * 6), "window": (512, 600)}
+    assert torch.equal(cache.tile_bytes(0)[0, 0, 1], kc.encode_tiles(k[0, 1, 128:192], v[0, 1, 128:192], cache.spec))
+
+
+def test_growth_and_preallocation_agree():
+    k, v = _stream(1, 1, 2000, 64)
+    grow = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64)
+    fixed = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64, max_seq_len=2000)
+    assert fixed.tile_pool(0).shape[1] == math.ceil(2000 / 64)
+    _fill(grow, 0, k, v, [7] * 100 + [1300])
+    _fill(fixed, 0, k, v, [2000])
+    assert torch.equal(grow.tile_bytes(0), fixed.tile_bytes(0))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        fixed.append(0, k[:, :, :1], v[:, :, :1])
+
+
+def test_float32_input_is_stored_as_cache_dtype():
+    k, v = _stream(1, 1, 200, 64)
+    a = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64)
+    b = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64)
+    a.append(0, k, v)
+    b.append(0, k.float(), v.float())
+    assert torch.equal(a.tile_bytes(0), b.tile_bytes(0))
+
+
+def test_truncate_within_window_and_not_into_tiles():
+    k, v = _stream(1, 2, 400, 64)
+    cache = kc.KVarNCache(2, 1, 2, 64, preset="k4v2_g64", window=128)
+    for layer in range(2):
+        cache.append(layer, k[:, :, :300], v[:, :, :300])
+    tiles_end = cache.positions(0)["tiles"][1]
+    assert tiles_end == 192
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="rewinds layer 0 into compressed tiles"):
+        cache.truncate(None, tiles_end - 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        cache.truncate(1, 301)
+    with pytest.raises(ValueError, match="layer"):
+        cache.truncate(2, 250)
+    assert_same_snapshot(before, snapshot(cache))
+    cache.truncate(None, 250)
+    assert cache.seq_len(0) == cache.seq_len(1) == 250
+    # Appending after a rewind behaves as if the dropped tokens had never been appended.
+    k2, v2 = _stream(1, 2, 150, 64, seed=9)
+    cache.append(0, k2, v2)
+    fresh = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=128)
+    fresh.append(0, torch.cat((k[:, :, :250], k2), 2), torch.cat((v[:, :, :250], v2), 2))
+    assert torch.equal(cache.tile_bytes(0), fresh.tile_bytes(0))
+    assert all(torch.equal(a, b) for a, b in zip(cache.window_kv(0), fresh.window_kv(0)))
+
+
+def test_truncate_into_sink_without_tiles():
+    k, v = _stream(1, 1, 100, 64)
+    cache = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64, sink_tokens=64)
+    cache.append(0, k, v)
+    cache.truncate(0, 10)
+    assert cache.seq_len(0) == 10 and cache.positions(0)["sink"] == (0, 10)
+    cache.append(0, k[:, :, 10:], v[:, :, 10:])
+    assert torch.equal(cache.sink_kv(0)[0], k[:, :, :64]) and torch.equal(cache.window_kv(0)[0], k[:, :, 64:])
+
+
+def _bad_append_cases():
+    B, H, D = 1, 2, 64
+    good = torch.randn(B, H, 5, D)
+    nan = good.clone()
+    nan[0, 1, 2, 3] = float("nan")
+    inf = good.clone()
+    inf[0, 0, 0, 0] = float("inf")
+    big = good.clone()
+    big[0, 0, 4, 0] = 1e6  # finite in float32, overflows the float16 cache
+    return [
+        ((5, good, good), ValueError, "layer"),
+        (("0", good, good), ValueError, "layer"),
+        ((0, good.numpy(), good), TypeError, "k must be a torch.Tensor"),
+        ((0, good.to(torch.int32), good), TypeError, "k has dtype"),
+        ((0, good, good.double()), TypeError, "v has dtype"),
+        ((0, torch.randn(B, H, 5, 128), torch.randn(B, H, 5, 128)), ValueError, "head_dim=64"),
+        ((0, torch.randn(2, H, 5, D), torch.randn(2, H, 5, D)), ValueError, "batch=1"),
+        ((0, torch.randn(B, 3, 5, D), torch.randn(B, 3, 5, D)), ValueError, "num_kv_heads=2"),
+        ((0, torch.randn(B, H, 0, D), torch.randn(B, H, 0, D)), ValueError, "n_new>=1"),
+        ((0, good, torch.randn(B, H, 4, D)), ValueError, "same shape"),
+        ((0, good.to("meta"), good), ValueError, "k is on meta"),
+        ((0, nan, good), ValueError, "k contains NaN or Inf"),
+        ((0, good, inf), ValueError, "v contains NaN or Inf"),
+        ((0, big, good), ValueError, "k contains NaN or Inf"),
+    ]
+
+
+@pytest.mark.parametrize("args, exc, match", _bad_append_cases())
+def test_bad_append_leaves_cache_unchanged(args, exc, match):
+    cache = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, sink_tokens=64)
+    k, v = _stream(1, 2, 150, 64)
+    cache.append(0, k, v)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=match):
+        cache.append(*args)
+    assert_same_snapshot(before, snapshot(cache))
+
+
+def test_failed_compression_leaves_cache_unchanged():
+    """bf16 values beyond float16 scale range fail inside compression, after validation."""
+    cache = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64, dtype=torch.bfloat16)
+    cache.append(0, *_stream(1, 1, 100, 64))
+    before = snapshot(cache)
+    huge = torch.full((1, 1, 64, 64), 1e12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scale_dtype=torch.float32"):
+        cache.append(0, huge, huge)
+    assert_same_snapshot(before, snapshot(cache))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"head_dim": 96}, ValueError, "head_dim"),
+        ({"preset": "k2v2_g128"}, ValueError, "preset"),
+        ({"dtype": torch.float32}, TypeError, "dtype"),
+        ({"window": 100}, ValueError, "window"),
+        ({"window": 0}, ValueError, "window"),
+        ({"sink_tokens": 50}, ValueError, "sink_tokens"),
+        ({"num_layers": 0}, ValueError, "num_layers"),
+        ({"batch_size": 1.5}, ValueError, "batch_size"),
+        ({"scale_dtype": torch.bfloat16}, ValueError, "scale_dtype"),
+        ({"max_seq_len": -4}, ValueError, "max_seq_len"),
+    ],
+)
+def test_bad_construction(kwargs, exc, match):
+    args = dict(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=128)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        kc.KVarNCache(**args)
+
+
+def test_sizes_against_fp16():
+    cache = kc.KVarNCache(1, 1, 8, 128, window=128, max_seq_len=128 * 65)
+    k, v = _stream(1, 8, 128 * 65, 128)
+    cache.append(0, k, v)
+    tiles = 64 * 8 * 13824
+    window = 128 * 8 * 2 * 128 * 2
+    assert cache.nbytes() == tiles + window
+    # 64 tiles plus a one-tile fp16 window: 4.48x smaller than fp16 (4.74x for the tiles alone).
+    assert (128 * 65 * 8 * 2 * 128 * 2) / cache.nbytes() > 4.45
