@@ -347,7 +347,13 @@ def cppgen_reference_source(cfg: GemmConfig, cc: int = 90, L: int = 2, M: int = 
         ts = cl.TileSchedulerType.StreamK if cfg.kernel_schedule == "streamk" else cl.TileSchedulerType.Default
         # cutlass_cppgen's TileDescription counts both pingpong consumers in M (it halves it)
         tm = cfg.tile_m * (2 if cfg.kernel_schedule == "pingpong" else 1)
-        td = cl.TileDescription([tm, cfg.tile_n, cfg.tile_k], cfg.stages, [4, 1, 1], None,
-                                [cfg.cluster_m, cfg.cluster_n, 1], ks, es, ts)
+        import copy
+
+        # start from one of cutlass_cppgen's own sm90 s8 descriptions (it carries the math instruction)
+        td = copy.copy(plan.tile_descriptions()[0])
+        td.threadblock_shape = [tm, cfg.tile_n, cfg.tile_k]
+        td.stages = cfg.stages or None
+        td.cluster_shape = [cfg.cluster_m, cfg.cluster_n, 1]
+        td.kernel_schedule, td.epilogue_schedule, td.tile_scheduler = ks, es, ts
         op = plan.construct(td, alignment_A=cfg.align_a, alignment_B=cfg.align_b, alignment_C=cfg.align_d)
         return op.rt_module.emit()
