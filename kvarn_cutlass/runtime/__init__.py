@@ -8,9 +8,12 @@ Build (no GPU needed)::
 Load and launch (on torch's current device and stream)::
 
     module = get_module(spec)                 # cached per (spec, arch, device)
-    axpy = module.kernel("kvarn_selftest_axpy", ("ptr", "ptr", "f32", "i64"))
-    axpy.launch(grid, block, (y, x, 2.0, n))
-    hot = axpy.prepare(grid, block, (y, x, 2.0, n)); hot.launch()
+    axpy = module.kernel("kvarn_selftest_axpy", ("ptr out", "ptr x", "ptr y", "f32 alpha", "i64 n"))
+    axpy.launch(grid, block, (out, x, y, 2.0, n))     # tensors pass their data_ptr()
+    hot = axpy.prepare(grid, block, (out, x, y, 2.0, n)); hot.launch()   # hot path: one driver call
+
+Kernel families register their specs with :func:`register` (see ``registry``) so that
+``kvarn-cutlass build`` can enumerate them.
 
 Lower-level pieces: :func:`compile_cubin` (NVRTC/nvcc), :func:`cached_artifact` (locked,
 atomic, checksummed disk cache under :func:`cache_root`), :func:`load_module`.
@@ -21,16 +24,21 @@ from .compiler import CompileResult, KernelResources, compile_cubin, compiler_ve
 from .diskcache import cache_root, cached_artifact
 from .errors import CompileError, CudaError
 from .module import Kernel, Module, PreparedLaunch, load_module
+from .registry import register
+from .spec import CompiledModule, KernelSpec, build, get_module
 
 __all__ = [
     "CompileError",
     "CompileResult",
+    "CompiledModule",
     "CudaError",
     "Kernel",
     "KernelResources",
+    "KernelSpec",
     "Module",
     "PreparedLaunch",
     "arch_target",
+    "build",
     "cache_root",
     "cached_artifact",
     "compile_cubin",
@@ -38,6 +46,8 @@ __all__ = [
     "cubin_sm",
     "cubin_symbols",
     "device_arch",
+    "get_module",
     "load_module",
     "normalize_arch",
+    "register",
 ]

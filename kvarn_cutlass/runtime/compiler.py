@@ -37,6 +37,7 @@ __all__ = [
     "compiler_version",
     "cuda_include_dirs",
     "compile_cubin",
+    "full_options",
     "parse_ptxas_log",
     "cubin_symbols",
     "cubin_sm",
@@ -58,6 +59,7 @@ class KernelResources:
         stack_bytes: stack frame (local memory) per thread.
         spill_store_bytes: bytes of register spill stores per thread.
         spill_load_bytes: bytes of register spill loads per thread.
+        ptxas_ms: ptxas time for this kernel (the module's front-end time is not split per kernel).
     """
 
     registers: int = 0
@@ -65,6 +67,7 @@ class KernelResources:
     stack_bytes: int = 0
     spill_store_bytes: int = 0
     spill_load_bytes: int = 0
+    ptxas_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,22 @@ def _check_options(options: Sequence[str]) -> tuple[str, ...]:
     return opts
 
 
+def full_options(
+    target: str, options: Sequence[str] = (), include_dirs: Sequence[str] = (), backend: str | None = None
+) -> tuple[str, ...]:
+    """Every option :func:`compile_cubin` passes to the compiler (what a cache key must hold).
+
+    Raises:
+        TypeError / ValueError: an option is not a str, or sets the architecture.
+    """
+    backend = _resolve_backend(backend)
+    opts = _check_options(options)
+    includes = tuple(f"-I{d}" for d in (*include_dirs, *cuda_include_dirs()))
+    if backend == "nvrtc":
+        return (f"-arch={target}", "--std=c++17", "-default-device", "--ptxas-options=-v", *includes, *opts)
+    return (f"-arch={target}", "--std=c++17", "-Xptxas=-v", *includes, *opts)
+
+
 def compile_cubin(
     source: str,
     source_name: str,
@@ -227,16 +246,11 @@ def compile_cubin(
         RuntimeError: the chosen compiler is not installed.
     """
     backend = _resolve_backend(backend)
-    opts = _check_options(options)
-    includes = tuple(f"-I{d}" for d in (*include_dirs, *cuda_include_dirs()))
+    all_opts = full_options(target, options, include_dirs, backend)
     version = compiler_version(backend)
     start = time.perf_counter()
-    if backend == "nvrtc":
-        all_opts = (f"-arch={target}", "--std=c++17", "-default-device", "--ptxas-options=-v", *includes, *opts)
-        cubin, log = _nvrtc_compile(source, source_name, all_opts)
-    else:
-        all_opts = (f"-arch={target}", "--std=c++17", "-Xptxas=-v", *includes, *opts)
-        cubin, log = _nvcc_compile(source, source_name, all_opts)
+    compile_fn = _nvrtc_compile if backend == "nvrtc" else _nvcc_compile
+    cubin, log = compile_fn(source, source_name, all_opts)
     seconds = time.perf_counter() - start
     return CompileResult(cubin=cubin, log=log, seconds=seconds, resources=parse_ptxas_log(log), compiler=version)
 
@@ -286,6 +300,7 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_PTXAS_TIME = re.compile(r"Compile time = ([\d.]+) ms")
 
 
 def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
@@ -293,9 +308,10 @@ def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
 
     The report lists, per entry function: ``Compiling entry function 'NAME'``,
     ``Function properties for NAME`` followed by the stack/spill line, and
-    ``Used N registers, ... M bytes smem``. Non-entry (device) functions are skipped.
+    ``Used N registers, ... M bytes smem`` and ``Compile time = T ms``. Non-entry
+    (device) functions are skipped.
     """
-    fields: dict[str, dict[str, int]] = {}
+    fields: dict[str, dict[str, float]] = {}
     entry: str | None = None  # entry function the "Used ..." line belongs to
     props: str | None = None  # function the next stack/spill line belongs to
     for line in log.splitlines():
@@ -313,6 +329,8 @@ def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
         elif (m := _USED.search(line)) and entry is not None:
             smem = _SMEM.search(line)
             fields[entry].update(registers=int(m.group(1)), shared_bytes=int(smem.group(1)) if smem else 0)
+        elif (m := _PTXAS_TIME.search(line)) and entry is not None:
+            fields[entry]["ptxas_ms"] = float(m.group(1))
     return {name: KernelResources(**f) for name, f in fields.items()}
 
 

@@ -128,7 +128,7 @@ def _decode(blob: bytes, key_digest: str) -> tuple[bytes | None, str]:
 def _read(path: Path, key_digest: str) -> tuple[bytes | None, str]:
     try:
         blob = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None, ""
     return _decode(blob, key_digest)
 
@@ -174,9 +174,9 @@ def cached_artifact(kind: str, name: str, key: dict, build: Callable[[], bytes])
         return payload
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise OSError(f"cannot create cache directory {path.parent}: {e}; set {CACHE_ENV} to a writable directory") from e
-    lock_fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        raise OSError(f"cannot write the cache directory {path.parent}: {e}; set {CACHE_ENV} to a writable directory") from e
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         # Another process may have finished the entry while this one waited for the lock.

@@ -1,0 +1,130 @@
+"""CUDA-event timing of GPU work: warm-up, median of many runs, rotating inputs, graph replay.
+
+Each timed run calls ``fn(inputs[i % len(inputs)])`` between two CUDA events on the
+current stream, so the time is GPU time as the stream saw it (launch gaps included
+when the host is slower than the GPU, which is real for small kernels). Rotating
+through input sets whose total size exceeds the L2 cache keeps a run from reading
+data the previous run left in L2; :func:`rotation_count` sizes that rotation.
+
+With ``graph=True`` one CUDA graph holding one call per input set is captured, and
+each timed run replays it; the reported time is per call, so it shows the kernels'
+time without host launch overhead (the decode step's situation inside a graph).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["Timing", "l2_cache_bytes", "rotation_count", "time_cuda"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call GPU times in microseconds over ``runs`` timed runs."""
+
+    median_us: float
+    min_us: float
+    p10_us: float
+    p90_us: float
+    runs: int
+    calls_per_run: int
+    graph: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def l2_cache_bytes(device: Any = None) -> int:
+    """L2 cache size of a CUDA device in bytes."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).L2_cache_size)
+
+
+def rotation_count(bytes_per_set: int, device: Any = None, factor: float = 3.0, max_bytes: int = 8 << 30) -> int:
+    """Number of input sets so that together they exceed ``factor`` x the L2 size.
+
+    Args:
+        bytes_per_set: bytes one call reads and writes.
+        factor: multiple of L2 the rotation must cover; 3 evicts a set before its reuse
+            under L2's approximate-LRU replacement.
+        max_bytes: cap on the rotation's total memory (large sets need no rotation anyway).
+
+    Returns:
+        At least 1; 1 when one set alone exceeds ``factor`` x L2.
+    """
+    if bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set={bytes_per_set} must be > 0")
+    want = math.ceil(factor * l2_cache_bytes(device) / bytes_per_set)
+    return max(1, min(want, max_bytes // bytes_per_set))
+
+
+def _stats(samples_us: list[float], calls: int, graph: bool) -> Timing:
+    ordered = sorted(samples_us)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return Timing(statistics.median(ordered), ordered[0], pick(0.1), pick(0.9), len(ordered), calls, graph)
+
+
+def time_cuda(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any] | None = None,
+    *,
+    warmup: int = 10,
+    runs: int = 100,
+    graph: bool = False,
+) -> Timing:
+    """Time ``fn`` on the current CUDA stream.
+
+    Args:
+        fn: called as ``fn(inputs[i])`` (or ``fn()`` when ``inputs`` is None); must only
+            enqueue GPU work (no synchronization), and for ``graph=True`` be capturable.
+        inputs: input sets to rotate through, e.g. ``rotation_count(...)`` of them.
+        warmup: untimed runs first (compilation, caches, clocks).
+        runs: timed runs; the median is reported.
+        graph: time replays of a CUDA graph of one call per input set.
+
+    Returns:
+        :class:`Timing`, per call.
+    """
+    import torch
+
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"runs={runs} must be >= 1 and warmup={warmup} >= 0")
+    sets = list(inputs) if inputs is not None else [None]
+    if not sets:
+        raise ValueError("inputs must hold at least one input set")
+    call = (lambda s: fn()) if inputs is None else fn
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        # Capture needs a side stream with the inputs' work done; warm once eagerly first.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for s in sets:
+                call(s)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            for s in sets:
+                call(s)
+        for _ in range(warmup):
+            g.replay()
+        for i in range(runs):
+            starts[i].record()
+            g.replay()
+            ends[i].record()
+        calls = len(sets)
+    else:
+        for i in range(warmup):
+            call(sets[i % len(sets)])
+        for i in range(runs):
+            starts[i].record()
+            call(sets[i % len(sets)])
+            ends[i].record()
+        calls = 1
+    torch.cuda.synchronize()
+    return _stats([s.elapsed_time(e) * 1000.0 / calls for s, e in zip(starts, ends)], calls, graph)
