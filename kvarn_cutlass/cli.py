@@ -26,6 +26,9 @@ PROG = "kvarn-cutlass"
 COMMANDS: dict[str, str] = {
     "build": "kvarn_cutlass.runtime.build_command",
     "bench": "kvarn_cutlass.bench.command",
+    "emit": "kvarn_cutlass.gemm.cli_emit",
+    "sass": "kvarn_cutlass.gemm.cli_sass",
+    "tune": "kvarn_cutlass.gemm.tune",
     # Planned, added by their owners: info, emit, sass, tune, demo, perplexity, generate.
 }
 

@@ -1,0 +1,183 @@
+"""``kvarn-cutlass tune``: offline sweep of tile x cluster x schedule per bucket -> gemm_configs/sm90.json.
+
+* candidates: :func:`sweep` (valid configs for the bucket's problem, via the validators);
+* compile: all candidates in parallel (process pool; nvcc is the bottleneck), disk-cached;
+* time: CUDA events, warm-up, median over runs, inputs rotating over several sets (L2 cold);
+* resumable: every finished (bucket, config) measurement is appended to a state file (JSON lines)
+  and skipped on restart;
+* output: the best config per bucket with its TOPS-equivalent and provenance, ``status: tuned``.
+``--dry-run`` lists the sweep without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import GemmConfig, validate_for_problem
+from .configs import D_BUCKETS, M_BUCKETS, OUT_BUCKETS, T_BUCKETS, config_dir, untuned_table
+
+TILES_M = {"pingpong": (64,), "cooperative": (128, 256), "streamk": (128, 256)}
+TILES_N = (64, 128, 256)
+TILES_K = (64, 128, 256)
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))
+L_TUNE = 128  # tiles per bucket measurement (one KV head, 16k tokens at T=128)
+
+
+def parse_bucket(key: str) -> tuple[int, int, int, str]:
+    m, t, d, o = key.split("_")
+    return int(m[1:]), int(t[1:]), int(d[1:]), o
+
+
+def all_buckets() -> list[str]:
+    return [f"M{m}_T{t}_D{d}_{o}" for m in M_BUCKETS for t in T_BUCKETS for d in D_BUCKETS for o in OUT_BUCKETS]
+
+
+def sweep(bucket: str) -> list[GemmConfig]:
+    M, T, D, out = parse_bucket(bucket)
+    cands = []
+    for ks, tms in TILES_M.items():
+        for tm, tn, tk, (cm, cn) in itertools.product(tms, TILES_N, TILES_K, CLUSTERS):
+            cfg = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, cluster_m=cm, cluster_n=cn, kernel_schedule=ks,
+                             out_dtype=out)
+            if validate_for_problem(cfg, M, T, D, L_TUNE)[0]:
+                cands.append(cfg)
+    return sorted(set(cands))
+
+
+def _compile_one(cfg_dict: dict) -> tuple[dict, str]:
+    from .compile import build_gemm
+
+    try:
+        build_gemm(GemmConfig.from_dict(cfg_dict), 90)
+        return cfg_dict, ""
+    except Exception as e:  # report and skip this candidate
+        return cfg_dict, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+def _provenance() -> dict[str, Any]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        cutlass_v = version("nvidia-cutlass")
+    except Exception:
+        cutlass_v = "unknown"
+    from cuda.bindings import driver
+
+    err, drv = driver.cuDriverGetVersion()
+    return {"gpu": torch.cuda.get_device_name(), "driver": f"{drv // 1000}.{drv % 1000 // 10}",
+            "cuda": torch.version.cuda, "nvidia_cutlass": cutlass_v, "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "tool": "kvarn-cutlass tune"}
+
+
+def _measure(cfg: GemmConfig, bucket: str, runs: int) -> dict[str, Any]:
+    import torch
+
+    from ..bench.timing import rotation_count, time_cuda
+    from .launcher import KScoreGemm
+
+    M, T, D, out = parse_bucket(bucket)
+    L = L_TUNE
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ot = {"f16": torch.float16, "f32": torch.float32}[out]
+    per = L * (M * D + T * D + M * T * (2 if out == "f16" else 4))
+    sets = []
+    for _ in range(min(rotation_count(per), 4)):
+        sets.append((torch.randint(-127, 128, (L, M, D), dtype=torch.int8, device=dev),
+                     torch.randint(0, 16, (L, T, D), dtype=torch.int8, device=dev),
+                     torch.rand(L, M, device=dev), torch.randn(L, M, device=dev), torch.rand(L, T, device=dev),
+                     torch.empty(L, M, T, dtype=ot, device=dev)))
+    g = KScoreGemm(M, T, D, L, out, config=cfg, device=dev)
+    t = time_cuda(lambda s: g.run(s[0], s[1], s[2], s[3], s[4], 0.1, s[5]), sets, warmup=10, runs=runs)
+    return {"time_us": t.median_us, "tops": 2 * M * T * D * L / (t.median_us * 1e-6) / 1e12, "timing": t.to_dict()}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="sweep K-score GEMM configs per shape bucket (GPU) -> gemm_configs/sm90.json")
+    p.add_argument("--buckets", nargs="*", help="bucket keys (default: all); e.g. M4096_T128_D128_f16")
+    p.add_argument("--dry-run", action="store_true", help="list the sweep, no compile, no GPU")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel nvcc compiles")
+    p.add_argument("--runs", type=int, default=50, help="timed runs per candidate")
+    p.add_argument("--state", default=None, help="state file (default: <cache root>/tune_sm90_state.jsonl)")
+    p.add_argument("--output", default=None, help="output JSON (default: gemm_configs/sm90.json)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    buckets = args.buckets or all_buckets()
+    plan = {b: sweep(b) for b in buckets}
+    if args.dry_run:
+        total = 0
+        for b, cands in plan.items():
+            print(f"{b}: {len(cands)} configs")
+            for c in cands:
+                print(f"  {c.name}")
+            total += len(cands)
+        uniq = len({c for cs in plan.values() for c in cs})
+        print(f"total: {total} measurements over {len(plan)} buckets, {uniq} distinct kernels to compile")
+        return 0
+    from ..runtime import cache_root
+
+    state_path = Path(args.state) if args.state else cache_root() / "tune_sm90_state.jsonl"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    done: dict[tuple[str, str], dict] = {}
+    if state_path.is_file():
+        for line in state_path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["bucket"], r["config_name"])] = r
+    # 1. compile every distinct candidate in parallel
+    uniq = sorted({c for cs in plan.values() for c in cs})
+    todo = [c for c in uniq if any((b, c.name) not in done for b, cs in plan.items() if c in cs)]
+    failed: dict[str, str] = {}
+    print(f"compiling {len(todo)} kernels with {args.jobs} jobs", file=sys.stderr)
+    with cf.ProcessPoolExecutor(max_workers=args.jobs) as ex:
+        for i, (cd, err) in enumerate(ex.map(_compile_one, [c.to_dict() for c in todo]), 1):
+            name = GemmConfig.from_dict(cd).name
+            if err:
+                failed[name] = err
+            print(f"\r[{i}/{len(todo)}] {name} {'FAILED ' + err if err else 'ok'}".ljust(120), end="",
+                  file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    # 2. time
+    with state_path.open("a") as st:
+        n = sum(len(cs) for cs in plan.values())
+        i = 0
+        for b, cands in plan.items():
+            for c in cands:
+                i += 1
+                if (b, c.name) in done or c.name in failed:
+                    continue
+                try:
+                    r = _measure(c, b, args.runs)
+                except Exception as e:
+                    r = {"error": f"{type(e).__name__}: {e}"}
+                rec = {"bucket": b, "config_name": c.name, "config": c.to_dict(), **r}
+                done[(b, c.name)] = rec
+                st.write(json.dumps(rec) + "\n")
+                st.flush()
+                print(f"\r[{i}/{n}] {b} {c.name} {r.get('tops', 0):.1f} TOPS".ljust(120), end="", file=sys.stderr,
+                      flush=True)
+    print(file=sys.stderr)
+    # 3. write the table
+    out_path = Path(args.output) if args.output else config_dir() / "sm90.json"
+    table = json.loads(out_path.read_text()) if out_path.is_file() else untuned_table(90)
+    prov = _provenance()
+    for b in plan:
+        recs = [r for (bb, _), r in done.items() if bb == b and "tops" in r]
+        if not recs:
+            continue
+        best = max(recs, key=lambda r: r["tops"])
+        table["buckets"][b] = {"config": best["config"], "status": "tuned", "tops": round(best["tops"], 2),
+                               "time_us": round(best["time_us"], 2), "provenance": prov}
+    out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out_path}", file=sys.stderr)
+    return 0
