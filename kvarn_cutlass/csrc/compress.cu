@@ -1,0 +1,596 @@
+// KVarN tile compression on the GPU, byte-identical to the CPU codec (kvarn_cutlass/codec.py).
+//
+// One block per (record, half): blockIdx.x is the record (b, tile, head), blockIdx.y is 0 for the
+// K half of the record (k_codes, chan_step, chan_min, row_scale) and 1 for the V half (v_codes,
+// tok_step, tok_min, col_scale). Both halves run the whole pipeline on their own input: WHT along
+// head_dim, Sinkhorn-like variance normalization (lowest-imbalance candidate), power-of-two
+// balance, stored scales, round-to-nearest-even codes, packing.
+//
+// Exactness rules (the codec is the spec): float32 only; every +, -, *, /, sqrt is a correctly
+// rounded intrinsic (__fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn), so no FMA
+// contraction can happen (the module is also compiled with --fmad=false); no fast math, no
+// flush-to-zero. Sums are halving trees: x[i] + x[i + n/2], repeated.
+//
+// Thread layout (NT = 512 threads, W = 16 warps): thread (warp w, lane l) owns the elements
+//   t = w + W*k (k < NK = T/W),   c = l + 32*j (j < NJ = D/32).
+// * a row sum (over c) is the in-thread halving tree over j (pairs j, j + NJ/2 <=> c, c + D/2),
+//   then __shfl_xor 16, 8, 4, 2, 1 (lane l pairs with l^16 = l + 16 for l < 16; the upper lanes
+//   compute the same sums with the operands swapped, and IEEE addition is commutative);
+// * a column sum (over t) is the in-thread halving tree over k (pairs k, k + NK/2 <=> t, t + T/2),
+//   then the halving tree over the W per-warp partials (t = w) through shared memory;
+// * the WHT butterfly at stride h < 32 is a __shfl_xor by h, at stride 32*b an in-thread pair of j.
+//
+// The rotated tile y lives in shared memory as float32 in a thread-private order (element i of
+// thread tid at [i * NT + tid], conflict-free); y / s is cached in registers when NK*NJ <= 32.
+//
+// Error flag (int32, OR-ed, checked by the host; see kvarn_cutlass/ops/compress.py):
+//   bit 0 K row_scale, 1 K chan step, 2 K chan min, 3 V col_scale, 4 V tok step, 5 V tok min
+//   (a stored value is not finite: the codec's _store raises), bit 6 k non-finite input,
+//   7 k input magnitude > 2^48, 8 v non-finite, 9 v magnitude > 2^48 (check_tile_input raises).
+//   A block whose input is rejected writes nothing.
+//
+// Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned char u8;
+
+#define KVC_NT 512
+#define KVC_W 16
+#define KVC_FULL 0xffffffffu
+
+enum {
+  KVC_ERR_K_ROW_SCALE = 1 << 0,
+  KVC_ERR_K_CHAN_STEP = 1 << 1,
+  KVC_ERR_K_CHAN_MIN = 1 << 2,
+  KVC_ERR_V_COL_SCALE = 1 << 3,
+  KVC_ERR_V_TOK_STEP = 1 << 4,
+  KVC_ERR_V_TOK_MIN = 1 << 5,
+  KVC_ERR_K_NONFINITE = 1 << 6,
+  KVC_ERR_K_RANGE = 1 << 7,
+  KVC_ERR_V_NONFINITE = 1 << 8,
+  KVC_ERR_V_RANGE = 1 << 9,
+};
+
+namespace kvc {
+
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(float x) { return x; }
+
+__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+// torch.amax / amin semantics for NaN (propagated). Signed zeros: IEEE 754-2019 maximum/minimum
+// (+0 > -0), an order-independent choice; torch's own choice on mixed-sign zeros depends on the
+// reduction's vectorization (see the report in kvarn_cutlass/ops/compress.py).
+__device__ __forceinline__ float nanmax(float a, float b) {
+  if (is_nan(a)) return a;
+  if (is_nan(b)) return b;
+  if (a == b) return (__float_as_uint(a) >> 31) ? b : a;
+  return a > b ? a : b;
+}
+__device__ __forceinline__ float nanmin(float a, float b) {
+  if (is_nan(a)) return a;
+  if (is_nan(b)) return b;
+  if (a == b) return (__float_as_uint(a) >> 31) ? a : b;
+  return a < b ? a : b;
+}
+
+// Halving tree over a compile-time array: x[i] + x[i + n/2] repeated; result in x[0].
+template <int N>
+__device__ __forceinline__ void tree(float* x) {
+  if constexpr (N > 1) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) x[i] = __fadd_rn(x[i], x[i + N / 2]);
+    tree<N / 2>(x);
+  }
+}
+
+__device__ __forceinline__ float warp_tree(float v) {
+#pragma unroll
+  for (int h = 16; h >= 1; h /= 2) v = __fadd_rn(v, __shfl_xor_sync(KVC_FULL, v, h));
+  return v;
+}
+__device__ __forceinline__ float warp_nanmax(float v) {
+#pragma unroll
+  for (int h = 16; h >= 1; h /= 2) v = nanmax(v, __shfl_xor_sync(KVC_FULL, v, h));
+  return v;
+}
+__device__ __forceinline__ float warp_nanmin(float v) {
+#pragma unroll
+  for (int h = 16; h >= 1; h /= 2) v = nanmin(v, __shfl_xor_sync(KVC_FULL, v, h));
+  return v;
+}
+
+// codec._rms of one finished sum: sqrt(sum / n), values under 2^-100 count as 1 (NaN stays NaN).
+__device__ __forceinline__ float rms_of(float sum, float n) {
+  const float r = __fsqrt_rn(__fdiv_rn(sum, n));
+  return r < 0x1p-100f ? 1.0f : r;
+}
+
+// frexp(x).exponent as torch (glibc) computes it: 0 for zero, inf and NaN.
+__device__ __forceinline__ int frexp_exponent(float x) {
+  const unsigned bits = __float_as_uint(x) & 0x7fffffffu;
+  const int e = (int)(bits >> 23);
+  if (bits == 0 || e == 255) return 0;
+  if (e == 0) return -126 - (__clz(bits) - 9) ;  // subnormal: m * 2^-149, m = bits
+  return e - 126;
+}
+
+// float32(2^e) as torch.ldexp uses it (x * pow(2, e) in float32): inf above 127, 0 below -149.
+__device__ __forceinline__ float pow2f(int e) {
+  if (e > 127) return __uint_as_float(0x7f800000u);
+  if (e >= -126) return __uint_as_float((unsigned)(e + 127) << 23);
+  if (e >= -149) return __uint_as_float(1u << (e + 149));
+  return 0.0f;
+}
+
+// Storage rounding (codec._store): round to the scale dtype, report non-finite, return float32.
+template <typename SC>
+struct Store;
+template <>
+struct Store<__half> {
+  static constexpr float kSmallest = 0x1p-24f;  // finfo(float16).smallest_normal * eps
+  __device__ static float round(float x, unsigned short& bits) {
+    const __half h = __float2half_rn(x);
+    bits = __half_as_ushort(h);
+    return __half2float(h);
+  }
+  __device__ static void put(u8* base, int index, float stored, unsigned short bits) {
+    reinterpret_cast<unsigned short*>(base)[index] = bits;
+  }
+};
+template <>
+struct Store<float> {
+  static constexpr float kSmallest = 0x1p-149f;  // finfo(float32).smallest_normal * eps
+  __device__ static float round(float x, unsigned short& bits) {
+    bits = 0;
+    return x;
+  }
+  __device__ static void put(u8* base, int index, float stored, unsigned short) {
+    reinterpret_cast<float*>(base)[index] = stored;
+  }
+};
+
+struct Sections {
+  int k_codes, chan_step, chan_min, row_scale, v_codes, tok_step, tok_min, col_scale;
+};
+
+template <int T, int D>
+struct Shape {
+  static constexpr int NK = T / KVC_W;
+  static constexpr int NJ = D / 32;
+  static constexpr int N = NK * NJ;
+  static constexpr bool kCacheYs = N <= 32;
+  // dynamic shared memory: the tile (float32, later the code bytes), the per-warp column partials
+  // (W x D), the column RMS / per-channel step and min (3 x D), reduction scratch (4 x W + 4 x D/32).
+  static constexpr int kSmemFloats = T * D + KVC_W * D + 3 * D + 4 * KVC_W + 4 * (D / 32);
+  static constexpr int kSmemBytes = kSmemFloats * 4;
+  // K code bytes are staged channel-major with a T + 4 byte pitch (bank-conflict-free stores).
+  static constexpr int kKPitch = T + 4;
+};
+
+template <int T, int D, typename IN, typename SC, int VB>
+__device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const IN* __restrict__ v_in,
+                                              long long k_sb, long long k_sh, long long k_st,
+                                              long long v_sb, long long v_sh, long long v_st,
+                                              u8* __restrict__ out, long long o_sb, long long o_si, long long o_sh,
+                                              int n_heads, int n_tiles, int iters, Sections sec,
+                                              float inv_sqrt_d, int* __restrict__ err) {
+  using S = Shape<T, D>;
+  constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = KVC_NT, W = KVC_W;
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* ysm = smem;                        // [N][NT]   the rotated tile; later code bytes / min-max partials
+  float* part = ysm + T * D;                // [W][D]    column partial sums
+  float* colrms = part + W * D;             // [D]
+  float* cstep = colrms + D;                // [D]       stored K chan step (K) ...
+  float* cmin = cstep + D;                  // [D]       ... and chan min
+  float* red = cmin + D;                    // [4][W] + [4][D/32] reduction scratch
+  u8* codes = reinterpret_cast<u8*>(ysm);
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const bool is_v = blockIdx.y != 0;
+  const long long rec = blockIdx.x;
+  const int h = (int)(rec % n_heads);
+  const long long bt = rec / n_heads;
+  const int tile = (int)(bt % n_tiles);
+  const long long b = bt / n_tiles;
+  const IN* src = is_v ? v_in + b * v_sb + h * v_sh + (long long)tile * T * v_st
+                       : k_in + b * k_sb + h * k_sh + (long long)tile * T * k_st;
+  const long long st = is_v ? v_st : k_st;
+  u8* dst = out + b * o_sb + (long long)tile * o_si + h * o_sh;
+
+  // ---- load, check, WHT ------------------------------------------------------------------------
+  float y[N];
+  bool nonfinite = false, toolarge = false;
+#pragma unroll
+  for (int k = 0; k < NK; ++k) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const float x = to_f32(src[(long long)(w + W * k) * st + lane + 32 * j]);
+      nonfinite |= !is_finite(x);
+      toolarge |= fabsf(x) > 0x1p48f;
+      y[k * NJ + j] = x;
+    }
+  }
+  const bool any_nonfinite = __syncthreads_or(nonfinite);
+  const bool any_toolarge = __syncthreads_or(toolarge);
+  if (any_nonfinite || any_toolarge) {
+    if (tid == 0) {
+      int bits = 0;
+      if (any_nonfinite) bits |= is_v ? KVC_ERR_V_NONFINITE : KVC_ERR_K_NONFINITE;
+      if (any_toolarge) bits |= is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE;
+      atomicOr(err, bits);
+    }
+    return;
+  }
+#pragma unroll
+  for (int hs = 1; hs < 32; hs *= 2) {
+    const bool upper = (lane & hs) != 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float p = __shfl_xor_sync(KVC_FULL, y[i], hs);
+      y[i] = upper ? __fsub_rn(p, y[i]) : __fadd_rn(y[i], p);
+    }
+  }
+#pragma unroll
+  for (int hb = 1; hb < NJ; hb *= 2) {
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        if (!(j & hb)) {
+          const float a = y[k * NJ + j], c = y[k * NJ + (j | hb)];
+          y[k * NJ + j] = __fadd_rn(a, c);
+          y[k * NJ + (j | hb)] = __fsub_rn(a, c);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) ysm[i * NT + tid] = __fmul_rn(y[i], inv_sqrt_d);
+  // y[] is dead from here; the tile is read back from shared memory (private slots, no sync needed).
+
+  // ---- variance normalization --------------------------------------------------------------------
+  float r[NK], s[NJ], br[NK], bs[NJ];
+#pragma unroll
+  for (int k = 0; k < NK; ++k) r[k] = br[k] = 1.0f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) s[j] = bs[j] = 1.0f;
+  float best = __uint_as_float(0x7f800000u);
+  float ys[S::kCacheYs ? N : 1];
+  float zz[N];
+
+  for (int it = 0;; ++it) {
+    // candidate z = (y / s) / r, squared
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int i = k * NJ + j;
+        float z;
+        if (it == 0) {
+          z = ysm[i * NT + tid];  // s = r = 1: (y / 1) / 1 == y exactly
+        } else if constexpr (S::kCacheYs) {
+          z = __fdiv_rn(ys[i], r[k]);
+        } else {
+          z = __fdiv_rn(__fdiv_rn(ysm[i * NT + tid], s[j]), r[k]);
+        }
+        zz[i] = __fmul_rn(z, z);
+      }
+    }
+    // row RMS (over channels) for this thread's rows, and their max/min
+    float rmax = 0.0f, rmin = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      float t[NJ];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) t[j] = zz[k * NJ + j];
+      tree<NJ>(t);
+      const float rr = rms_of(warp_tree(t[0]), (float)D);
+      rmax = k == 0 ? rr : nanmax(rmax, rr);
+      rmin = k == 0 ? rr : nanmin(rmin, rr);
+    }
+    // column partials over this thread's tokens
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      float t[NK];
+#pragma unroll
+      for (int k = 0; k < NK; ++k) t[k] = zz[k * NJ + j];
+      tree<NK>(t);
+      part[w * D + lane + 32 * j] = t[0];
+    }
+    if (lane == 0) {
+      red[w] = rmax;
+      red[W + w] = rmin;
+    }
+    __syncthreads();
+    if (tid < D) {
+      float p[W];
+#pragma unroll
+      for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
+      tree<W>(p);
+      const float cr = rms_of(p[0], (float)T);
+      colrms[tid] = cr;
+      const float mx = warp_nanmax(cr), mn = warp_nanmin(cr);
+      if (lane == 0) {
+        red[2 * W + w] = mx;
+        red[2 * W + D / 32 + w] = mn;
+      }
+    }
+    __syncthreads();
+    float crmax = red[2 * W], crmin = red[2 * W + D / 32];
+#pragma unroll
+    for (int q = 1; q < D / 32; ++q) {
+      crmax = nanmax(crmax, red[2 * W + q]);
+      crmin = nanmin(crmin, red[2 * W + D / 32 + q]);
+    }
+    float rrmax = red[0], rrmin = red[W];
+#pragma unroll
+    for (int q = 1; q < W; ++q) {
+      rrmax = nanmax(rrmax, red[q]);
+      rrmin = nanmin(rrmin, red[W + q]);
+    }
+    const float score = __fadd_rn(__fdiv_rn(crmax, crmin), __fdiv_rn(rrmax, rrmin));
+    if (score < best) {  // uniform across the block
+      best = score;
+#pragma unroll
+      for (int k = 0; k < NK; ++k) br[k] = r[k];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) bs[j] = s[j];
+    }
+    __syncthreads();  // every thread has read red[]: the next writes of part/red/colrms may start
+    if (it >= iters) break;
+    // s *= col_rms(z); then r *= row_rms((y / s) / r) with the new s
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) s[j] = __fmul_rn(s[j], colrms[lane + 32 * j]);
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      float t[NJ];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int i = k * NJ + j;
+        const float q = __fdiv_rn(ysm[i * NT + tid], s[j]);
+        if constexpr (S::kCacheYs) ys[i] = q;
+        const float z = __fdiv_rn(q, r[k]);
+        t[j] = __fmul_rn(z, z);
+      }
+      tree<NJ>(t);
+      r[k] = __fmul_rn(r[k], rms_of(warp_tree(t[0]), (float)D));
+    }
+  }
+
+  // ---- power-of-two balance ----------------------------------------------------------------------
+  float mr = br[0];
+#pragma unroll
+  for (int k = 1; k < NK; ++k) mr = nanmax(mr, br[k]);
+  float ms = bs[0];
+#pragma unroll
+  for (int j = 1; j < NJ; ++j) ms = nanmax(ms, bs[j]);
+  ms = warp_nanmax(ms);
+  if (lane == 0) red[w] = mr;
+  __syncthreads();
+  mr = red[0];
+#pragma unroll
+  for (int q = 1; q < W; ++q) mr = nanmax(mr, red[q]);
+  const int diff = frexp_exponent(mr) - frexp_exponent(ms);
+  const int shift = diff >= 0 ? diff / 2 : -((1 - diff) / 2);  // floor(diff / 2)
+
+  constexpr float kSmallest = Store<SC>::kSmallest;
+  unsigned short bits;
+  int errbits = 0;
+
+  if (!is_v) {
+    // ---- K: row_scale = r, u = y / row_scale, per-channel RTN over tokens, channel-major codes ----
+    float rs[NK];
+    const float p2 = pow2f(-shift);
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      float x = __fmul_rn(br[k], p2);
+      x = x < kSmallest ? kSmallest : x;  // clamp_min (NaN stays NaN)
+      rs[k] = Store<SC>::round(x, bits);
+      if (!is_finite(rs[k])) errbits |= KVC_ERR_K_ROW_SCALE;
+      if (lane == k) Store<SC>::put(dst + sec.row_scale, w + W * k, rs[k], bits);
+    }
+    float* u = zz;
+    float lo[NJ], hi[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        const int i = k * NJ + j;
+        u[i] = __fdiv_rn(ysm[i * NT + tid], rs[k]);
+        lo[j] = k == 0 ? u[i] : nanmin(lo[j], u[i]);
+        hi[j] = k == 0 ? u[i] : nanmax(hi[j], u[i]);
+      }
+    }
+    __syncthreads();  // every thread is done with ysm: reuse it for the min/max partials
+    float* pmin = ysm;
+    float* pmax = ysm + W * D;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      pmin[w * D + lane + 32 * j] = lo[j];
+      pmax[w * D + lane + 32 * j] = hi[j];
+    }
+    __syncthreads();
+    if (tid < D) {
+      float l = pmin[tid], hh = pmax[tid];
+#pragma unroll
+      for (int q = 1; q < W; ++q) {
+        l = nanmin(l, pmin[q * D + tid]);
+        hh = nanmax(hh, pmax[q * D + tid]);
+      }
+      const float step = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), 15.0f), bits);
+      if (!is_finite(step)) errbits |= KVC_ERR_K_CHAN_STEP;
+      Store<SC>::put(dst + sec.chan_step, tid, step, bits);
+      const float low = Store<SC>::round(l, bits);
+      if (!is_finite(low)) errbits |= KVC_ERR_K_CHAN_MIN;
+      Store<SC>::put(dst + sec.chan_min, tid, low, bits);
+      cstep[tid] = step;
+      cmin[tid] = low;
+    }
+    __syncthreads();  // partials consumed; ysm now holds code bytes
+    constexpr int P = S::kKPitch;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int c = lane + 32 * j;
+      const float step = cstep[c], low = cmin[c];
+      const bool pos = step > 0.0f;
+      const float safe = pos ? step : 1.0f;
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], low), safe));
+        q = q < 0.0f ? 0.0f : (q > 15.0f ? 15.0f : q);
+        codes[c * P + w + W * k] = pos ? (u8)(int)q : (u8)0;
+      }
+    }
+    __syncthreads();
+    // pack: 16 output bytes (32 tokens of one channel) per work item, 4-byte smem reads
+    constexpr int kChunks = D * T / 32;
+    for (int q = tid; q < kChunks; q += NT) {
+      const int c = q / (T / 32), t0 = (q % (T / 32)) * 32;
+      const unsigned* cw = reinterpret_cast<const unsigned*>(codes + c * P + t0);
+      unsigned o[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const unsigned a = cw[2 * m], bb = cw[2 * m + 1];
+        // bytes a = tokens 0..3, bb = tokens 4..7 -> out bytes (t0|t1<<4), (t2|t3<<4), ...
+        unsigned v = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          v |= (((a >> (16 * e)) & 0xfu) | (((a >> (16 * e + 8)) & 0xfu) << 4)) << (8 * e);
+          v |= (((bb >> (16 * e)) & 0xfu) | (((bb >> (16 * e + 8)) & 0xfu) << 4)) << (8 * (e + 2));
+        }
+        o[m] = v;
+      }
+      reinterpret_cast<uint4*>(dst + sec.k_codes)[q] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  } else {
+    // ---- V: col_scale = s, w = y / col_scale, per-token RTN over channels, token-major codes ------
+    constexpr int QMAX = (1 << VB) - 1;
+    float cs[NJ];
+    const float p2 = pow2f(shift);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      float x = __fmul_rn(bs[j], p2);
+      x = x < kSmallest ? kSmallest : x;
+      cs[j] = Store<SC>::round(x, bits);
+      if (!is_finite(cs[j])) errbits |= KVC_ERR_V_COL_SCALE;
+      if (w == 0) Store<SC>::put(dst + sec.col_scale, lane + 32 * j, cs[j], bits);
+    }
+    float* u = zz;
+    float tstep[NK], tlow[NK];
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      float l = 0.0f, hh = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int i = k * NJ + j;
+        u[i] = __fdiv_rn(ysm[i * NT + tid], cs[j]);
+        l = j == 0 ? u[i] : nanmin(l, u[i]);
+        hh = j == 0 ? u[i] : nanmax(hh, u[i]);
+      }
+      l = warp_nanmin(l);
+      hh = warp_nanmax(hh);
+      tstep[k] = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), (float)QMAX), bits);
+      if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
+      if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
+      tlow[k] = Store<SC>::round(l, bits);
+      if (!is_finite(tlow[k])) errbits |= KVC_ERR_V_TOK_MIN;
+      if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, tlow[k], bits);
+    }
+    __syncthreads();  // ysm now holds code bytes [T][D]
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      const bool pos = tstep[k] > 0.0f;
+      const float safe = pos ? tstep[k] : 1.0f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], tlow[k]), safe));
+        q = q < 0.0f ? 0.0f : (q > (float)QMAX ? (float)QMAX : q);
+        codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)(int)q : (u8)0;
+      }
+    }
+    __syncthreads();
+    // pack: 16 output bytes (16 * 8 / VB channels of one token) per work item
+    constexpr int kPer = 8 / VB;                 // codes per byte
+    constexpr int kChunks = T * D * VB / 128;    // 16-byte output chunks
+    for (int q = tid; q < kChunks; q += NT) {
+      const unsigned* cw = reinterpret_cast<const unsigned*>(codes + q * 16 * kPer);  // token-major, contiguous
+      unsigned o[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        unsigned v = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // output byte 4m+e from codes [(4m+e)*kPer, +kPer)
+          unsigned byte = 0;
+#pragma unroll
+          for (int g = 0; g < kPer; ++g) {
+            const int ci = (4 * m + e) * kPer + g;
+            const unsigned code = (cw[ci >> 2] >> (8 * (ci & 3))) & 0xffu;
+            byte |= code << (VB * g);
+          }
+          v |= byte << (8 * e);
+        }
+        o[m] = v;
+      }
+      reinterpret_cast<uint4*>(dst + sec.v_codes)[q] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  if (errbits) atomicOr(err, errbits);
+}
+
+}  // namespace kvc
+
+#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB)                                                               \
+  extern "C" __global__ void __launch_bounds__(KVC_NT) kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB( \
+      const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
+      long long v_sb, long long v_sh, long long v_st, u8* __restrict__ out, long long o_sb, long long o_si,        \
+      long long o_sh, int n_heads, int n_tiles, int iters, int off_k_codes, int off_chan_step, int off_chan_min,   \
+      int off_row_scale, int off_v_codes, int off_tok_step, int off_tok_min, int off_col_scale, float inv_sqrt_d,  \
+      int* __restrict__ err) {                                                                                      \
+    kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
+                      off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
+    kvc::compress_impl<T, D, IN, SC, VB>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, n_heads, \
+                                         n_tiles, iters, sec, inv_sqrt_d, err);                                   \
+  }
+
+// One kernel per module: the defines pick T, D, the input dtype (KVARN_IN 0 = f16, 1 = bf16,
+// 2 = f32), the scale dtype (KVARN_SC 16 | 32) and the V bits (KVARN_VB 2 | 4).
+#ifndef KVARN_T
+#define KVARN_T 128
+#endif
+#ifndef KVARN_D
+#define KVARN_D 128
+#endif
+#ifndef KVARN_IN
+#define KVARN_IN 0
+#endif
+#ifndef KVARN_SC
+#define KVARN_SC 16
+#endif
+#ifndef KVARN_VB
+#define KVARN_VB 2
+#endif
+
+#define KVC_KERNEL_X(...) KVC_KERNEL(__VA_ARGS__)  // expands the defines before token pasting
+#if KVARN_SC == 16
+#define KVC_SC __half, s16
+#elif KVARN_SC == 32
+#define KVC_SC float, s32
+#else
+#error "KVARN_SC must be 16 or 32"
+#endif
+#if KVARN_IN == 0
+#define KVC_IN __half, f16
+#elif KVARN_IN == 1
+#define KVC_IN __nv_bfloat16, bf16
+#elif KVARN_IN == 2
+#define KVC_IN float, f32
+#else
+#error "KVARN_IN must be 0 (f16), 1 (bf16) or 2 (f32)"
+#endif
+KVC_KERNEL_X(KVARN_T, KVARN_D, KVC_IN, KVC_SC, KVARN_VB)

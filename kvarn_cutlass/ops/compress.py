@@ -1,0 +1,395 @@
+"""GPU tile compression (``csrc/compress.cu``), byte-identical to :func:`kvarn_cutlass.codec.encode_tiles`.
+
+One launch compresses every record of a layer: one 512-thread block per (record, K or V half).
+Entry points:
+
+* :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
+* :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
+  fine) -> records [B, n_tiles, H, tile_nbytes], optionally written straight into a pool slice.
+
+Errors. The codec raises ValueError for non-finite input, for input magnitudes above 2^48 and when a
+stored scale is not finite in ``scale_dtype`` (float16 overflow). The kernel reports these as bits
+of an int32 error flag (see the table in ``compress.cu``). By default the wrapper reads the flag
+back after the launch (one 4-byte device-to-host copy, which synchronizes with the stream: the
+only host sync of the op) and raises the codec's ValueError; the returned records are then never
+seen. Pass ``error_flag`` (a zeroed int32 CUDA tensor) to skip the sync: the kernel ORs its bits
+into it and :func:`check_error_flag` raises later. A block whose input is rejected writes nothing;
+other blocks of the launch still write their records, so on error ``out`` holds unspecified bytes.
+
+Signed zeros (a limit of byte identity): the codec's ``amin``/``amax`` on a set holding both
+-0.0 and +0.0 as its extreme returns either sign depending on torch's vectorization (the length
+and position in the reduction, the CPU's SIMD width), so ``chan_min``/``tok_min``/steps of an
+all-zero row or channel with mixed-sign zeros are not defined bit for bit by the codec. The kernel
+takes IEEE 754-2019 minimum/maximum (-0 < +0). Inputs without -0.0 never produce -0.0 in the
+rotated domain for float16 input (nor for bfloat16/float32 input away from float32 underflow).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import torch
+
+from .. import codec
+from ..format import HEAD_DIMS, PRESETS, SCALE_DTYPES, TileSpec
+from ..runtime.registry import register
+from ..runtime.spec import KernelSpec, get_module
+
+__all__ = [
+    "COMPRESS_SIGNATURE",
+    "THREADS",
+    "ERROR_BITS",
+    "compress_spec",
+    "kernel_name",
+    "smem_bytes",
+    "compress_tiles",
+    "compress_layer",
+    "check_error_flag",
+    "error_message",
+]
+
+THREADS = 512
+_WARPS = THREADS // 32
+_IN_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_IN_NAME = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+_SC_BITS = {torch.float16: 16, torch.float32: 32}
+
+COMPRESS_SIGNATURE = (
+    "ptr k", "ptr v",
+    "i64 k_sb", "i64 k_sh", "i64 k_st",
+    "i64 v_sb", "i64 v_sh", "i64 v_st",
+    "ptr out", "i64 o_sb", "i64 o_si", "i64 o_sh",
+    "i32 n_heads", "i32 n_tiles", "i32 iters",
+    "i32 off_k_codes", "i32 off_chan_step", "i32 off_chan_min", "i32 off_row_scale",
+    "i32 off_v_codes", "i32 off_tok_step", "i32 off_tok_min", "i32 off_col_scale",
+    "f32 inv_sqrt_d", "ptr err",
+)
+_SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
+
+# Error flag bits, in the order the codec would raise (input checks of k, then of v, then the
+# stores of the K half, then of the V half): (bit, message).
+ERROR_BITS: tuple[tuple[int, str], ...] = (
+    (1 << 6, "k contains NaN or Inf"),
+    (1 << 7, "k has values of magnitude > 2^48, outside the codec's float32 range"),
+    (1 << 8, "v contains NaN or Inf"),
+    (1 << 9, "v has values of magnitude > 2^48, outside the codec's float32 range"),
+    (1 << 0, "K row_scale"),
+    (1 << 1, "K chan step"),
+    (1 << 2, "K chan min"),
+    (1 << 3, "V col_scale"),
+    (1 << 4, "V tok step"),
+    (1 << 5, "V tok min"),
+)
+_INPUT_BITS = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9)
+
+
+def kernel_name(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int) -> str:
+    return f"kvarn_compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
+
+
+def compress_spec(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int) -> KernelSpec:
+    """The one-kernel module for a (T, D, input dtype, scale dtype, V bits) variant."""
+    return KernelSpec(
+        "compress.cu",
+        (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits),),
+        defines={
+            "KVARN_T": tile_tokens,
+            "KVARN_D": head_dim,
+            "KVARN_IN": _IN_CODE[in_dtype],
+            "KVARN_SC": _SC_BITS[scale_dtype],
+            "KVARN_VB": v_bits,
+        },
+        # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
+        options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),
+        name=f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}",
+    )
+
+
+def _all_specs() -> list[KernelSpec]:
+    out = []
+    for t, vb in sorted({(T, vb) for (_, vb, T) in PRESETS.values()}, reverse=True):
+        for d in HEAD_DIMS:
+            for ind in _IN_CODE:
+                for sd in SCALE_DTYPES:
+                    out.append(compress_spec(t, d, ind, sd, vb))
+    return out
+
+
+register("compress", _all_specs)
+
+
+def smem_bytes(tile_tokens: int, head_dim: int) -> int:
+    """Dynamic shared memory per block (mirrors ``Shape::kSmemBytes`` in compress.cu)."""
+    T, D = tile_tokens, head_dim
+    return 4 * (T * D + _WARPS * D + 3 * D + 4 * _WARPS + 4 * (D // 32))
+
+
+def _inv_sqrt(d: int) -> float:
+    # The codec's constant: float32(1 / sqrt(D)) rounded from the Python double.
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+
+
+# --- error flags ----------------------------------------------------------------------------------
+def error_message(bits: int, scale_dtype: torch.dtype) -> str:
+    """The codec's ValueError message for the first error (in codec order) among ``bits``."""
+    for bit, what in ERROR_BITS:
+        if bits & bit:
+            if bit & _INPUT_BITS:
+                return what
+            return f"{what} overflows {scale_dtype}: the input's magnitude needs scale_dtype=torch.float32"
+    raise ValueError(f"error flag {bits:#x} has no known bit")
+
+
+def check_error_flag(flag: torch.Tensor, spec: TileSpec) -> None:
+    """Raise the codec's ValueError if the int32 ``flag`` filled by compression launches is nonzero.
+
+    Reads the flag back (synchronizes with the current stream).
+    """
+    bits = int(flag.reshape(-1)[0].item())
+    if bits:
+        raise ValueError(error_message(bits, spec.scale_dtype))
+
+
+_flags: dict[tuple[int, int], torch.Tensor] = {}
+_kernels: dict[tuple[int, str], Any] = {}
+_lock = threading.Lock()
+
+
+def _stream_flag(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 flag per (device, stream); it stays zero between calls (reset on error)."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    flag = _flags.get(key)
+    if flag is None:
+        with _lock:
+            flag = _flags.get(key)
+            if flag is None:
+                flag = _flags[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def _kernel(device_index: int, spec: KernelSpec):
+    name = spec.kernel_names[0]
+    key = (device_index, name)
+    k = _kernels.get(key)
+    if k is None:
+        with _lock:
+            k = _kernels.get(key)
+            if k is None:
+                k = _kernels[key] = get_module(spec, device_index).kernel(name, COMPRESS_SIGNATURE)
+    return k
+
+
+# --- validation -----------------------------------------------------------------------------------
+def _check_spec(spec) -> None:
+    if not isinstance(spec, TileSpec):
+        raise TypeError(f"spec must be a kvarn_cutlass.TileSpec, got {type(spec).__name__}")
+
+
+def _check_input(name: str, x, spec: TileSpec, layer: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in codec.FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(codec.FLOAT_INPUT_DTYPES)}")
+    T, D = spec.tile_tokens, spec.head_dim
+    if layer:
+        if x.dim() != 4 or x.shape[-1] != D or x.shape[2] % T:
+            raise ValueError(
+                f"{name} must have shape [batch, heads, n_tiles*{T}, {D}] (a multiple of tile_tokens={T} tokens, "
+                f"head_dim={D}), got {list(x.shape)}"
+            )
+    elif x.dim() < 2 or tuple(x.shape[-2:]) != (T, D):
+        raise ValueError(f"{name} must have shape [..., {T}, {D}] (tile_tokens, head_dim), got {list(x.shape)}")
+    if x.device.type != "cuda":
+        raise ValueError(f"{name} is on {x.device}; GPU compression needs CUDA tensors (codec.encode_tiles runs anywhere)")
+
+
+def _check_pair(k, v) -> None:
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+
+
+def _same_dtype(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # One kernel reads both halves with one input type; float32 holds f16 and bf16 exactly.
+    if k.dtype != v.dtype:
+        return k.float(), v.float()
+    return k, v
+
+
+def _check_out(out, shape: tuple[int, ...], device: torch.device, spec: TileSpec) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != torch.uint8 or tuple(out.shape) != shape or out.device != device:
+        raise ValueError(
+            f"out must be uint8 {list(shape)} on {device} (tile_nbytes={spec.tile_nbytes}), "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    if out.numel() == 0:
+        return
+    if out.stride(-1) != 1 or out.data_ptr() % 16:
+        raise ValueError(f"out must have contiguous records starting at 16-byte aligned addresses, got strides {out.stride()}")
+    for d in range(out.dim() - 1):
+        if out.shape[d] > 1 and out.stride(d) % 16:
+            raise ValueError(f"out's record strides must be multiples of 16 bytes, got strides {out.stride()}")
+
+
+def _resolve_flag(error_flag, device: torch.device) -> tuple[torch.Tensor, bool]:
+    if error_flag is None:
+        return _stream_flag(device), True
+    if (
+        not isinstance(error_flag, torch.Tensor) or error_flag.dtype != torch.int32
+        or error_flag.device != device or error_flag.numel() < 1
+    ):
+        raise ValueError(f"error_flag must be an int32 tensor with >= 1 element on {device}")
+    return error_flag, False
+
+
+# --- launch ---------------------------------------------------------------------------------------
+_smem_limits: dict[int, int] = {}
+
+
+def _smem_limit(index: int) -> int:
+    limit = _smem_limits.get(index)
+    if limit is None:
+        props = torch.cuda.get_device_properties(index)
+        # sm_80: 163 KiB, sm_90: 227 KiB opt-in per block
+        limit = getattr(props, "shared_memory_per_block_optin", 0) or (227 if props.major >= 9 else 163) * 1024
+        _smem_limits[index] = limit
+    return limit
+
+
+def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: torch.Tensor) -> None:
+    n_records = B * n_tiles * H
+    if n_records == 0:
+        return
+    if n_records > 2**31 - 1:
+        raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
+    T, D = spec.tile_tokens, spec.head_dim
+    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits)
+    kernel = _kernel(k.device.index, kspec)
+    smem = smem_bytes(T, D)
+    limit = _smem_limit(k.device.index)
+    if smem > limit:
+        raise ValueError(f"compression of T={T}, D={D} needs {smem} bytes of shared memory per block, {k.device} has {limit}")
+    offsets = [spec.offset(s) for s in _SECTIONS]
+    args = (k, v, *kstr, *vstr, out, *ostr, H, n_tiles, spec.sinkhorn_iters, *offsets, _inv_sqrt(D), flag)
+    kernel.launch((n_records, 2), THREADS, args, shared_mem=smem)
+
+
+def _finish(flag: torch.Tensor, sync_check: bool, spec: TileSpec) -> None:
+    if not sync_check:
+        return
+    bits = int(flag.item())
+    if bits:
+        flag.zero_()
+        raise ValueError(error_message(bits, spec.scale_dtype))
+
+
+def compress_tiles(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: TileSpec,
+    out: torch.Tensor | None = None,
+    *,
+    error_flag: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode tiles of K and V into records on the GPU; the contract of :func:`codec.encode_tiles`.
+
+    Args:
+        k, v: [..., tile_tokens, head_dim] float16/bfloat16/float32 CUDA tensors of one shape and
+            device (different dtypes are read as float32, which is exact). Any strides with a
+            contiguous last dim that flatten to [records, T, D] without a copy; others are copied.
+        spec: the :class:`TileSpec` (preset, head_dim, scale dtype, sinkhorn_iters).
+        out: optional uint8 [..., tile_nbytes] on the same device: contiguous records at 16-byte
+            aligned addresses and strides.
+        error_flag: optional zeroed int32 CUDA tensor; when given, errors are OR-ed into it and
+            not checked here (no host sync): call :func:`check_error_flag` before using the records.
+
+    Returns:
+        uint8 [..., tile_nbytes], byte-identical to ``codec.encode_tiles(k, v, spec)``.
+
+    Raises:
+        TypeError / ValueError: bad arguments (naming them), or the codec's ValueError for
+        non-finite or too large input and scale overflow (without ``error_flag``).
+    """
+    _check_spec(spec)
+    _check_input("k", k, spec, layer=False)
+    _check_input("v", v, spec, layer=False)
+    _check_pair(k, v)
+    k, v = _same_dtype(k, v)
+    T, D, nb = spec.tile_tokens, spec.head_dim, spec.tile_nbytes
+    lead = tuple(k.shape[:-2])
+    k3 = k.reshape(-1, T, D)
+    v3 = v.reshape(-1, T, D)
+    if k3.stride(-1) != 1:
+        k3 = k3.contiguous()
+    if v3.stride(-1) != 1:
+        v3 = v3.contiguous()
+    if out is None:
+        out = torch.empty(lead + (nb,), dtype=torch.uint8, device=k.device)
+    else:
+        _check_out(out, lead + (nb,), k.device, spec)
+    try:
+        o2 = out.view(-1, nb)
+    except RuntimeError:
+        raise ValueError(f"out (strides {out.stride()}) must flatten to [records, tile_nbytes] without a copy") from None
+    flag, sync_check = _resolve_flag(error_flag, k.device)
+    R = k3.shape[0]
+    # records as (batch=1, tile=0, head=r): input offset r * stride(0) + t * stride(1), output r * nb
+    _launch(
+        k3, v3, (0, k3.stride(0), k3.stride(1)), (0, v3.stride(0), v3.stride(1)),
+        o2, (0, 0, o2.stride(0) if R > 1 else nb), 1, 1, R, spec, flag,
+    )
+    _finish(flag, sync_check, spec)
+    return out
+
+
+def compress_layer(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: TileSpec,
+    out: torch.Tensor | None = None,
+    *,
+    error_flag: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Compress every tile of every head and sequence of one layer in one launch (the cache's layout).
+
+    Args:
+        k, v: [B, H, n_tiles * tile_tokens, head_dim] CUDA tensors (float16/bfloat16/float32), any
+            strides with a contiguous last dim (e.g. a token-range view of a longer buffer).
+        spec: the :class:`TileSpec`.
+        out: optional uint8 [B, n_tiles, H, tile_nbytes], e.g. ``pool[:, n:n + n_tiles]`` of the
+            cache's tile pool; records contiguous, 16-byte aligned addresses and strides.
+        error_flag: as in :func:`compress_tiles`.
+
+    Returns:
+        uint8 [B, n_tiles, H, tile_nbytes]: record [b, i, h] = ``codec.encode_tiles`` of tokens
+        ``i*T .. i*T + T - 1`` of (b, h).
+    """
+    _check_spec(spec)
+    _check_input("k", k, spec, layer=True)
+    _check_input("v", v, spec, layer=True)
+    _check_pair(k, v)
+    k, v = _same_dtype(k, v)
+    if k.numel() and k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.numel() and v.stride(-1) != 1:
+        v = v.contiguous()
+    B, H, n, D = k.shape
+    T, nb = spec.tile_tokens, spec.tile_nbytes
+    n_tiles = n // T
+    shape = (B, n_tiles, H, nb)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=k.device)
+    else:
+        _check_out(out, shape, k.device, spec)
+    flag, sync_check = _resolve_flag(error_flag, k.device)
+    _launch(
+        k, v, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)),
+        out, (out.stride(0), out.stride(1), out.stride(2)), B, n_tiles, H, spec, flag,
+    )
+    _finish(flag, sync_check, spec)
+    return out
