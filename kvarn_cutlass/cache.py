@@ -242,7 +242,16 @@ class KVarNCache:
         st.window_len = keep
 
     def _compress(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [B, H, n_tiles*T, D] -> records uint8 [B, n_tiles, H, tile_nbytes]."""
+        """k, v [B, H, n_tiles*T, D] -> records uint8 [B, n_tiles, H, tile_nbytes].
+
+        On CUDA: one launch of the GPU compression kernel (byte-identical to the codec); it reads
+        back a 4-byte error flag, so a codec error (e.g. float16 scale overflow) raises here,
+        before the caller changes any state.
+        """
+        if self.device.type == "cuda":
+            from .ops.compress import compress_layer
+
+            return compress_layer(k, v, self.spec)
         B, H, n, D = k.shape
         T = self.spec.tile_tokens
         to_tiles = lambda x: x.reshape(B, H, n // T, T, D).transpose(1, 2)  # noqa: E731
