@@ -275,7 +275,7 @@ def test_cache_root_env_and_nothing_in_cwd(tmp_path, monkeypatch, cache_dir, cap
     monkeypatch.chdir(cwd)
     build(SELFTEST, "sm90")
     build(SELFTEST, "sm80", backend="nvcc" if _nvcc_path() else None)
-    assert cli.main(["build", "--arch", "sm90", "--json"]) == 0
+    assert cli.main(["build", "--arch", "sm90", "--family", "selftest", "--json"]) == 0
     capsys.readouterr()
     assert list(cwd.iterdir()) == []
     assert _entries(cache_dir) and all(p.is_relative_to(cache_dir) for p in _entries(cache_dir))
@@ -401,14 +401,14 @@ def test_prepare_validates_launch_configuration():
 
 
 def test_cli_build_json(capsys):
-    assert cli.main(["build", "--arch", "sm90", "--arch", "sm_80", "--json"]) == 0
+    assert cli.main(["build", "--arch", "sm90", "--arch", "sm_80", "--family", "selftest", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)["kernels"]
     assert {(r["kernel"], r["target"]) for r in records} == {(k, t) for k in SELFTEST.kernel_names for t in ("sm_90", "sm_80")}
     assert all(r["registers"] > 0 and "module_compile_s" in r for r in records)
 
 
 def test_cli_build_table_and_errors(capsys):
-    assert cli.main(["build", "--arch", "sm90"]) == 0
+    assert cli.main(["build", "--arch", "sm90", "--family", "selftest"]) == 0
     assert "kvarn_selftest_axpy" in capsys.readouterr().out
     assert cli.main(["build", "--arch", "sm70"]) == 1
     err = capsys.readouterr().err

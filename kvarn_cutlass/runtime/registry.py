@@ -1,25 +1,28 @@
 """Registry of the package's kernel families, so every kernel can be enumerated and built.
 
 A kernel family's op module calls :func:`register` at import time. :func:`families`
-imports every module in :data:`KERNEL_MODULES` first, so ``kvarn-cutlass build`` and
-tests see all kernels without importing them by hand. To add a family: register its
-specs in its op module and add that module's name to :data:`KERNEL_MODULES`.
+first imports every module in :data:`KERNEL_MODULES` and every submodule of the
+packages in :data:`KERNEL_PACKAGES`, so ``kvarn-cutlass build`` and tests see all
+kernels without importing them by hand. To add a family: register its specs in its
+op module; a module inside ``kvarn_cutlass.ops`` needs nothing else, one elsewhere
+is added to :data:`KERNEL_MODULES`.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import threading
 from typing import Callable, Iterable, Union
 
 from .spec import KernelSpec
 
-__all__ = ["KERNEL_MODULES", "register", "families", "specs"]
+__all__ = ["KERNEL_MODULES", "KERNEL_PACKAGES", "register", "families", "specs"]
 
 # Modules whose import registers kernel families.
-KERNEL_MODULES: tuple[str, ...] = (
-    "kvarn_cutlass.runtime.selftest",
-)
+KERNEL_MODULES: tuple[str, ...] = ("kvarn_cutlass.runtime.selftest",)
+# Packages whose submodules are all imported (op modules register their families there).
+KERNEL_PACKAGES: tuple[str, ...] = ("kvarn_cutlass.ops",)
 
 SpecSource = Union[Iterable[KernelSpec], Callable[[], Iterable[KernelSpec]]]
 
@@ -49,9 +52,18 @@ def register(family: str, specs: SpecSource) -> None:
 
 
 def families() -> dict[str, tuple[KernelSpec, ...]]:
-    """Family name -> its specs, after importing every module in :data:`KERNEL_MODULES`."""
+    """Family name -> its specs, after importing :data:`KERNEL_MODULES` and :data:`KERNEL_PACKAGES`."""
     for name in KERNEL_MODULES:
         importlib.import_module(name)
+    for name in KERNEL_PACKAGES:
+        try:
+            package = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a broken import inside the package is a bug, not an absent package
+                raise
+            continue
+        for info in pkgutil.iter_modules(package.__path__, prefix=f"{name}."):
+            importlib.import_module(info.name)
     with _lock:
         items = list(_families.items())
     out: dict[str, tuple[KernelSpec, ...]] = {}
