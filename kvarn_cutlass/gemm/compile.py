@@ -199,7 +199,8 @@ def build_gemm(cfg: GemmConfig, arch: "int | str" = 90) -> GemmBinary:
     key = {
         "arch": f"sm_{cc}a",
         "source_sha256": hashlib.sha256(src.encode()).hexdigest(),
-        "flags": flags,
+        # include dirs are machine paths: the headers are identified by the nvidia-cutlass version
+        "flags": [f for f in flags if not f.startswith("-I")],
         "nvcc": nvcc_version(),
         "nvidia_cutlass": _cutlass_version(),
         "config": cfg.to_dict(),
