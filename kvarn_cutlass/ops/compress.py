@@ -201,11 +201,12 @@ def _check_input(name: str, x, spec: TileSpec, layer: bool) -> None:
             )
     elif x.dim() < 2 or tuple(x.shape[-2:]) != (T, D):
         raise ValueError(f"{name} must have shape [..., {T}, {D}] (tile_tokens, head_dim), got {list(x.shape)}")
-    if x.device.type != "cuda":
-        raise ValueError(f"{name} is on {x.device}; GPU compression needs CUDA tensors (codec.encode_tiles runs anywhere)")
 
 
 def _check_pair(k, v) -> None:
+    for name, x in (("k", k), ("v", v)):
+        if x.device.type != "cuda":
+            raise ValueError(f"{name} is on {x.device}; GPU compression needs CUDA tensors (codec.encode_tiles runs anywhere)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
     if k.device != v.device:
