@@ -1,0 +1,233 @@
+"""GPU tests of decode attention against the float64 reference (kvarn_cutlass.reference.attention).
+
+Caches are built by appending real random K/V on the GPU in large chunks (the cache compresses with
+the GPU codec kernel), never by writing records directly. Outputs are poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvarn_cutlass as kc
+from kvarn_cutlass import decode, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL = 1e-3
+
+
+def _kv(gen, B, H, n, D, dtype):
+    """K/V-like data on the GPU: Gaussian with outlier channels and a slow drift."""
+    x = torch.randn(B, H, n, D, generator=gen, device="cuda")
+    out = torch.randperm(D, device="cpu")[: max(1, D // 32)]
+    x[..., out.cuda()] *= 6.0
+    x += torch.linspace(-1, 1, n, device="cuda")[:, None] * torch.randn(D, generator=gen, device="cuda")
+    return x.to(dtype)
+
+
+def make_cache(B=2, Hkv=2, D=128, preset="k4v2_g128", scale_dtype=torch.float16, n=1000, sink=0, window=None,
+               dtype=torch.float16, max_seq_len=None, chunk=8192, seed=0, layers=1):
+    spec = kc.TileSpec(preset=preset, head_dim=D)
+    T = spec.tile_tokens
+    c = kc.KVarNCache(layers, B, Hkv, D, preset=preset, window=window or 2 * T, sink_tokens=sink, dtype=dtype,
+                      device="cuda", scale_dtype=scale_dtype, max_seq_len=max_seq_len)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for layer in range(layers):
+        done = 0
+        while done < n:
+            m = min(chunk, n - done)
+            c.append(layer, _kv(gen, B, Hkv, m, D, dtype), _kv(gen, B, Hkv, m, D, dtype))
+            done += m
+    return c
+
+
+def rel(out, ref):
+    out = out.to(torch.float64)
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def run_decode(q, cache, layer=0, scale=None):
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    decode.decode_attention(q, cache, layer, scale=scale, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+CONFIGS = [
+    # preset, D, scale dtype, group, q dtype, sink, n
+    ("k4v2_g128", 128, torch.float16, 4, torch.float16, 0, 1500),
+    ("k4v2_g128", 128, torch.float16, 4, torch.bfloat16, 0, 3000),
+    ("k4v2_g128", 128, torch.float32, 1, torch.float16, 0, 1000),
+    ("k4v2_g128", 128, torch.float16, 8, torch.float16, 128, 2000),
+    ("k4v4_g128", 128, torch.float16, 2, torch.float16, 0, 1700),
+    ("k4v4_g128", 64, torch.float32, 4, torch.bfloat16, 0, 900),
+    ("k4v2_g128", 256, torch.float16, 4, torch.float16, 0, 1300),
+    ("k4v4_g128", 256, torch.float32, 3, torch.float16, 128, 1000),
+    ("k4v2_g64", 128, torch.float16, 4, torch.float16, 64, 1234),
+    ("k4v4_g64", 64, torch.float16, 8, torch.bfloat16, 0, 777),
+    ("k4v2_g64", 256, torch.float32, 2, torch.float16, 0, 600),
+    ("k4v4_g64", 128, torch.float16, 5, torch.float16, 0, 2000),
+]
+
+
+@pytest.mark.parametrize("preset,D,sd,G,qdt,sink,n", CONFIGS)
+def test_matches_reference(preset, D, sd, G, qdt, sink, n):
+    B, Hkv = 3, 2
+    c = make_cache(B, Hkv, D, preset, sd, n, sink=sink, seed=n)
+    assert c.num_tiles(0) > 0
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = (torch.randn(B, Hkv * G, 1, D, generator=gen, device="cuda") * 2).to(qdt)
+    out = run_decode(q, c)
+    assert out.dtype == qdt and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    ref = reference.attention(q, c, 0)
+    assert rel(out, ref) < TOL
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_window_only_and_scale(cache_dtype):
+    c = make_cache(2, 2, 128, n=100, dtype=cache_dtype)  # still inside the window: no tiles
+    assert c.num_tiles(0) == 0
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.float16)
+    out = run_decode(q, c, scale=0.05)
+    assert rel(out, reference.attention(q, c, 0, scale=0.05)) < TOL
+
+
+def test_length_one():
+    c = make_cache(1, 1, 64, preset="k4v2_g64", n=1)
+    q = torch.randn(1, 4, 1, 64, device="cuda", dtype=torch.float16)
+    out = run_decode(q, c)
+    assert rel(out, reference.attention(q, c, 0)) < TOL
+
+
+def test_large_logits():
+    """Peaked attention (large q) still within tolerance: scores need the hi/lo fp16 split."""
+    c = make_cache(1, 2, 128, n=3000, seed=5)
+    q = (torch.randn(1, 8, 1, 128, device="cuda") * 12).to(torch.float16)
+    out = run_decode(q, c)
+    assert rel(out, reference.attention(q, c, 0)) < TOL
+
+
+@pytest.mark.parametrize("n", [1024, 8192, 32768, 131072])
+def test_error_does_not_grow_with_depth(n):
+    c = make_cache(1, 2, 128, n=n, chunk=16384, seed=7)
+    q = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.float16)
+    out = run_decode(q, c)
+    err = rel(out, reference.attention(q, c, 0))
+    assert err < TOL, err
+
+
+def test_ragged_lengths():
+    """Per-sequence lengths on the device: inside the window, exactly at a tile boundary, length 1, long."""
+    D, Hkv, G, T, W = 128, 2, 4, 128, 256
+    spec = kc.TileSpec("k4v2_g128", D)
+    lengths = [200, 5 * T + W, 1, 3000, 3 * T + W + 1]
+    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=i) for i, n in enumerate(lengths)]
+    B = len(lengths)
+    cap = max(cc.num_tiles(0) for cc in caches) + 3
+    tiles = torch.zeros(B, cap, Hkv, spec.tile_nbytes, dtype=torch.uint8, device="cuda")
+    tiles.view(-1)[:] = 0xA5  # garbage beyond the live tiles must not be read
+    wk = torch.full((B, Hkv, W, D), float("nan"), dtype=torch.float16, device="cuda")
+    wv = wk.clone()
+    sk = torch.zeros(B, Hkv, 0, D, dtype=torch.float16, device="cuda")
+    nt, wl, sl = [], [], []
+    for b, cc in enumerate(caches):
+        k = cc.num_tiles(0)
+        tiles[b, :k] = cc.tile_bytes(0)[0]
+        ck, cv = cc.window_kv(0)
+        wk[b, :, : ck.shape[2]] = ck[0]
+        wv[b, :, : cv.shape[2]] = cv[0]
+        nt.append(k)
+        wl.append(ck.shape[2])
+        sl.append(0)
+    assert nt[0] == 0 and nt[2] == 0 and wl[2] == 1 and wl[1] == W
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    q = torch.randn(B, Hkv * G, 1, D, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    decode.decode_attention_ragged(q, tiles, wk, wv, sk, sk.clone(), i32(nt), i32(wl), i32(sl), spec, out=out)
+    torch.cuda.synchronize()
+    for b, cc in enumerate(caches):
+        ref = reference.attention(q[b : b + 1], cc, 0)
+        assert rel(out[b : b + 1], ref) < TOL, (b, lengths[b])
+
+
+def test_empty_sequence_gives_zeros():
+    spec = kc.TileSpec("k4v2_g64", 64)
+    tiles = torch.zeros(2, 4, 1, spec.tile_nbytes, dtype=torch.uint8, device="cuda")
+    w = torch.randn(2, 1, 64, 64, device="cuda").half()
+    s = torch.zeros(2, 1, 0, 64, dtype=torch.float16, device="cuda")
+    z = torch.zeros(2, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 2, 1, 64, device="cuda").half()
+    out = decode.decode_attention_ragged(q, tiles, w, w, s, s, z, z, z, spec)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_graph_replay_matches_eager_over_1000_steps():
+    """1000 steps through many tile boundaries (T=64, window 64): graph replay == eager, bit for bit."""
+    B, Hkv, G, D = 2, 2, 4, 128
+    c = make_cache(B, Hkv, D, preset="k4v2_g64", n=300, window=64, max_seq_len=2048, seed=3)
+    g = decode.DecodeGraph(c, 0, Hkv * G, torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tiles_seen = set()
+    for step in range(1000):
+        c.append(0, _kv(gen, B, Hkv, 1, D, torch.float16), _kv(gen, B, Hkv, 1, D, torch.float16))
+        q = torch.randn(B, Hkv * G, 1, D, generator=gen, device="cuda").half()
+        g.out.fill_(float("nan"))
+        got = g.replay(q).clone()
+        want = run_decode(q, c)
+        assert torch.equal(got, want), step
+        tiles_seen.add(c.num_tiles(0))
+        if step % 250 == 0:
+            assert rel(got, reference.attention(q, c, 0)) < TOL
+    assert len(tiles_seen) >= 15
+
+
+def test_two_caches_with_their_own_graphs():
+    c1 = make_cache(2, 2, 128, n=500, max_seq_len=4096, seed=1)
+    c2 = make_cache(3, 1, 64, preset="k4v4_g64", n=700, max_seq_len=4096, seed=2, window=128)
+    g1 = decode.DecodeGraph(c1, 0, 8, torch.float16)
+    g2 = decode.DecodeGraph(c2, 0, 2, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for step in range(200):
+        for c, g, Hkv, D, n_q in ((c1, g1, 2, 128, 8), (c2, g2, 1, 64, 2)):
+            c.append(0, _kv(gen, c.batch_size, Hkv, 1, D, torch.float16), _kv(gen, c.batch_size, Hkv, 1, D, torch.float16))
+        q1 = torch.randn(2, 8, 1, 128, generator=gen, device="cuda").half()
+        q2 = torch.randn(3, 2, 1, 64, generator=gen, device="cuda").bfloat16()
+        o1 = g1.replay(q1).clone()
+        o2 = g2.replay(q2).clone()
+        assert torch.equal(o1, run_decode(q1, c1)), step
+        assert torch.equal(o2, run_decode(q2, c2)), step
+        if step % 50 == 0:
+            assert rel(o1, reference.attention(q1, c1, 0)) < TOL
+            assert rel(o2, reference.attention(q2, c2, 0)) < TOL
+
+
+def test_multi_layer_plan_lengths_are_per_layer():
+    c = make_cache(2, 2, 128, n=900, layers=2, seed=9)
+    c.append(1, _kv(torch.Generator(device="cuda").manual_seed(0), 2, 2, 300, 128, torch.float16),
+             _kv(torch.Generator(device="cuda").manual_seed(1), 2, 2, 300, 128, torch.float16))
+    q = torch.randn(2, 4, 1, 128, device="cuda").half()
+    for layer in (0, 1):
+        out = run_decode(q, c, layer)
+        assert rel(out, reference.attention(q, c, layer)) < TOL
+
+
+def test_growing_pool_without_max_seq_len():
+    c = make_cache(1, 2, 64, preset="k4v2_g64", n=100)
+    q = torch.randn(1, 4, 1, 64, device="cuda").half()
+    for _ in range(3):
+        c.append(0, torch.randn(1, 2, 400, 64, device="cuda").half(), torch.randn(1, 2, 400, 64, device="cuda").half())
+        out = run_decode(q, c)
+        assert rel(out, reference.attention(q, c, 0)) < TOL
+
+
+def test_q_on_other_device_or_noncontiguous():
+    c = make_cache(2, 2, 64, preset="k4v2_g64", n=500)
+    q = torch.randn(2, 1, 4, 64, device="cuda").half().transpose(1, 2)  # [2, 4, 1, 64] non-contiguous
+    out = run_decode(q, c)
+    assert rel(out, reference.attention(q, c, 0)) < TOL
