@@ -26,6 +26,7 @@ rotated domain for float16 input (nor for bfloat16/float32 input away from float
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
@@ -89,6 +90,7 @@ def kernel_name(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dt
     return f"kvarn_compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
 
 
+@functools.lru_cache(maxsize=None)
 def compress_spec(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int) -> KernelSpec:
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits) variant."""
     return KernelSpec(
