@@ -137,6 +137,8 @@ def _positive_scale(x: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Ten
 def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
     """Asymmetric RTN of u along ``dim``: returns (step, min) as stored float32 and int codes."""
     qmax = float(2**bits - 1)
+    # -0.0 + 0.0 == +0.0: min/max over mixed-sign zeros would otherwise pick either sign.
+    u = u + 0.0
     lo, hi = u.amin(dim, keepdim=True), u.amax(dim, keepdim=True)
     step = _store((hi - lo) / qmax, dtype, what + " step")
     low = _store(lo, dtype, what + " min")

@@ -402,7 +402,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
 #pragma unroll
       for (int k = 0; k < NK; ++k) {
         const int i = k * NJ + j;
-        u[i] = __fdiv_rn(ysm[i * NT + tid], rs[k]);
+        u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], rs[k]), 0.0f);  // canonical +0 (codec: u + 0.0)
         lo[j] = k == 0 ? u[i] : nanmin(lo[j], u[i]);
         hi[j] = k == 0 ? u[i] : nanmax(hi[j], u[i]);
       }
@@ -489,7 +489,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int i = k * NJ + j;
-        u[i] = __fdiv_rn(ysm[i * NT + tid], cs[j]);
+        u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
         l = j == 0 ? u[i] : nanmin(l, u[i]);
         hh = j == 0 ? u[i] : nanmax(hh, u[i]);
       }
