@@ -225,6 +225,8 @@ def _kernels(spec: TileSpec, device: torch.device):
         ks_spec = decode_spec(spec)
         mod = get_module(ks_spec, device)
         ks = (mod.kernel(ks_spec.kernel_names[0], _PARTIALS_SIG), mod.kernel(ks_spec.kernel_names[1], _COMBINE_SIG))
+        # Opt in to the dynamic shared memory now, so that the occupancy query sees it.
+        ks[0].prepare((1, 1, 1), NUM_THREADS, (0,) * 12 + (0,) * 8 + (1.0,), shared_mem=kernel_layout(spec).smem_bytes)
         _kernel_cache[key] = ks
     return ks
 
