@@ -29,6 +29,8 @@ COMMANDS: dict[str, str] = {
     "emit": "kvarn_cutlass.gemm.cli_emit",
     "sass": "kvarn_cutlass.gemm.cli_sass",
     "tune": "kvarn_cutlass.gemm.tune",
+    "perplexity": "kvarn_cutlass.cli_perplexity",
+    "generate": "kvarn_cutlass.cli_generate",
     # Planned, added by their owners: info, emit, sass, tune, demo, perplexity, generate.
 }
 

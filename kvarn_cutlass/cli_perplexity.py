@@ -1,0 +1,95 @@
+"""``kvarn-cutlass perplexity``: teacher-forced perplexity with a KVarN cache vs the unquantized cache.
+
+Each scored position sees the cache as it would at decode time (``--view decode``, default): keys
+older than the window are read from their quantized tiles. ``--window 0``: no window (every complete
+tile quantized). See ``kvarn_cutlass.hf.perplexity`` for the methods and ``docs/accuracy.md`` for
+measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+NAME = "perplexity"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="teacher-forced perplexity of a HF model with a KVarN cache vs unquantized",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face model directory (Llama/Qwen-style decoder)")
+    p.add_argument("--text", required=True, help="UTF-8 text file; tokenized whole, split into ctx-token windows")
+    p.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--windows", type=int, default=None, help="first K windows (default: all complete windows)")
+    p.add_argument("--preset", default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--window", type=int, default=256, help="fp16 window in tokens; 0 = no window (default 256)")
+    p.add_argument("--sink", type=int, default=0, help="leading tokens kept unquantized (default 0)")
+    p.add_argument("--view", choices=("decode", "prefill"), default="decode",
+                   help="decode: position p sees the cache holding p+1 tokens (default); prefill: every position "
+                        "sees the cache holding the whole window (quantize-everything evaluation)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+    p.add_argument("--method", choices=("auto", "sim", "decode", "prefill"), default="auto",
+                   help="sim: one-pass simulation (default on CPU); decode: token by token through the cache "
+                        "(default on CUDA, GPU decode kernel); prefill: chunked prefill semantics")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="chunk size of --method prefill, query block of --method sim (default 512)")
+    p.add_argument("--batch", type=int, default=2, help="windows per forward pass in the simulation (default 2)")
+    p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
+    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unquantized baseline")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .hf import SimSpec
+    from .hf._compat import load_model
+    from .hf.perplexity import evaluate, token_windows
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch sees no CUDA device")
+    method = args.method
+    if method == "auto":
+        method = "sim" if device == "cpu" or args.window == 0 or args.view == "prefill" else "decode"
+    if args.ctx < 2:
+        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
+    cache_dtype = getattr(torch, args.cache_dtype)
+    spec = SimSpec(args.preset, args.window, args.sink, dtype=cache_dtype, view=args.view, block=args.chunk)
+    model, tok = load_model(args.model, device, args.dtype)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    windows = token_windows(tok, text, args.ctx, args.windows)
+    res = evaluate(model, windows, [spec], method=method, chunk=args.chunk, baseline=not args.no_baseline,
+                   progress=not args.no_progress, batch_size=args.batch)
+    q = res["results"][0]
+    report = {
+        "model": args.model, "text": args.text, "ctx": args.ctx, "windows": len(windows),
+        "tokens_scored": res["tokens_scored"], "device": device, "method": method,
+        "model_dtype": str(model.dtype).replace("torch.", ""), "cache_dtype": args.cache_dtype,
+        "preset": args.preset, "window": args.window, "sink_tokens": args.sink, "view": args.view,
+        "ppl": q["ppl"], "nll": q["nll"], "buckets": q["buckets"], "seconds": round(res["seconds"], 2),
+    }
+    if res["baseline"] is not None:
+        report.update(ppl_baseline=q["ppl_baseline"], nll_baseline=q["nll_baseline"],
+                      ppl_rel_increase=q["ppl_rel_increase"])
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"{args.model}: {len(windows)} windows x {args.ctx} tokens ({res['tokens_scored']} scored), "
+          f"{device}/{method}, {res['seconds']:.1f}s")
+    label = f"{args.preset} window={args.window or 'none'}" + (f" sink={args.sink}" if args.sink else "")
+    heads = ["ppl"] + [f"[{a},{b})" for a, b in (bk["positions"] for bk in q["buckets"])]
+    print(f"{'':28s}" + "".join(f"{h:>14s}" for h in heads))
+    if res["baseline"] is not None:
+        vals = [q["ppl_baseline"]] + [bk["ppl_baseline"] for bk in q["buckets"]]
+        print(f"{'unquantized':28s}" + "".join(f"{v:14.4f}" for v in vals))
+    vals = [q["ppl"]] + [bk["ppl"] for bk in q["buckets"]]
+    extra = f"  ({100 * q['ppl_rel_increase']:+.2f}%)" if res["baseline"] is not None else ""
+    print(f"{label:28s}" + "".join(f"{v:14.4f}" for v in vals) + extra)
+    return 0
