@@ -74,69 +74,88 @@ __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __res
 
 // ---------------------------------------------------------------------------------------------
 // (b) fold: for batch l (head h = l / n_tiles) and query row m:
-//   qfold[c] = q[h, m, c] * chanStep[c];  a = max_c |qfold| / 127;  qi8 = rint(qfold / a) (0 if a == 0)
+//   qfold[c] = q[h, m, c] * chanStep[c];  a = max_c |qfold| / 127;
+//   qi8 = rint(qfold * (127 / max_c |qfold|)) (0 if the row is 0) -- f32, bit-exact with fold_reference
 //   bias = sum_c q[h, m, c] * chanMin[c]
 // q: [H, M, D] with row stride q_row_stride and head stride q_head_stride (elements).
-// Out: qi8 int8 [L, M, D], a f32 [L, M], bias f32 [L, M].  One warp per (l, m); D <= 256 and a
-// multiple of 32 * (elements per lane) -- each lane owns VPL = D / 32 contiguous channels.
-template <typename QT, typename SCALE>
+// Out: qi8 int8 [L, M, D], a f32 [L, M], bias f32 [L, M].  Grid (ceil(M / FOLD_ROWS), L), 256 threads:
+// each warp loads its lane's VPL = D/32 contiguous chanStep/chanMin once, then walks FOLD_ROWS/8 rows,
+// one row per iteration (vector loads of q, one vector store of qi8 per lane).
+#define FOLD_ROWS 64
+
+template <int BYTES> struct VecT;
+template <> struct VecT<4> { typedef unsigned type; };
+template <> struct VecT<8> { typedef uint2 type; };
+template <> struct VecT<16> { typedef uint4 type; };
+template <> struct VecT<32> { typedef struct { uint4 a, b; } type; };
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&f)[N]) {
+  typedef typename VecT<N * sizeof(T)>::type V;
+  union { V v; T e[N]; } u;
+  u.v = *reinterpret_cast<const V*>(p);
+#pragma unroll
+  for (int j = 0; j < N; ++j) f[j] = to_f32(u.e[j]);
+}
+
+template <typename QT, typename SCALE, int VPL>
 __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_stride, long long q_head_stride,
                                  const u8* __restrict__ pool, const int* __restrict__ tile_index,
                                  long long record_stride, int chan_step_offset, int chan_min_offset,
-                                 int M, int D, int n_tiles, s8* __restrict__ qi8, float* __restrict__ a_out,
+                                 int M, int n_tiles, s8* __restrict__ qi8, float* __restrict__ a_out,
                                  float* __restrict__ bias_out) {
+  constexpr int D = VPL * 32;
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
-  const int m = blockIdx.x * warps + (threadIdx.x >> 5);
   const int l = blockIdx.y;
-  if (m >= M) return;
   const int h = l / n_tiles;
   const u8* rec = pool + (long long)tile_index[l] * record_stride;
-  const SCALE* step = reinterpret_cast<const SCALE*>(rec + chan_step_offset);
-  const SCALE* cmin = reinterpret_cast<const SCALE*>(rec + chan_min_offset);
-  const QT* qrow = q + (long long)h * q_head_stride + (long long)m * q_row_stride;
-  const int vpl = D >> 5;
-  const int c0 = lane * vpl;
-  float f[8];
-  float amax = 0.f, bias = 0.f;
+  const int c0 = lane * VPL;
+  float step[VPL], cmin[VPL];
+  load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_step_offset) + c0, step);
+  load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_min_offset) + c0, cmin);
+  const QT* qh = q + (long long)h * q_head_stride + c0;
+  const int m_end = min(M, (int)(blockIdx.x + 1) * FOLD_ROWS);
+#pragma unroll 2
+  for (int m = blockIdx.x * FOLD_ROWS + warp; m < m_end; m += warps) {
+    float qv[VPL];
+    load_vec<QT, VPL>(qh + (long long)m * q_row_stride, qv);
+    float f[VPL];
+    float amax = 0.f, bias = 0.f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j < vpl) {
-      const float qv = to_f32(qrow[c0 + j]);
-      f[j] = qv * to_f32(step[c0 + j]);
+    for (int j = 0; j < VPL; ++j) {
+      f[j] = qv[j] * step[j];
       amax = fmaxf(amax, fabsf(f[j]));
-      bias = fmaf(qv, to_f32(cmin[c0 + j]), bias);
+      bias = fmaf(qv[j], cmin[j], bias);
     }
-  }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    bias += __shfl_xor_sync(0xffffffffu, bias, o);
-  }
-  const float a = amax / 127.0f;
-  unsigned packed[2] = {0u, 0u};
+    for (int o = 16; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      bias += __shfl_xor_sync(0xffffffffu, bias, o);
+    }
+    const float a = amax / 127.0f;
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;  // one IEEE division per row, then multiplies
+    unsigned packed[2] = {0u, 0u};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j < vpl) {
-      int v = a > 0.f ? __float2int_rn(f[j] / a) : 0;
+    for (int j = 0; j < VPL; ++j) {
+      int v = __float2int_rn(f[j] * inv);
       v = max(-127, min(127, v));
       packed[j >> 2] |= (unsigned)(v & 0xFF) << (8 * (j & 3));
     }
-  }
-  const long long row = (long long)l * M + m;
-  s8* dst = qi8 + row * D + c0;
-  if (vpl == 8) {
-    reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
-  } else if (vpl == 4) {
-    reinterpret_cast<unsigned*>(dst)[0] = packed[0];
-  } else if (vpl == 2) {
-    reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)(packed[0] & 0xFFFF);
-  } else {
-    for (int j = 0; j < vpl; ++j) dst[j] = (s8)((packed[j >> 2] >> (8 * (j & 3))) & 0xFF);
-  }
-  if (lane == 0) {
-    a_out[row] = a;
-    bias_out[row] = bias;
+    const long long row = (long long)l * M + m;
+    s8* dst = qi8 + row * D + c0;
+    if (VPL == 8) {
+      reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
+    } else if (VPL == 4) {
+      reinterpret_cast<unsigned*>(dst)[0] = packed[0];
+    } else {
+      reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)(packed[0] & 0xFFFF);
+    }
+    if (lane == 0) {
+      a_out[row] = a;
+      bias_out[row] = bias;
+    }
   }
 }
 
@@ -156,9 +175,15 @@ KVARN_UNPACK(kvarn_kscore_unpack_f32, float)
       const QT* q, long long q_row_stride, long long q_head_stride, const u8* pool,                   \
       const int* tile_index, long long record_stride, int chan_step_offset, int chan_min_offset,      \
       int M, int D, int n_tiles, s8* qi8, float* a_out, float* bias_out) {                            \
-    kscore_fold_impl<QT, SCALE>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,      \
-                                chan_step_offset, chan_min_offset, M, D, n_tiles, qi8, a_out,         \
-                                bias_out);                                                             \
+    if (D == 128)                                                                                      \
+      kscore_fold_impl<QT, SCALE, 4>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
+                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
+    else if (D == 64)                                                                                  \
+      kscore_fold_impl<QT, SCALE, 2>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
+                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
+    else if (D == 256)                                                                                 \
+      kscore_fold_impl<QT, SCALE, 8>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
+                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
   }
 
 KVARN_FOLD(kvarn_kscore_fold_f16_f16, __half, __half)

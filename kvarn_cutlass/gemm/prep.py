@@ -8,7 +8,7 @@ the record index of that (tile, KV head) in the pool, whose record starts at
   ``row_scale`` f32 [L, T] (the GEMM's column broadcast, converted from the record's scale dtype).
 * fold:   ``q`` [H, M, D] (f16/bf16/f32) + each batch's chanStep/chanMin ->
   ``qi8`` int8 [L, M, D], ``a`` f32 [L, M], ``bias`` f32 [L, M] with
-  ``qfold = q * chanStep``, ``a = max|qfold| / 127``, ``qi8 = rint(qfold / a)`` (0 when a == 0),
+  ``qfold = q * chanStep``, ``a = max|qfold| / 127``, ``qi8 = rint(qfold * (127 / max|qfold|))`` (0 when a == 0),
   ``bias = sum_c q * chanMin``.
 
 Then ``S[l, m, t] = scale * row_scale[l, t] * (a[l, m] * (qi8[l, m] . codes[l, t]) + bias[l, m])``.
@@ -112,9 +112,11 @@ def fold_reference(q: torch.Tensor, pool: torch.Tensor, tile_index: torch.Tensor
     qfold = qf * step[:, None, :]
     amax = qfold.abs().amax(dim=-1)
     a = amax / 127.0
-    safe = torch.where(a > 0, a, torch.ones_like(a))
-    qi8 = torch.where(a[..., None] > 0, torch.round(qfold / safe[..., None]), torch.zeros_like(qfold))
-    qi8 = qi8.clamp(-127, 127).to(torch.int8)
+    # same f32 arithmetic as the kernel: one division per row, then a multiply (bit-exact qi8)
+    # (tensor / tensor is an IEEE division; ``127.0 / tensor`` would be reciprocal() * 127 in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                      torch.zeros_like(amax))
+    qi8 = torch.round(qfold * inv[..., None]).clamp(-127, 127).to(torch.int8)
     bias = (qf * cmin[:, None, :]).sum(-1)
     return qi8, a, bias
 
@@ -219,8 +221,10 @@ class PrepKernels:
         H, M, D = q3.shape
         if q3.stride(2) != 1:
             raise ValueError(f"q must have unit channel stride, got strides {tuple(q3.stride())}")
-        if D != offs.head_dim or D % 64 and D != 32 * (D // 32):
-            raise ValueError(f"q head_dim {D} != tile head_dim {offs.head_dim}")
+        if D != offs.head_dim or D not in (64, 128, 256):
+            raise ValueError(f"q head_dim {D} must equal the tile head_dim {offs.head_dim} and be 64, 128 or 256")
+        if q3.data_ptr() % 16 or q3.stride(1) * q3.element_size() % 16 or (H > 1 and q3.stride(0) * q3.element_size() % 16):
+            raise ValueError(f"q must be 16-byte aligned with 16-byte aligned row/head strides (vector loads), strides {tuple(q3.stride())}")
         qtag = _QTAG.get(q3.dtype)
         if qtag is None:
             raise TypeError(f"q dtype {q3.dtype} not supported (float16, bfloat16, float32)")
@@ -232,7 +236,7 @@ class PrepKernels:
         _expect(bias, (L, M), torch.float32, "bias")
         _expect_dtype(tile_index, torch.int32, "tile_index")
         return self._fold[(qtag, offs.scale_tag)].prepare(
-            ((M + 7) // 8, L, 1), 256,
+            ((M + 63) // 64, L, 1), 256,
             (q3, q3.stride(1), q3.stride(0) if H > 1 else 0, pool, tile_index, offs.record_stride, offs.chan_step,
              offs.chan_min, M, D, n_tiles, qi8, a, bias))
 
