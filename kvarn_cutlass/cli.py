@@ -31,7 +31,7 @@ COMMANDS: dict[str, str] = {
     "tune": "kvarn_cutlass.gemm.tune",
     "perplexity": "kvarn_cutlass.cli_perplexity",
     "generate": "kvarn_cutlass.cli_generate",
-    # Planned, added by their owners: info, emit, sass, tune, demo, perplexity, generate.
+    "demo": "kvarn_cutlass.cli_demo",
 }
 
 
