@@ -29,7 +29,7 @@ from kvarn_cutlass.runtime import (
 )
 from kvarn_cutlass.runtime import diskcache, registry
 from kvarn_cutlass.runtime import spec as spec_mod
-from kvarn_cutlass.runtime.compiler import _nvcc_path, parse_ptxas_log
+from kvarn_cutlass.runtime.compiler import _nvcc_path, cubin_resources, kernel_resources, parse_ptxas_log
 from kvarn_cutlass.runtime.module import Kernel, _parse_signature
 from kvarn_cutlass.runtime.selftest import AXPY_SIGNATURE, MIX_SIGNATURE, SELFTEST, mix_params
 
@@ -79,7 +79,7 @@ def test_build_selftest_without_gpu(arch):
     assert set(SELFTEST.kernel_names) <= cubin_symbols(compiled.cubin)
     assert cubin_sm(compiled.cubin) == normalize_arch(arch)
     assert compiled.target == arch
-    assert set(compiled.resources) == set(SELFTEST.kernel_names)
+    assert set(compiled.resources) == set(SELFTEST.kernel_names), (compiled.cached, compiled.compiler, compiled.log)
     for res in compiled.resources.values():
         assert res.registers > 0 and res.spill_store_bytes == 0 and res.spill_load_bytes == 0
     assert compiled.compile_seconds > 0 and not compiled.cached
@@ -134,6 +134,41 @@ ptxas info    : Used 9 registers, 376 bytes cmem[0]
     assert (a.registers, a.shared_bytes, a.stack_bytes, a.spill_store_bytes, a.spill_load_bytes) == (255, 4096, 24, 8, 12)
     assert a.ptxas_ms == 3.5
     assert (res["kern_b"].registers, res["kern_b"].shared_bytes, res["kern_b"].stack_bytes) == (9, 0, 0)
+
+
+_SPILL = """extern "C" __global__ void spiller(float* out, const float* x, int n) {
+  __shared__ float s[300];
+  float acc[64];
+  for (int i = 0; i < 64; ++i) acc[i] = x[(threadIdx.x * 64 + i) % n];
+  s[threadIdx.x % 300] = acc[threadIdx.x % 64];
+  __syncthreads();
+  float r = 0; for (int i = 0; i < 64; ++i) r += acc[(i * 7 + n) % 64] * s[i];
+  out[threadIdx.x] = r;
+}
+extern "C" __global__ void plain(double* out) { __shared__ double t[10]; t[threadIdx.x % 10] = 1; __syncthreads(); out[0] = t[3]; }
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_cubin_resources_agree_with_ptxas(arch):
+    for source, options in ((_SPILL, ("--maxrregcount=16",)), (_SPILL, ()), (SELFTEST.source_path.read_text(), ())):
+        result = compile_cubin(source, "r.cu", arch, options)
+        from_log = parse_ptxas_log(result.log)
+        from_elf = cubin_resources(result.cubin)
+        assert set(from_elf) == set(from_log) and from_elf
+        for name, res in from_elf.items():
+            got = (res.registers, res.shared_bytes, res.stack_bytes)
+            assert got == (from_log[name].registers, from_log[name].shared_bytes, from_log[name].stack_bytes), name
+            assert res.spill_store_bytes is None
+        assert result.resources == from_log  # with a full log, both sources combined equal the log
+
+
+def test_resources_without_a_log():
+    """NVRTC's log can come back empty (seen after CUDA driver init): the CUBIN still gives the essentials."""
+    result = compile_cubin(_SPILL, "r.cu", "sm_90", ("--maxrregcount=16",))
+    res = kernel_resources(result.cubin, "")["spiller"]
+    assert res.registers == result.resources["spiller"].registers and res.stack_bytes > 0
+    assert res.shared_bytes == 1200 and res.spill_store_bytes is None and res.ptxas_ms is None
 
 
 def test_kernel_spec_validation():

@@ -126,7 +126,7 @@ def test_bad_launch_raises_cuda_error_naming_call_and_kernel():
     with pytest.raises(CudaError, match=r"cuFuncSetAttribute.*kvarn_selftest_reverse"):
         reverse.launch(1, 256, (x, x, 4), shared_mem=1 << 20)
     torch.cuda.synchronize()  # the context is still healthy
-    assert axpy(x + 1, x, 2.0).tolist() == [1.0] * 4
+    assert axpy(x + 1, x, 2.0).tolist() == [2.0] * 4
 
 
 def test_signature_checked_against_kernel_parameters():

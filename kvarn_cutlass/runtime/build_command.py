@@ -2,7 +2,8 @@
 
 Reports per kernel: registers, static shared memory, stack, spills and ptxas time,
 and per module the whole compile time (also for cache hits, where it is the time of
-the compilation that made the entry).
+the compilation that made the entry). Spills and ptxas time come from the compiler
+log and show as ``?`` (JSON ``null``) when the log lacked them.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
                         **base,
                         "target": compiled.target,
                         "kernel": kernel,
-                        **(vars(res) if res else {}),
+                        **(vars(res) if res is not None else {}),
                         "module_compile_s": round(compiled.compile_seconds, 4),
                         "cached": compiled.cached,
                         "compiler": compiled.compiler,
@@ -76,13 +77,17 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _table(records: list[dict[str, Any]]) -> str:
     head = ("family", "kernel", "target", "regs", "smem", "stack", "spill st/ld", "ptxas ms", "module s", "cached")
     rows = [head]
+
+    def show(value: Any, fmt: str = "{}") -> str:
+        return "?" if value is None else fmt.format(value)  # None: the compiler log did not say
+
     for r in records:
         if "error" in r:
             continue
         rows.append((
-            r["family"], r["kernel"], r["target"], str(r.get("registers", "?")), str(r.get("shared_bytes", "?")),
-            str(r.get("stack_bytes", "?")), f"{r.get('spill_store_bytes', '?')}/{r.get('spill_load_bytes', '?')}",
-            f"{r.get('ptxas_ms', 0.0):.1f}", f"{r['module_compile_s']:.3f}", "yes" if r["cached"] else "no",
+            r["family"], r["kernel"], r["target"], show(r.get("registers")), show(r.get("shared_bytes")),
+            show(r.get("stack_bytes")), f"{show(r.get('spill_store_bytes'))}/{show(r.get('spill_load_bytes'))}",
+            show(r.get("ptxas_ms"), "{:.1f}"), f"{r['module_compile_s']:.3f}", "yes" if r["cached"] else "no",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]

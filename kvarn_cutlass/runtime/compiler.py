@@ -4,9 +4,12 @@ Both backends get ``-arch=<target>`` (e.g. ``sm_90``, ``sm_90a``), ``--std=c++17
 and ptxas verbosity; NVRTC also gets ``-default-device`` (nvcc has no such option,
 so sources must mark device functions ``__device__`` to build with both).
 
-Resource usage (registers, static shared memory, stack, spills) is parsed from the
-ptxas ``-v`` report that both backends print into the compiler log, so it is known
-at build time on a CPU machine; no cuobjdump is needed.
+Resource usage is known at build time on a CPU machine, without cuobjdump: registers,
+stack frame and static shared memory are read from the CUBIN's ELF sections
+(:func:`cubin_resources`); spills and per-kernel ptxas time are parsed from the ptxas
+``-v`` report in the compiler log (:func:`parse_ptxas_log`). The log is the weaker
+source: on an H200 machine NVRTC 13.0 returned an empty log once the CUDA driver had
+been initialized in the process, so those two fields are then ``None``.
 
 The backend is chosen by the ``backend`` argument, else ``$KVARN_CUTLASS_COMPILER``
 (``nvrtc`` or ``nvcc``), else NVRTC.
@@ -22,7 +25,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -39,6 +42,8 @@ __all__ = [
     "compile_cubin",
     "full_options",
     "parse_ptxas_log",
+    "cubin_resources",
+    "kernel_resources",
     "cubin_symbols",
     "cubin_sm",
 ]
@@ -51,23 +56,28 @@ _ARCH_OPTION = re.compile(r"^(-arch|--gpu-architecture|-gencode|--generate-code|
 
 @dataclass(frozen=True)
 class KernelResources:
-    """Per-kernel resource usage reported by ptxas.
+    """Per-kernel resource usage.
+
+    Registers, stack and static shared memory come from the CUBIN itself (see
+    :func:`cubin_resources`), so they are always known; spills and ptxas time come
+    from the ptxas report in the compiler log and are ``None`` when the log lacks it.
 
     Attributes:
         registers: registers per thread.
-        shared_bytes: static shared memory per block (dynamic shared memory is a launch parameter).
+        shared_bytes: static shared memory per block, as ptxas counts it (dynamic shared
+            memory is a launch parameter).
         stack_bytes: stack frame (local memory) per thread.
-        spill_store_bytes: bytes of register spill stores per thread.
-        spill_load_bytes: bytes of register spill loads per thread.
-        ptxas_ms: ptxas time for this kernel (the module's front-end time is not split per kernel).
+        spill_store_bytes: bytes of register spill stores per thread, or None if unknown.
+        spill_load_bytes: bytes of register spill loads per thread, or None if unknown.
+        ptxas_ms: ptxas time for this kernel, or None if unknown (the front end is not split per kernel).
     """
 
     registers: int = 0
     shared_bytes: int = 0
     stack_bytes: int = 0
-    spill_store_bytes: int = 0
-    spill_load_bytes: int = 0
-    ptxas_ms: float = 0.0
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    ptxas_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -252,7 +262,7 @@ def compile_cubin(
     compile_fn = _nvrtc_compile if backend == "nvrtc" else _nvcc_compile
     cubin, log = compile_fn(source, source_name, all_opts)
     seconds = time.perf_counter() - start
-    return CompileResult(cubin=cubin, log=log, seconds=seconds, resources=parse_ptxas_log(log), compiler=version)
+    return CompileResult(cubin=cubin, log=log, seconds=seconds, resources=kernel_resources(cubin, log), compiler=version)
 
 
 def _nvrtc_compile(source: str, source_name: str, options: tuple[str, ...]) -> tuple[bytes, str]:
@@ -263,16 +273,17 @@ def _nvrtc_compile(source: str, source_name: str, options: tuple[str, ...]) -> t
         encoded = [o.encode() for o in options]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
         size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # Writable buffers: b" " * n may be a shared immutable object (n == 1 is CPython's cached b" ").
+        buf = bytearray(size)
         check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             reason = nvrtc.nvrtcGetErrorString(status)[1].decode()
             raise CompileError(source_name, log + _headers_hint(), options, reason=f"NVRTC: {reason}")
         size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -339,6 +350,24 @@ _ELF64_SECTION = struct.Struct("<IIQQQQIIQQ")
 _ELF64_SYMBOL = struct.Struct("<IBBHQQ")
 _SHT_SYMTAB = 2
 _STT_FUNC = 2
+# .nv.info attribute records: u8 format, u8 attribute, then a u16 value, or for format
+# EIFMT_SVAL a u16 size and that many bytes. The attributes read here hold (symbol index, value).
+_EIFMT_SVAL = 4
+_EIATTR_FRAME_SIZE = 0x11
+_EIATTR_REGCOUNT = 0x2F
+# From sm_90 on the toolchain adds this much reserved space to a kernel's .nv.shared section
+# when the kernel uses shared memory; ptxas's "bytes smem" does not count it.
+_SM90_RESERVED_SMEM = 1024
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    type: int
+    offset: int
+    size: int
+    link: int
+    entsize: int
 
 
 def _elf_header(cubin: bytes) -> tuple:
@@ -347,26 +376,38 @@ def _elf_header(cubin: bytes) -> tuple:
     return _ELF64_HEADER.unpack_from(cubin, 0)
 
 
+def _cstr(cubin: bytes, offset: int) -> str:
+    return cubin[offset : cubin.index(b"\0", offset)].decode()
+
+
+def _elf_sections(cubin: bytes) -> list[_Section]:
+    hdr = _elf_header(cubin)
+    shoff, shentsize, shnum, shstrndx = hdr[6], hdr[11], hdr[12], hdr[13]
+    raw = [_ELF64_SECTION.unpack_from(cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = raw[shstrndx][4]
+    return [_Section(_cstr(cubin, names_at + r[0]), r[1], r[4], r[5], r[6], r[9]) for r in raw]
+
+
+def _elf_symbols(cubin: bytes, sections: list[_Section]) -> list[tuple[str, int]]:
+    """(name, st_info) of every symbol, in symbol-table order (indices match .nv.info records)."""
+    out: list[tuple[str, int]] = []
+    for sec in sections:
+        if sec.type != _SHT_SYMTAB:
+            continue
+        names_at = sections[sec.link].offset
+        for pos in range(sec.offset, sec.offset + sec.size, sec.entsize or _ELF64_SYMBOL.size):
+            st_name, st_info = _ELF64_SYMBOL.unpack_from(cubin, pos)[:2]
+            out.append((_cstr(cubin, names_at + st_name), st_info))
+    return out
+
+
 def cubin_symbols(cubin: bytes) -> set[str]:
     """Names of the function symbols in a CUBIN (kernels with ``extern "C"`` keep their source name).
 
     Raises:
         ValueError: ``cubin`` is not a 64-bit ELF image.
     """
-    hdr = _elf_header(cubin)
-    shoff, shentsize, shnum = hdr[6], hdr[11], hdr[12]
-    sections = [_ELF64_SECTION.unpack_from(cubin, shoff + i * shentsize) for i in range(shnum)]
-    names: set[str] = set()
-    for _, sh_type, _, _, off, size, link, _, _, entsize in sections:
-        if sh_type != _SHT_SYMTAB:
-            continue
-        str_off = sections[link][4]
-        for pos in range(off, off + size, entsize or _ELF64_SYMBOL.size):
-            st_name, st_info = _ELF64_SYMBOL.unpack_from(cubin, pos)[:2]
-            if st_info & 0xF == _STT_FUNC:
-                end = cubin.index(b"\0", str_off + st_name)
-                names.add(cubin[str_off + st_name : end].decode())
-    return names
+    return {name for name, info in _elf_symbols(cubin, _elf_sections(cubin)) if info & 0xF == _STT_FUNC}
 
 
 def cubin_sm(cubin: bytes) -> int:
@@ -375,3 +416,54 @@ def cubin_sm(cubin: bytes) -> int:
     abi_version, flags = hdr[0][8], hdr[7]
     # ELF ABI version 8 (CUDA 12.8+) moved the SM number from bits 0-7 to bits 8-15.
     return (flags >> 8) & 0xFF if abi_version >= 8 else flags & 0xFF
+
+
+def cubin_resources(cubin: bytes) -> dict[str, KernelResources]:
+    """Kernel name -> registers, stack frame and static shared memory, read from a CUBIN.
+
+    Registers and stack come from the ``EIATTR_REGCOUNT`` / ``EIATTR_FRAME_SIZE`` records
+    of the ``.nv.info`` section, static shared memory from the size of ``.nv.shared.<kernel>``
+    (less the 1 KiB the toolchain reserves in it from sm_90 on). Spills and ptxas time
+    are not in the CUBIN and stay ``None``.
+
+    Raises:
+        ValueError: ``cubin`` is not a 64-bit ELF image.
+    """
+    sections = _elf_sections(cubin)
+    symbols = _elf_symbols(cubin, sections)
+    regs: dict[str, int] = {}
+    stack: dict[str, int] = {}
+    for sec in sections:
+        if sec.name != ".nv.info":
+            continue
+        pos, end = sec.offset, sec.offset + sec.size
+        while pos + 4 <= end:
+            fmt, attr, size = cubin[pos], cubin[pos + 1], struct.unpack_from("<H", cubin, pos + 2)[0]
+            if fmt == _EIFMT_SVAL and attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and size == 8:
+                sym, value = struct.unpack_from("<II", cubin, pos + 4)
+                (regs if attr == _EIATTR_REGCOUNT else stack)[symbols[sym][0]] = value
+            pos += 4 + (size if fmt == _EIFMT_SVAL else 0)
+    shared = {sec.name[len(".nv.shared.") :]: sec.size for sec in sections if sec.name.startswith(".nv.shared.")}
+    reserved = _SM90_RESERVED_SMEM if cubin_sm(cubin) >= 90 else 0
+    kernels = {name for name, info in symbols if info & 0xF == _STT_FUNC} & set(regs)
+    return {
+        k: KernelResources(
+            registers=regs[k],
+            shared_bytes=max(shared.get(k, 0) - reserved, 0),
+            stack_bytes=stack.get(k, 0),
+        )
+        for k in kernels
+    }
+
+
+def kernel_resources(cubin: bytes, log: str) -> dict[str, KernelResources]:
+    """:func:`cubin_resources`, with spills and ptxas time from the compile log where it has them."""
+    from_log = parse_ptxas_log(log)
+    out = {}
+    for name, res in cubin_resources(cubin).items():
+        extra = from_log.get(name)
+        if extra is not None:
+            res = replace(res, spill_store_bytes=extra.spill_store_bytes, spill_load_bytes=extra.spill_load_bytes,
+                          ptxas_ms=extra.ptxas_ms)
+        out[name] = res
+    return out

@@ -28,7 +28,8 @@ __all__ = ["CSRC_DIR", "KernelSpec", "CompiledModule", "build", "get_module"]
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 # Bump when the payload layout below or the meaning of a key field changes.
-_PAYLOAD_VERSION = 1
+# 2: resources read from the CUBIN (version 1 took them from a log that can be empty).
+_PAYLOAD_VERSION = 2
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 _LEN = struct.Struct("<I")
 
