@@ -210,7 +210,9 @@ def _stream_handle(stream: Any, device_index: int, current_stream) -> int:
             return int(stream)
     except ImportError:
         pass
-    raise TypeError(f"stream must be None, a torch.cuda.Stream, a CUstream or an int handle, got {type(stream).__name__}")
+    raise TypeError(
+        f"stream must be None, a torch.cuda.Stream, a CUstream or an int handle, got {type(stream).__name__}"
+    )
 
 
 # --- modules, kernels, launches -------------------------------------------------------------------
@@ -246,7 +248,8 @@ class Module:
                 _make_current(self._ctx, int(self._ctx), name)
                 from cuda.bindings import driver
 
-                func = check_driver(driver.cuModuleGetFunction(self._handle, name.encode()), "cuModuleGetFunction", name)
+                result = driver.cuModuleGetFunction(self._handle, name.encode())
+                func = check_driver(result, "cuModuleGetFunction", name)
                 _check_params(func, name, params)
                 k = self._kernels[key] = Kernel(self, name, params, func)
             return k
@@ -262,7 +265,9 @@ def _check_params(func: Any, name: str, params: tuple[_Param, ...]) -> None:
             raise TypeError(f"kernel {name!r} takes {i} parameters, the signature declares {len(params)}")
         check_driver((status,), "cuFuncGetParamInfo", name)
         if size != p.size:
-            raise ValueError(f"kernel {name!r} {p.label}: the kernel's parameter is {size} bytes, the signature says {p.size}")
+            raise ValueError(
+                f"kernel {name!r} {p.label}: the kernel's parameter is {size} bytes, the signature says {p.size}"
+            )
     status = driver.cuFuncGetParamInfo(func, len(params))[0]
     if status == driver.CUresult.CUDA_SUCCESS:
         raise TypeError(f"kernel {name!r} takes more than the {len(params)} parameters the signature declares")
@@ -299,7 +304,8 @@ class Kernel:
             raise TypeError(f"kernel {self.name!r}: args must be a tuple or list, got {type(args).__name__}")
         if len(args) != len(self._params):
             raise TypeError(
-                f"kernel {self.name!r} takes {len(self._params)} arguments ({', '.join(self.signature)}), got {len(args)}"
+                f"kernel {self.name!r} takes {len(self._params)} arguments "
+                f"({', '.join(self.signature)}), got {len(args)}"
             )
         holders = [_convert(p, a, self.name, self.module.device_index) for p, a in zip(self._params, args)]
         array = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
@@ -371,7 +377,9 @@ class PreparedLaunch:
     sets the configuration's stream, so prepare one per thread.
     """
 
-    __slots__ = ("kernel", "_config", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device", "_stream_of")
+    __slots__ = (
+        "kernel", "_config", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device", "_stream_of"
+    )
 
     def __init__(self, kernel: Kernel, config: Any, holders: list, array: ctypes.Array):
         self.kernel = kernel
@@ -395,7 +403,10 @@ class PreparedLaunch:
         """
         from cuda.bindings import driver
 
-        self._config.hStream = self._stream_of(self._device) if stream is None else _stream_handle(stream, self._device, self._stream_of)
+        if stream is None:
+            self._config.hStream = self._stream_of(self._device)
+        else:
+            self._config.hStream = _stream_handle(stream, self._device, self._stream_of)
         _make_current(self._ctx, self._ctx_int, self.kernel.name)
         result = driver.cuLaunchKernelEx(self._config, self._func, self._array_addr, 0)
         if result[0] != driver.CUresult.CUDA_SUCCESS:
