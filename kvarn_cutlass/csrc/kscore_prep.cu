@@ -1,5 +1,12 @@
 // K-score GEMM prep kernels (NVRTC; sm_80+): unpack K tiles to int8 token-major rows, fold queries.
 //
+// Centered codes + two-level residual fold, one s8 x s8 -> s32 GEMM of depth K = 2*D:
+//   codes row t = [16*(code-8) for c] ++ [(code-8) for c]       (values in [-128, 112] and [-8, 7])
+//   qi8 row m   = [hi for c] ++ [lo for c], x = qfold*127/max|qfold|, hi = rint(x), lo = rint((x-hi)*16)
+//   => qi8 . codes = 16 * sum_c (hi + lo/16) * (code-8), exact in int32; |x - (hi + lo/16)| <= 1/32.
+// The per-row GEMM scale a = max|qfold|/127/16 carries the 1/16, bias carries the centering offset:
+//   bias = sum_c q * (chanMin + 8*chanStep).
+//
 // Batch index convention (shared with kvarn_cutlass.gemm): l in [0, L), l = head * n_tiles + tile,
 // where tile_index[l] is the record index of that (tile, KV head) in the tile pool: the record
 // starts at pool + tile_index[l] * record_stride bytes.
@@ -19,10 +26,11 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162flo
 __device__ __forceinline__ float to_f32(float x) { return x; }
 
 // ---------------------------------------------------------------------------------------------
-// (a) unpack: codes_out int8 [L, T, D] (token-major, codes 0..15), rs_out f32 [L, T].
+// (a) unpack: codes_out int8 [L, T, 2D] (token-major, row = [16*(code-8) ++ (code-8)]), rs_out f32 [L, T].
 // One block per batch l; the D*T/2 code bytes are staged in shared memory with an odd row pitch
-// (T/2 + 1 bytes) so the transposed reads are bank-conflict free; every thread then writes
-// 16-byte chunks of output rows (consecutive threads -> consecutive chunks of one row).
+// (T/2 + 1 bytes) so the transposed reads are bank-conflict free; every thread then builds one
+// 16-channel chunk of a token row and writes it twice (16-byte stores): scaled at c0, plain at D + c0
+// (consecutive threads -> consecutive chunks of one row).
 // dynamic smem: D * (T/2 + 1) bytes.
 template <typename SCALE>
 __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __restrict__ tile_index,
@@ -50,7 +58,7 @@ __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __res
   __syncthreads();
   const int chunks_per_row = D >> 4;
   const int nchunks = T * chunks_per_row;
-  s8* out = codes_out + (long long)l * T * D;
+  s8* out = codes_out + (long long)l * T * (2 * D);
   for (int i = threadIdx.x; i < nchunks; i += blockDim.x) {
     const int t = i / chunks_per_row, c0 = (i - t * chunks_per_row) << 4;
     const int shift = (t & 1) << 2;
@@ -66,21 +74,34 @@ __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __res
       }
       w[q] = acc;
     }
-    reinterpret_cast<uint4*>(out + (long long)t * D + c0)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    // per byte: x = code ^ 8 is (code - 8) as a 4-bit two's complement value (0..15, no inter-byte carries)
+    //   16*(code-8) mod 256 = x << 4;  (code-8) as int8 = x sign-extended from bit 3
+    unsigned whi[4], wlo[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned x = w[q] ^ 0x08080808u;
+      whi[q] = x << 4;
+      wlo[q] = x | (((x >> 3) & 0x01010101u) * 0xF0u);
+    }
+    s8* row = out + (long long)t * (2 * D);
+    reinterpret_cast<uint4*>(row + c0)[0] = make_uint4(whi[0], whi[1], whi[2], whi[3]);
+    reinterpret_cast<uint4*>(row + D + c0)[0] = make_uint4(wlo[0], wlo[1], wlo[2], wlo[3]);
   }
   const SCALE* rs = reinterpret_cast<const SCALE*>(rec + row_scale_offset);
   for (int t = threadIdx.x; t < T; t += blockDim.x) rs_out[(long long)l * T + t] = to_f32(rs[t]);
 }
 
 // ---------------------------------------------------------------------------------------------
-// (b) fold: for batch l (head h = l / n_tiles) and query row m:
-//   qfold[c] = q[h, m, c] * chanStep[c];  a = max_c |qfold| / 127;
-//   qi8 = rint(qfold * (127 / max_c |qfold|)) (0 if the row is 0) -- f32, bit-exact with fold_reference
-//   bias = sum_c q[h, m, c] * chanMin[c]
+// (b) fold: for batch l (head h = l / n_tiles) and query row m (all f32, bit-exact with fold_reference
+// for qi8 and a):
+//   qfold[c] = q[h, m, c] * chanStep[c];  x = qfold * (127 / max_c |qfold|) (0 if the row is 0)
+//   hi = rint(x) in [-127, 127];  lo = rint((x - hi) * 16) in [-8, 8]  (x - hi exact: Sterbenz)
+//   qi8 row = [hi ++ lo] (2D bytes);  a = (max_c |qfold| / 127) / 16
+//   bias = sum_c q[h, m, c] * (chanMin[c] + 8 * chanStep[c])
 // q: [H, M, D] with row stride q_row_stride and head stride q_head_stride (elements).
-// Out: qi8 int8 [L, M, D], a f32 [L, M], bias f32 [L, M].  Grid (ceil(M / FOLD_ROWS), L), 256 threads:
+// Out: qi8 int8 [L, M, 2D], a f32 [L, M], bias f32 [L, M].  Grid (ceil(M / FOLD_ROWS), L), 256 threads:
 // each warp loads its lane's VPL = D/32 contiguous chanStep/chanMin once, then walks FOLD_ROWS/8 rows,
-// one row per iteration (vector loads of q, one vector store of qi8 per lane).
+// one row per iteration (vector loads of q, two vector stores of qi8 per lane: hi at c0, lo at D + c0).
 #define FOLD_ROWS 64
 
 template <int BYTES> struct VecT;
@@ -115,6 +136,8 @@ __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_strid
   float step[VPL], cmin[VPL];
   load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_step_offset) + c0, step);
   load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_min_offset) + c0, cmin);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) cmin[j] = cmin[j] + 8.0f * step[j];  // centering offset of the codes
   const QT* qh = q + (long long)h * q_head_stride + c0;
   const int m_end = min(M, (int)(blockIdx.x + 1) * FOLD_ROWS);
 #pragma unroll 2
@@ -134,23 +157,30 @@ __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_strid
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       bias += __shfl_xor_sync(0xffffffffu, bias, o);
     }
-    const float a = amax / 127.0f;
+    const float a = (amax / 127.0f) * 0.0625f;  // the residual level's 1/16 (exact power of two)
     const float inv = amax > 0.f ? 127.0f / amax : 0.f;  // one IEEE division per row, then multiplies
-    unsigned packed[2] = {0u, 0u};
+    unsigned phi[2] = {0u, 0u}, plo[2] = {0u, 0u};
 #pragma unroll
     for (int j = 0; j < VPL; ++j) {
-      int v = __float2int_rn(f[j] * inv);
-      v = max(-127, min(127, v));
-      packed[j >> 2] |= (unsigned)(v & 0xFF) << (8 * (j & 3));
+      const float x = f[j] * inv;
+      const float hf = fminf(127.0f, fmaxf(-127.0f, rintf(x)));
+      int lo = __float2int_rn((x - hf) * 16.0f);
+      lo = max(-8, min(8, lo));
+      const int hi = (int)hf;
+      phi[j >> 2] |= (unsigned)(hi & 0xFF) << (8 * (j & 3));
+      plo[j >> 2] |= (unsigned)(lo & 0xFF) << (8 * (j & 3));
     }
     const long long row = (long long)l * M + m;
-    s8* dst = qi8 + row * D + c0;
+    s8* dst = qi8 + row * (2 * D) + c0;
     if (VPL == 8) {
-      reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
+      reinterpret_cast<uint2*>(dst)[0] = make_uint2(phi[0], phi[1]);
+      reinterpret_cast<uint2*>(dst + D)[0] = make_uint2(plo[0], plo[1]);
     } else if (VPL == 4) {
-      reinterpret_cast<unsigned*>(dst)[0] = packed[0];
+      reinterpret_cast<unsigned*>(dst)[0] = phi[0];
+      reinterpret_cast<unsigned*>(dst + D)[0] = plo[0];
     } else {
-      reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)(packed[0] & 0xFFFF);
+      reinterpret_cast<unsigned short*>(dst)[0] = (unsigned short)(phi[0] & 0xFFFF);
+      reinterpret_cast<unsigned short*>(dst + D)[0] = (unsigned short)(plo[0] & 0xFFFF);
     }
     if (lane == 0) {
       a_out[row] = a;

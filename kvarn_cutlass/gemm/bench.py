@@ -1,9 +1,10 @@
 """Bench section ``gemm``: the prefill K-score path on an sm_90 GPU.
 
 Problem (default): M = 4096 query rows, N = T = 128 tokens per tile, L = 128 tiles (16384 tokens,
-one KV head), K = D = 128, f16 scores.  Reports
-  * GEMM incl. EVT epilogue: median time, TOPS-equivalent = 2*M*N*K*L / time, and bytes moved
-    (qi8 + codes read, scores written, vectors) / time,
+one KV head), D = 128 (GEMM depth K = 2*D = 256: the [hi ++ lo] two-level fold, see gemm.prep),
+f16 scores.  Reports
+  * GEMM incl. EVT epilogue: median time, TOPS = 2*M*N*K*L / time (K = 2D: the int8 ops actually
+    issued), and bytes moved (qi8 + codes read, scores written, vectors) / time,
   * unpack and fold kernels: time and achieved bandwidth (bytes read + written / time),
   * host launch overhead of ``KScoreGemm.run`` (wall time per call of 1000 enqueues, no sync).
 Inputs rotate over several sets so that L2 (60 MB) does not serve them.
@@ -49,17 +50,18 @@ def bench_gemm(opts: Any = None, M: int = 4096, T: int = 128, n_tiles: int = 128
         return {
             "pool": pool, "tile_index": torch.arange(L, dtype=torch.int32, device=dev),
             "q": torch.randn(1, M, D, device=dev, generator=gen).half(),
-            "qi8": torch.empty(L, M, D, dtype=torch.int8, device=dev),
+            "qi8": torch.empty(L, M, 2 * D, dtype=torch.int8, device=dev),
             "a": torch.empty(L, M, device=dev), "bias": torch.empty(L, M, device=dev),
-            "codes": torch.empty(L, T, D, dtype=torch.int8, device=dev), "rs": torch.empty(L, T, device=dev),
+            "codes": torch.empty(L, T, 2 * D, dtype=torch.int8, device=dev), "rs": torch.empty(L, T, device=dev),
             "out": torch.empty(L, M, T, dtype=out_t, device=dev),
         }
 
-    per_set = L * (M * D + T * D + M * T * torch.finfo(out_t).bits // 8 + spec.tile_nbytes)
+    K = 2 * D
+    per_set = L * (M * K + T * K + M * T * torch.finfo(out_t).bits // 8 + spec.tile_nbytes)
     nsets = min(rotation_count(per_set), 4) if rotation_count else 2
     sets = [make_set() for _ in range(nsets)]
     prep = PrepKernels(dev)
-    g = KScoreGemm(M, T, D, L, out_dtype, config=config, device=dev)
+    g = KScoreGemm(M, T, K, L, out_dtype, config=config, device=dev)
     runs = 20 if quick else 100
 
     # prepare all launches once (what a prefill with stable scratch buffers does)
@@ -86,14 +88,14 @@ def bench_gemm(opts: Any = None, M: int = 4096, T: int = 128, n_tiles: int = 128
     torch.cuda.synchronize()
 
     ob = torch.finfo(out_t).bits // 8
-    gemm_bytes = L * (M * D + T * D + M * T * ob + 8 * M + 4 * T)
-    unpack_bytes = L * (D * T // 2 + 2 * T + D * T + 4 * T)
-    fold_bytes = L * (M * D * 2 + 4 * D + M * D + 8 * M)  # q re-read per tile (L2-resident in practice)
+    gemm_bytes = L * (M * K + T * K + M * T * ob + 8 * M + 4 * T)
+    unpack_bytes = L * (D * T // 2 + 2 * T + K * T + 4 * T)
+    fold_bytes = L * (M * D * 2 + 4 * D + M * K + 8 * M)  # q re-read per tile (L2-resident in practice)
     us = t_gemm.median_us
     return {
-        "problem": {"M": M, "N": T, "K": D, "L": L, "tokens": T * n_tiles, "out_dtype": out_dtype},
+        "problem": {"M": M, "N": T, "K": K, "D": D, "L": L, "tokens": T * n_tiles, "out_dtype": out_dtype},
         "config": g.config.to_dict(), "config_name": g.config.name, "grid": list(g.grid or ()),
-        "gemm": {"timing": t_gemm.to_dict(), "tops_equiv": round(2 * M * T * D * L / (us * 1e-6) / 1e12, 2),
+        "gemm": {"timing": t_gemm.to_dict(), "tops_equiv": round(2 * M * T * K * L / (us * 1e-6) / 1e12, 2),
                  "gb_per_s": round(gemm_bytes / (us * 1e-6) / 1e9, 1), "bytes": gemm_bytes},
         "unpack": {"timing": t_unpack.to_dict(), "bytes": unpack_bytes,
                    "gb_per_s": round(unpack_bytes / (t_unpack.median_us * 1e-6) / 1e9, 1)},

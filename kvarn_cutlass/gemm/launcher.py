@@ -1,11 +1,14 @@
 """``KScoreGemm``: the sm_90 K-score GEMM prepared once for a problem, launched cheaply.
 
-    g = KScoreGemm(M=4096, N=128, K=128, L=128, out_dtype="f16")      # picks a config (configs.py)
+    g = KScoreGemm(M=4096, N=128, K=256, L=128, out_dtype="f16")      # D=128; picks a config (configs.py)
     g.run(qi8, codes, a, bias, row_scale, scale, out)                   # on torch's current stream
 
 Shapes (per batch l = head * n_tiles + tile, see :mod:`.prep`):
     qi8 int8 [L, M, K]; codes int8 [L, N, K] (token-major); a, bias f32 [L, M]; row_scale f32 [L, N];
     out [L, M, N] (f16/f32 per config; int32 for the "s32" accumulator test path).
+K is the GEMM depth: K = 2 * head_dim for the prep kernels' operands (centered codes ``[16*(c-8) ++ (c-8)]``
+against the two-level fold ``[hi ++ lo]``).  The config table stays keyed by head_dim: a config is
+selected for the bucket of D = K // 2 (tile_k divides D, hence K) and validated for the real K.
 
 ``run`` does no emission, compilation, allocation or synchronisation: the kernel ``Params`` bytes
 (TMA descriptors) are built by the config's host helper once per (pointer set, scale) and the packed
@@ -38,7 +41,9 @@ class KScoreGemm:
         if config is None:
             from .configs import select_config
 
-            config = select_config(90, M=M, N=N, K=K, L=L, out_dtype=out_dtype)
+            if K % 2:
+                raise ValueError(f"K={K} must be 2 * head_dim (the [hi ++ lo] operands of gemm.prep)")
+            config = select_config(90, M=M, N=N, K=K // 2, L=L, out_dtype=out_dtype)  # bucket by head_dim
         if config.out_dtype != out_dtype:
             raise ValueError(f"config out_dtype {config.out_dtype!r} != requested {out_dtype!r}")
         ok, why = validate_for_problem(config, M, N, K, L)

@@ -4,14 +4,23 @@ Batch convention: ``l = head * n_tiles + tile`` for ``l in range(L)``; ``tile_in
 the record index of that (tile, KV head) in the pool, whose record starts at
 ``pool + tile_index[l] * record_stride`` bytes.
 
-* unpack: pool records -> ``codes`` int8 [L, T, D] token-major (values 0..15) and
-  ``row_scale`` f32 [L, T] (the GEMM's column broadcast, converted from the record's scale dtype).
-* fold:   ``q`` [H, M, D] (f16/bf16/f32) + each batch's chanStep/chanMin ->
-  ``qi8`` int8 [L, M, D], ``a`` f32 [L, M], ``bias`` f32 [L, M] with
-  ``qfold = q * chanStep``, ``a = max|qfold| / 127``, ``qi8 = rint(qfold * (127 / max|qfold|))`` (0 when a == 0),
-  ``bias = sum_c q * chanMin``.
+Centered codes, two-level residual fold: the GEMM depth is ``K = 2 * D`` (operands ``[hi ++ lo]``).
 
-Then ``S[l, m, t] = scale * row_scale[l, t] * (a[l, m] * (qi8[l, m] . codes[l, t]) + bias[l, m])``.
+* unpack: pool records -> ``codes`` int8 [L, T, 2D] token-major, row ``t`` =
+  ``[16 * (code - 8) for c in 0..D-1] ++ [(code - 8) for c in 0..D-1]`` (values in [-128, 112] and
+  [-8, 7]) and ``row_scale`` f32 [L, T] (the GEMM's column broadcast, converted from the record's
+  scale dtype).
+* fold:   ``q`` [H, M, D] (f16/bf16/f32) + each batch's chanStep/chanMin ->
+  ``qi8`` int8 [L, M, 2D], ``a`` f32 [L, M], ``bias`` f32 [L, M] with (all f32)
+  ``qfold = q * chanStep``, ``x = qfold * (127 / max|qfold|)`` (0 when the row is 0),
+  ``hi = rint(x)`` in [-127, 127], ``lo = rint((x - hi) * 16)`` in [-8, 8], row ``[hi ++ lo]``;
+  ``a = (max|qfold| / 127) / 16`` (the GEMM's per-row scale: the 1/16 of the residual level is folded
+  into ``a``, so the GEMM epilogue is unchanged);
+  ``bias = sum_c q * (chanMin + 8 * chanStep)`` (the centering offset of the codes, exact in f32 terms).
+
+Then ``S[l, m, t] = scale * row_scale[l, t] * (a[l, m] * (qi8[l, m] . codes[l, t]) + bias[l, m])`` with
+``qi8 . codes = 16 * sum_c (hi + lo / 16) * (code - 8)``, exact in int32 (``|.| <= D * 16320 < 2^23``), and
+``|x - (hi + lo / 16)| <= 1/32`` per channel (one int8 level would give 1/2).
 """
 from __future__ import annotations
 
@@ -81,21 +90,25 @@ def _scales(recs: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.T
 
 
 def unpack_reference(pool: torch.Tensor, tile_index: torch.Tensor, offs: TileOffsets) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int8 [L, T, D] token-major, row_scale f32 [L, T]) for the selected records."""
+    """(codes int8 [L, T, 2D] token-major ``[16*(code-8) ++ (code-8)]``, row_scale f32 [L, T]) for the records."""
     offs.check()
     T, D = offs.tile_tokens, offs.head_dim
     recs = _records(pool, tile_index, offs)
     b = recs[:, offs.k_codes:offs.k_codes + D * T // 2].reshape(-1, D, T // 2).to(torch.int16)
     lo, hi = b & 0xF, (b >> 4) & 0xF
     codes_ct = torch.stack((lo, hi), dim=-1).reshape(-1, D, T)  # [L, D, T]; even token = low nibble
-    codes = codes_ct.transpose(1, 2).contiguous().to(torch.int8)
+    centered = codes_ct.transpose(1, 2) - 8  # [L, T, D] in [-8, 7]
+    codes = torch.cat((centered * 16, centered), dim=-1).contiguous().to(torch.int8)
     rs = _scales(recs, offs.row_scale, T, offs.scale_dtype)
     return codes, rs
 
 
 def fold_reference(q: torch.Tensor, pool: torch.Tensor, tile_index: torch.Tensor, offs: TileOffsets,
                    n_tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qi8 int8 [L, M, D], a f32 [L, M], bias f32 [L, M]); ``q`` is [H, M, D] (or [M, D] for H=1)."""
+    """(qi8 int8 [L, M, 2D] ``[hi ++ lo]``, a f32 [L, M], bias f32 [L, M]); ``q`` is [H, M, D] (or [M, D] for H=1).
+
+    Same f32 arithmetic as the kernel, so ``qi8`` and ``a`` are bit-exact; ``bias`` is the same sum in
+    another order (the kernel: per-lane fma chains + a warp butterfly)."""
     offs.check()
     if q.dim() == 2:
         q = q.unsqueeze(0)
@@ -111,19 +124,25 @@ def fold_reference(q: torch.Tensor, pool: torch.Tensor, tile_index: torch.Tensor
     qf = q.to(torch.float32).repeat_interleave(n_tiles, dim=0)  # [L, M, D], l = h*n_tiles + tile
     qfold = qf * step[:, None, :]
     amax = qfold.abs().amax(dim=-1)
-    a = amax / 127.0
+    a = (amax / 127.0) * 0.0625  # the 1/16 of the residual level (exact: a power of two)
     # same f32 arithmetic as the kernel: one division per row, then a multiply (bit-exact qi8)
     # (tensor / tensor is an IEEE division; ``127.0 / tensor`` would be reciprocal() * 127 in torch)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
                       torch.zeros_like(amax))
-    qi8 = torch.round(qfold * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    bias = (qf * cmin[:, None, :]).sum(-1)
+    x = qfold * inv[..., None]
+    hi = torch.round(x).clamp(-127, 127)
+    lo = torch.round((x - hi) * 16.0).clamp(-8, 8)  # x - hi is exact (Sterbenz), * 16 exact
+    qi8 = torch.cat((hi, lo), dim=-1).to(torch.int8)
+    cm8 = cmin + 8.0 * step  # chanMin + 8*chanStep: the centering offset of the codes
+    bias = (qf * cm8[:, None, :]).sum(-1)
     return qi8, a, bias
 
 
 def kscore_reference(qi8: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, bias: torch.Tensor,
                      row_scale: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(acc int64 [L, M, N], S float64 [L, M, N]) of the GEMM + epilogue, exactly (CPU, int64/f64)."""
+    """(acc int64 [L, M, N], S float64 [L, M, N]) of the GEMM + epilogue, exactly (CPU, int64/f64).
+
+    ``qi8`` [L, M, K] and ``codes`` [L, N, K] with K = 2D for the fold/unpack operands (any K works)."""
     acc = torch.matmul(qi8.cpu().to(torch.int64), codes.cpu().to(torch.int64).transpose(1, 2))
     S = scale * row_scale.cpu().double()[:, None, :] * (a.cpu().double()[..., None] * acc.double()
                                                        + bias.cpu().double()[..., None])
@@ -196,7 +215,7 @@ class PrepKernels:
         offs.check()
         L = tile_index.numel()
         T, D = offs.tile_tokens, offs.head_dim
-        _expect(codes_out, (L, T, D), torch.int8, "codes_out")
+        _expect(codes_out, (L, T, 2 * D), torch.int8, "codes_out")
         _expect(rs_out, (L, T), torch.float32, "rs_out")
         _expect_dtype(tile_index, torch.int32, "tile_index")
         smem = D * (T // 2 + 1)
@@ -208,7 +227,7 @@ class PrepKernels:
     def unpack(self, pool, tile_index, offs: TileOffsets, codes_out=None, rs_out=None, stream=None):
         L = tile_index.numel()
         if codes_out is None:
-            codes_out = torch.empty((L, offs.tile_tokens, offs.head_dim), dtype=torch.int8, device=pool.device)
+            codes_out = torch.empty((L, offs.tile_tokens, 2 * offs.head_dim), dtype=torch.int8, device=pool.device)
         if rs_out is None:
             rs_out = torch.empty((L, offs.tile_tokens), dtype=torch.float32, device=pool.device)
         self.prepare_unpack(pool, tile_index, offs, codes_out, rs_out).launch(stream)
@@ -231,7 +250,7 @@ class PrepKernels:
         L = tile_index.numel()
         if L != H * n_tiles:
             raise ValueError(f"L={L} != H={H} * n_tiles={n_tiles}")
-        _expect(qi8, (L, M, D), torch.int8, "qi8")
+        _expect(qi8, (L, M, 2 * D), torch.int8, "qi8")
         _expect(a, (L, M), torch.float32, "a")
         _expect(bias, (L, M), torch.float32, "bias")
         _expect_dtype(tile_index, torch.int32, "tile_index")
@@ -243,7 +262,7 @@ class PrepKernels:
     def fold(self, q, pool, tile_index, offs: TileOffsets, n_tiles: int, qi8=None, a=None, bias=None, stream=None):
         q3 = q.unsqueeze(0) if q.dim() == 2 else q
         L, M, D = tile_index.numel(), q3.shape[1], q3.shape[2]
-        qi8 = torch.empty((L, M, D), dtype=torch.int8, device=q.device) if qi8 is None else qi8
+        qi8 = torch.empty((L, M, 2 * D), dtype=torch.int8, device=q.device) if qi8 is None else qi8
         a = torch.empty((L, M), dtype=torch.float32, device=q.device) if a is None else a
         bias = torch.empty((L, M), dtype=torch.float32, device=q.device) if bias is None else bias
         self.prepare_fold(q, pool, tile_index, offs, n_tiles, qi8, a, bias).launch(stream)
