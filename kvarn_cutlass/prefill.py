@@ -9,9 +9,10 @@ Pipeline (unfused; one pass per tile group, online softmax state carried across 
 
     q [B, Hq, n, D] -> rows [B*Hkv, group*n (pad to Mp), D] -> WHT (f32)                      (rotate)
     per tile group (head range x tile range, sized to the scratch budget):
-        fold:   qi8 [L, Mp, D] int8, a, bias [L, Mp]            (gemm.prep kernel / torch ref)
-        unpack: K codes int8 [L, T, D], row_scale [L, T]         (gemm.prep kernel / torch ref)
-        GEMM:   S [L, Mp, T] = scale*rs*(a*(qi8 . codes) + bias) (gemm.KScoreGemm / torch ref)
+        fold:   qi8 [L, Mp, 2D] int8 [hi ++ lo], a, bias [L, Mp] (gemm.prep kernel / torch ref)
+        unpack: K codes int8 [L, T, 2D] [16(c-8) ++ (c-8)], row_scale [L, T] (kernel / torch ref)
+        GEMM:   S [L, Mp, T] = scale*rs*(a*(qi8 . codes) + bias), depth K = 2D
+                                                                 (gemm.KScoreGemm / torch ref)
         sv:     online softmax over the group's tiles (causal for tiles newer than the chunk's
                 first query) and V from the codes on tensor cores: P' = p*tok_step/smax (f16)
                 x codes (exact small integers), plus sum p*tok_min, times col_scale
@@ -60,7 +61,7 @@ def _round_up(x: int, m: int) -> int:
 
 def _per_tile_head_bytes(Mp: int, T: int, D: int, score_bytes: int, torch_sv: bool) -> int:
     """Scratch bytes one (tile, KV head) pair of a group needs."""
-    b = Mp * D + 8 * Mp + T * D + 4 * T + score_bytes * Mp * T + 4  # qi8, a+bias, codes, rs, S, index
+    b = Mp * 2 * D + 8 * Mp + T * 2 * D + 4 * T + score_bytes * Mp * T + 4  # qi8, a+bias, codes (K = 2D), rs, S, index
     if torch_sv:  # p (f32), P' (f16), O (f16 -> f32), V codes f16, fields
         b += Mp * T * (4 + 2) + Mp * D * (2 + 4) + T * D * 2 + 16 * T + 8 * D
     return b
@@ -108,21 +109,22 @@ class PrefillWorkspace:
 
     def __post_init__(self) -> None:
         P, Mp, T, D, dev = self.pairs, self.Mp_cap, self.T, self.D, self.device
-        self.qi8 = torch.empty(P * Mp * D, dtype=torch.int8, device=dev)
+        K = 2 * D  # GEMM depth: [hi ++ lo] folded queries against [16(c-8) ++ (c-8)] codes (gemm.prep)
+        self.qi8 = torch.empty(P * Mp * K, dtype=torch.int8, device=dev)
         self.a = torch.empty(P * Mp, dtype=torch.float32, device=dev)
         self.bias = torch.empty(P * Mp, dtype=torch.float32, device=dev)
-        self.codes = torch.empty(P * T * D, dtype=torch.int8, device=dev)
+        self.codes = torch.empty(P * T * K, dtype=torch.int8, device=dev)
         self.rs = torch.empty(P * T, dtype=torch.float32, device=dev)
         self.scores = torch.empty(P * Mp * T, dtype=self.score_dtype, device=dev)
         self.tile_index = torch.zeros(P, dtype=torch.int32, device=dev)
 
     def views(self, L: int, Mp: int):
-        T, D = self.T, self.D
+        T, K = self.T, 2 * self.D
         return (
-            self.qi8[: L * Mp * D].view(L, Mp, D),
+            self.qi8[: L * Mp * K].view(L, Mp, K),
             self.a[: L * Mp].view(L, Mp),
             self.bias[: L * Mp].view(L, Mp),
-            self.codes[: L * T * D].view(L, T, D),
+            self.codes[: L * T * K].view(L, T, K),
             self.rs[: L * T].view(L, T),
             self.scores[: L * Mp * T].view(L, Mp, T),
             self.tile_index[:L],
@@ -133,14 +135,14 @@ class PrefillWorkspace:
                                                            self.scores, self.tile_index))
 
     def gemm(self, Mp: int, L: int):
-        """The K-score GEMM bound to (Mp, T, D, L) on this device, built once."""
+        """The K-score GEMM bound to (Mp, T, K = 2D, L) on this device, built once."""
         key = (Mp, L)
         g = self.gemms.get(key)
         if g is None:
             from .gemm.launcher import KScoreGemm
 
             out = "f16" if self.score_dtype == torch.float16 else "f32"
-            g = self.gemms[key] = KScoreGemm(Mp, self.T, self.D, L, out_dtype=out, device=self.device)
+            g = self.gemms[key] = KScoreGemm(Mp, self.T, 2 * self.D, L, out_dtype=out, device=self.device)
         return g
 
 
@@ -253,7 +255,8 @@ class _TorchStages:
         codes.copy_(c), rs.copy_(r)
 
     def kscore(self, ctx, ws, qi8, codes, a, bias, rs, S):
-        acc = torch.bmm(qi8.to(torch.float32), codes.to(torch.float32).transpose(1, 2))  # exact: |acc| < 2^24
+        # exact: integer partial sums, |acc| <= D * (127*128 + 8*8) < 2^23
+        acc = torch.bmm(qi8.to(torch.float32), codes.to(torch.float32).transpose(1, 2))
         S.copy_((ctx.scale * rs)[:, None, :] * (a[..., None] * acc + bias[..., None]))
 
 

@@ -17,11 +17,20 @@ import kvarn_cutlass as kc
 from kvarn_cutlass import prefill as P
 from kvarn_cutlass.prefill import plan_groups, prefill_attention
 
-TOL = 5e-3  # the target, met by the orchestration with an exact (unquantized) query fold
-# The K-score GEMM quantizes each folded query row to int8 with one scale (gemm.prep fold); that alone
-# gives 2e-3..7.5e-3 relative error on these inputs (real-model layers: 2.2e-3..5.1e-3) against the
-# float64 reference, so paths through the int8 fold are checked at TOL_INT8 (see docs/perf-notes.md).
-TOL_INT8 = 1e-2
+TOL = 5e-3  # the target
+# The K-score GEMM folds queries with two int8 levels against centered codes (gemm.prep: [hi ++ lo],
+# K = 2D); on these inputs it is indistinguishable from an exact f32 fold (CPU, torch path: max 4.3e-3
+# over the f16 cases, real-model layers max 1.3e-3; the single-level fold measured up to 7.5e-3 / 5.0e-3),
+# so the int8 path is held to the target.
+TOL_INT8 = TOL
+# One case sits on the bar for a reason outside the fold: bf16 inputs, second 260-token chunk, measures
+# 5.02e-3 through the int8 fold and 5.01e-3 with an exact fold; the f16 rounding of P' x codes in the
+# sv stage is the remainder (an f32/f64 sv stage measures 1.7e-3 there).  See docs/perf-notes.md.
+TOL_BF16_SV = 6e-3
+
+
+def tol_for(kw) -> float:
+    return TOL_BF16_SV if kw.get("dtype") == torch.bfloat16 else TOL_INT8
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO.parent / "shared" / "models" / "kvarn-ref-lm"
 HAS_CUDA = torch.cuda.is_available()
@@ -124,8 +133,9 @@ def test_plan_groups():
     ],
 )
 def test_cpu_torch_path(chunks, kw):
+    tol = tol_for(kw)
     for n, nt, e in run_chunks(chunks, **kw):
-        assert e < TOL_INT8, (n, nt, e)
+        assert e < tol, (n, nt, e)
 
 
 @pytest.fixture
@@ -142,7 +152,8 @@ def exact_fold(monkeypatch):
         orig_fold(self, ctx, q3, offs, n_tiles, qi8, a, bias, tile_index)
 
     def kscore(self, ctx, ws, qi8, codes, a, bias, rs, S):
-        acc = torch.bmm(self._qf, codes.float().transpose(1, 2))
+        D = codes.shape[-1] // 2  # codes rows are [16(c-8) ++ (c-8)]; bias holds sum q*(chanMin + 8 chanStep)
+        acc = torch.bmm(self._qf, codes[..., D:].float().transpose(1, 2))
         S.copy_((ctx.scale * rs)[:, None, :] * (acc + bias[..., None]))
 
     monkeypatch.setattr(P._TorchStages, "fold", fold)
@@ -263,8 +274,9 @@ def _gpu_skip():
 )
 def test_gpu(chunks, kw, impl):
     _gpu_skip()
+    tol = tol_for(kw)
     for n, nt, e in run_chunks(chunks, device="cuda", impl=impl, **kw):
-        assert e < TOL_INT8, (n, nt, e)
+        assert e < tol, (n, nt, e)
 
 
 @gpu
