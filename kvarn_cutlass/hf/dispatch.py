@@ -8,9 +8,10 @@ are the newest tokens, causal, tile tokens read as their quantized reconstructio
 * CPU: :func:`kvarn_cutlass.reference.attention` (float64), cast to ``q.dtype``.
 * CUDA: the GPU kernels, imported lazily: ``kvarn_cutlass.decode.decode_attention`` for one query
   per sequence (decode steps), ``kvarn_cutlass.prefill.prefill_attention`` for several (prefill
-  chunks). Both are expected to take ``(q, cache, layer, scale=...)`` like the reference and to
-  return [batch, num_q_heads, n_q, head_dim]; while they are not importable, CUDA raises
-  NotImplementedError (never a silent fallback to a different numerical path).
+  chunks). Both take ``(q, cache, layer, scale=...)`` like the reference and return
+  [batch, num_q_heads, n_q, head_dim]; float32 queries are passed in the cache dtype (the kernels
+  take float16/bfloat16). While they are not importable, CUDA raises NotImplementedError (never a
+  silent fallback to a different numerical path).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def attend(q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = 
         return reference.attention(q, cache, layer, scale=scale).to(q.dtype)
     if device.type == "cuda":
         kind = "decode" if q.shape[2] == 1 else "prefill"
-        out = gpu_entry_point(kind)(q, cache, layer, scale=scale)
+        # the kernels take float16/bfloat16 queries: a float32 model's queries go in the cache dtype
+        qk = q if q.dtype in (torch.float16, torch.bfloat16) else q.to(cache.dtype)
+        out = gpu_entry_point(kind)(qk, cache, layer, scale=scale)
         return out.to(q.dtype)
     raise NotImplementedError(f"KVarN attention has no implementation for device {device}")
