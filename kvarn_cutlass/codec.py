@@ -140,7 +140,9 @@ def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: st
     # -0.0 + 0.0 == +0.0: min/max over mixed-sign zeros would otherwise pick either sign.
     u = u + 0.0
     lo, hi = u.amin(dim, keepdim=True), u.amax(dim, keepdim=True)
-    step = _store((hi - lo) / qmax, dtype, what + " step")
+    # A tensor divisor: some torch builds turn division by a Python scalar into a multiplication
+    # by its reciprocal, which is not the correctly rounded quotient the format defines.
+    step = _store((hi - lo) / torch.full_like(hi, qmax), dtype, what + " step")
     low = _store(lo, dtype, what + " min")
     safe = torch.where(step > 0, step, torch.ones_like(step))
     codes = torch.round((u - low) / safe).clamp_(0, qmax)
@@ -152,13 +154,13 @@ def _pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., n] uint8 -> bytes [..., n*bits/8], code j of a byte at bit j*bits."""
     per = 8 // bits
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
 def _unpack_low_first(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
     return c.reshape(*packed.shape[:-1], n).to(torch.uint8)
 
