@@ -22,6 +22,13 @@ and position in the reduction, the CPU's SIMD width), so ``chan_min``/``tok_min`
 all-zero row or channel with mixed-sign zeros are not defined bit for bit by the codec. The kernel
 takes IEEE 754-2019 minimum/maximum (-0 < +0). Inputs without -0.0 never produce -0.0 in the
 rotated domain for float16 input (nor for bfloat16/float32 input away from float32 underflow).
+
+Known codec mismatch (float32 scales): the kernel's RMS uses a correctly rounded sqrt, as the
+codec's docstring specifies, but ``codec._rms`` calls ``torch.sqrt``, which for float32 on torch
+builds with MKL runs MKL VML in ``VML_HA`` mode and is sometimes 1 ulp low. With
+``scale_dtype=torch.float32`` the records then differ from ``codec.encode_tiles`` in a few scale
+bytes; float16 scales usually round the difference away. tests/test_compress_emulation.py (a
+CPU mirror of the kernel) shows this; the fix belongs in ``codec._rms``.
 """
 
 from __future__ import annotations
