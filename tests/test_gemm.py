@@ -184,7 +184,7 @@ def test_prep_kernels_compile(arch):
     from kvarn_cutlass.gemm.prep import PREP_KERNELS, build_prep
     from kvarn_cutlass.runtime import cubin_sm, cubin_symbols
 
-    cubin, _ = build_prep(arch)
+    cubin = build_prep(arch).cubin
     assert set(PREP_KERNELS) <= cubin_symbols(cubin)
     assert cubin_sm(cubin) == int(arch[3:])
 

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
     "TileOffsets", "unpack_reference", "fold_reference", "kscore_reference",
-    "prep_source", "build_prep", "PrepKernels", "PREP_KERNELS",
+    "prep_spec", "build_prep", "PrepKernels", "PREP_KERNELS",
 ]
 
 
@@ -163,31 +161,28 @@ _FOLD_SIG = ("ptr q", "i64 q_row_stride", "i64 q_head_stride", "ptr pool", "ptr 
 _QTAG = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def prep_source() -> str:
-    return (Path(__file__).resolve().parent.parent / "csrc" / "kscore_prep.cu").read_text()
+def prep_spec():
+    """The runtime KernelSpec of ``csrc/kscore_prep.cu`` (registered, so ``kvarn-cutlass build`` sees it)."""
+    from ..runtime import KernelSpec
+
+    return KernelSpec("kscore_prep.cu", PREP_KERNELS, options=("-lineinfo",), name="kscore_prep")
 
 
 def build_prep(arch: "int | str" = 90):
-    """Compile (NVRTC by default; cached on disk) the prep kernels for ``arch``; returns the CompileResult-like
-    ``(cubin bytes, log str)``.  No GPU needed."""
-    from .. import runtime as rt
+    """Compile (NVRTC, cached on disk by the runtime) the prep kernels for ``arch``; no GPU needed.
+    Returns the runtime's ``CompiledModule`` (cubin and per-kernel resources)."""
+    from ..runtime import build
 
-    cc = rt.normalize_arch(arch)
-    target = rt.arch_target(cc)
-    src = prep_source()
-    opts = ("-lineinfo",)
-    backend = rt.compiler.default_backend() if hasattr(rt, "compiler") else "nvrtc"
-    key = {"arch": target, "source_sha256": hashlib.sha256(src.encode()).hexdigest(), "options": list(opts),
-           "compiler": rt.compiler_version(backend), "backend": backend}
-    log_holder: list[str] = []
+    return build(prep_spec(), arch)
 
-    def build() -> bytes:
-        res = rt.compile_cubin(src, "kscore_prep.cu", target, opts, backend=backend)
-        log_holder.append(res.log)
-        return res.cubin
 
-    cubin = rt.cached_artifact("kernels", "kscore_prep", key, build)
-    return cubin, (log_holder[0] if log_holder else "")
+def _register() -> None:
+    from ..runtime.registry import register
+
+    register("kscore_prep", lambda: [prep_spec()])
+
+
+_register()
 
 
 class PrepKernels:
@@ -197,10 +192,8 @@ class PrepKernels:
         from .. import runtime as rt
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        arch = rt.device_arch(dev)
-        cubin, _ = build_prep(arch)
         self.device = dev
-        self.module = rt.load_module(cubin, dev)
+        self.module = rt.get_module(prep_spec(), dev)
         self._unpack = {s: self.module.kernel(f"kvarn_kscore_unpack_{s}", _UNPACK_SIG) for s in ("f16", "f32")}
         self._fold = {(q, s): self.module.kernel(f"kvarn_kscore_fold_{q}_{s}", _FOLD_SIG)
                       for q in ("f16", "bf16", "f32") for s in ("f16", "f32")}
