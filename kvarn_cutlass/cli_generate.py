@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
     p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
+    p.add_argument("--cpu-attention", choices=("reference", "dequant"), default="reference",
+                   help="CPU attention: float64 reference (default) or tiles decoded once + float32 SDPA (faster)")
     p.add_argument("--teacher-forced", action="store_true", help="also report teacher-forced agreement")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = load_model(args.model, device, args.dtype)
     factory = kvarn_cache_factory(model, preset=args.preset, window=args.window, sink_tokens=args.sink,
-                                  dtype=getattr(torch, args.cache_dtype))
+                                  dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)
     if args.prompt is not None:
         prompts = [tok(args.prompt, return_tensors="pt").input_ids[0]]
     else:

@@ -286,3 +286,20 @@ def test_cli_perplexity_and_generate_smoke(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["prompts"] == 1 and len(res["per_prompt"][0]["quantized_tokens"]) == 6
     assert res["identical"] == 1.0  # prompt shorter than the window: nothing quantized
+
+
+def test_cpu_dequantized_tiles_path_matches_reference():
+    from kvarn_cutlass.hf.dispatch import DequantizedTiles, attend
+
+    g = torch.Generator().manual_seed(3)
+    cache = kc.KVarNCache(1, 1, 2, 128, preset="k4v2_g64", window=128, sink_tokens=64)
+    dq = DequantizedTiles()
+    for n in (100, 150, 1, 60, 200):
+        cache.append(0, torch.randn(1, 2, n, 128, generator=g), torch.randn(1, 2, n, 128, generator=g))
+        q = torch.randn(1, 8, min(n, 37), 128, generator=g)
+        ref = kc.reference.attention(q, cache, 0)
+        assert (attend(q, cache, 0, dequantized=dq).double() - ref).abs().max().item() < 1e-5
+        assert (attend(q, cache, 0).double() - ref).abs().max().item() < 1e-6
+    assert cache.num_tiles(0) == 5
+    with pytest.raises(ValueError, match="cpu_attention"):
+        kh.KVarNCache(_qwen3_config(), cpu_attention="fast")

@@ -83,7 +83,7 @@ def kvarn_attention_forward(
         seq_len = lib.seq_len(handle.layer)
         _check_causal_mask(attention_mask, query.shape[2], seq_len)
         handle.consumed = True
-        out = attend(query, lib, handle.layer, scale=scaling)
+        out = attend(query, lib, handle.layer, scale=scaling, dequantized=handle.cache.dequantized)
         return out.transpose(1, 2).contiguous(), None
     if sim is not None:
         from .simulate import simulated_attention

@@ -175,6 +175,7 @@ class KVarNLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.parent.library = None
+        self.parent.dequantized = None
         self.is_initialized = False
         self._pending = None
 
@@ -210,6 +211,8 @@ class KVarNCache(Cache):
             rounded to it (so a float32 model on CPU sees fp16-rounded keys and values).
         scale_dtype, sinkhorn_iters, max_seq_len: passed to the library cache.
         device: where the cache lives; default: the device of the first k/v it receives.
+        cpu_attention: on CPU, ``"reference"`` (default: :func:`kvarn_cutlass.reference.attention`,
+            float64) or ``"dequant"`` (tiles decoded once, float32 SDPA; for long CPU generation).
 
     The library cache is created on the first ``update`` (batch size and device come from the
     first keys) and is available as ``.library``.
@@ -226,8 +229,12 @@ class KVarNCache(Cache):
         sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS,
         max_seq_len: int | None = None,
         device: str | torch.device | None = None,
+        cpu_attention: str = "reference",
     ) -> None:
         self.shape = check_model_config(config)
+        if cpu_attention not in ("reference", "dequant"):
+            raise ValueError(f"cpu_attention must be 'reference' or 'dequant', got {cpu_attention!r}")
+        self.cpu_attention = cpu_attention
         self.max_seq_len = max_seq_len
         self._lib_kwargs = dict(
             num_layers=self.shape.num_layers,
@@ -247,6 +254,7 @@ class KVarNCache(Cache):
             raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
         self.device = None if device is None else torch.device(device)
         self.library: LibraryCache | None = None
+        self.dequantized = None
         super().__init__(layers=[KVarNLayer(self, i) for i in range(self.shape.num_layers)])
 
     # --- library cache ------------------------------------------------------------------------
@@ -259,6 +267,10 @@ class KVarNCache(Cache):
             return
         device = self.device if self.device is not None else key_states.device
         self.library = LibraryCache(batch_size=key_states.shape[0], device=device, **self._lib_kwargs)
+        if self.cpu_attention == "dequant":
+            from .dispatch import DequantizedTiles
+
+            self.dequantized = DequantizedTiles()
 
     @property
     def preset(self) -> str:
@@ -282,6 +294,7 @@ class KVarNCache(Cache):
         for layer in self.layers:
             layer.reset()
         self.library = None
+        self.dequantized = None
 
     def __repr__(self) -> str:
         k = self._lib_kwargs

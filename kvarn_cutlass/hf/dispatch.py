@@ -5,7 +5,11 @@ a :class:`kvarn_cutlass.KVarNCache` (semantics of :func:`kvarn_cutlass.reference
 are the newest tokens, causal, tile tokens read as their quantized reconstruction) and returns it in
 ``q.dtype``, shape [batch, num_q_heads, n_q, head_dim].
 
-* CPU: :func:`kvarn_cutlass.reference.attention` (float64), cast to ``q.dtype``.
+* CPU: :func:`kvarn_cutlass.reference.attention` (float64), cast to ``q.dtype`` (default), or with
+  ``cpu_attention="dequant"`` the :class:`DequantizedTiles` path: every tile is decoded once (to
+  float32) when it is compressed and attention runs as float32 SDPA over [sink | tiles | window];
+  equal to the reference up to float32 rounding and orders of magnitude faster for long CPU
+  generation (the reference re-reads every tile in float64 at every step).
 * CUDA: the GPU kernels, imported lazily: ``kvarn_cutlass.decode.decode_attention`` for one query
   per sequence (decode steps), ``kvarn_cutlass.prefill.prefill_attention`` for several (prefill
   chunks). Both take ``(q, cache, layer, scale=...)`` like the reference and return
@@ -22,6 +26,7 @@ import torch
 
 from .. import reference
 from ..cache import KVarNCache as _LibCache
+from ..codec import decode_tiles
 
 _GPU_ENTRY_POINTS = {
     "decode": ("kvarn_cutlass.decode", "decode_attention"),
@@ -45,10 +50,54 @@ def gpu_entry_point(kind: str):
         ) from exc
 
 
-def attend(q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None) -> torch.Tensor:
-    """Attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache``, in q.dtype."""
+class DequantizedTiles:
+    """Per-layer float32 copies of a cache's decoded tiles, extended as tiles are compressed."""
+
+    def __init__(self) -> None:
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+
+    def get(self, cache: _LibCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [batch, num_kv_heads, n_tiles * T, head_dim] float32 of ``layer``'s tiles."""
+        B, H, D, T = cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.spec.tile_tokens
+        k = self._k.get(layer, torch.zeros(B, H, 0, D, device=cache.device))
+        v = self._v.get(layer, torch.zeros(B, H, 0, D, device=cache.device))
+        have, nt = k.shape[2] // T, cache.num_tiles(layer)
+        if nt < have:  # the cache was reset or rebuilt
+            k, v, have = k[:, :, :0], v[:, :, :0], 0
+        if nt > have:
+            kt, vt = decode_tiles(cache.tile_bytes(layer)[:, have:nt], cache.spec)  # [B, n, H, T, D]
+            flat = lambda x: x.permute(0, 2, 1, 3, 4).reshape(B, H, (nt - have) * T, D).to(cache.device)  # noqa: E731
+            k, v = torch.cat((k, flat(kt)), 2), torch.cat((v, flat(vt)), 2)
+        self._k[layer], self._v[layer] = k, v
+        return k, v
+
+    def attention(self, q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None) -> torch.Tensor:
+        """Same semantics as reference.attention, in float32; returns q.dtype."""
+        reference.check_query(q, cache, layer)
+        kt, vt = self.get(cache, layer)
+        sk, sv = cache.sink_kv(layer)
+        wk, wv = cache.window_kv(layer)
+        g = q.shape[1] // cache.num_kv_heads
+        k = torch.cat((sk.float(), kt, wk.float()), 2).repeat_interleave(g, 1)  # keys in position order
+        v = torch.cat((sv.float(), vt, wv.float()), 2).repeat_interleave(g, 1)
+        L, n_q = k.shape[2], q.shape[2]
+        q_pos = torch.arange(L - n_q, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+        return out.to(q.dtype)
+
+
+def attend(q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None,
+           dequantized: DequantizedTiles | None = None) -> torch.Tensor:
+    """Attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache``, in q.dtype.
+
+    ``dequantized``: on CPU, use this :class:`DequantizedTiles` instead of the float64 reference.
+    """
     device = cache.device
     if device.type == "cpu":
+        if dequantized is not None:
+            return dequantized.attention(q, cache, layer, scale)
         return reference.attention(q, cache, layer, scale=scale).to(q.dtype)
     if device.type == "cuda":
         kind = "decode" if q.shape[2] == 1 else "prefill"
