@@ -26,15 +26,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="target, e.g. sm90, sm_90a, sm80; repeatable (default: the current GPU's)")
     p.add_argument("--family", action="append", metavar="NAME", help="only these kernel families (repeatable)")
     p.add_argument("--backend", choices=("nvrtc", "nvcc"), help="compiler (default: $KVARN_CUTLASS_COMPILER or nvrtc)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="compile N modules at once in worker processes (default 1; the disk cache is process-safe)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return p
+
+
+def _build_one(job: tuple) -> tuple:
+    """Worker: build one (spec, arch); returns (compiled, None) or (None, (message, log))."""
+    from .errors import CompileError
+    from .spec import build
+
+    spec, arch, backend = job
+    try:
+        return build(spec, arch, backend), None
+    except CompileError as e:
+        return None, (str(e).splitlines()[0], e.log)
 
 
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     from . import registry
     from .arch import device_arch, normalize_arch
-    from .errors import CompileError
-    from .spec import build
 
     if not args.arch:
         import torch
@@ -48,29 +60,35 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     unknown = sorted(set(args.family or ()) - set(families))
     if unknown:
         raise ValueError(f"unknown kernel family {unknown}; registered: {sorted(families)}")
+    jobs = [(family, spec, arch) for family, specs in families.items() if not args.family or family in args.family
+            for spec in specs for arch in arches]
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    work = [(spec, arch, args.backend) for _, spec, arch in jobs]
+    if args.jobs == 1:
+        results = [_build_one(w) for w in work]
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(_build_one, work))
     records: list[dict[str, Any]] = []
-    for family, specs in families.items():
-        if args.family and family not in args.family:
+    for (family, spec, arch), (compiled, failure) in zip(jobs, results):
+        base = {"family": family, "module": spec.name, "source": spec.source_file, "arch": str(arch)}
+        if failure is not None:
+            records.append({**base, "error": failure[0], "log": failure[1]})
             continue
-        for spec in specs:
-            for arch in arches:
-                base = {"family": family, "module": spec.name, "source": spec.source_file, "arch": str(arch)}
-                try:
-                    compiled = build(spec, arch, args.backend)
-                except CompileError as e:
-                    records.append({**base, "error": str(e).splitlines()[0], "log": e.log})
-                    continue
-                for kernel in spec.kernel_names:
-                    res = compiled.resources.get(kernel)
-                    records.append({
-                        **base,
-                        "target": compiled.target,
-                        "kernel": kernel,
-                        **(vars(res) if res is not None else {}),
-                        "module_compile_s": round(compiled.compile_seconds, 4),
-                        "cached": compiled.cached,
-                        "compiler": compiled.compiler,
-                    })
+        for kernel in spec.kernel_names:
+            res = compiled.resources.get(kernel)
+            records.append({
+                **base,
+                "target": compiled.target,
+                "kernel": kernel,
+                **(vars(res) if res is not None else {}),
+                "module_compile_s": round(compiled.compile_seconds, 4),
+                "cached": compiled.cached,
+                "compiler": compiled.compiler,
+            })
     return records
 
 
