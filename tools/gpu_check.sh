@@ -2,13 +2,17 @@
 # GPU test workflow, run ON the GPU machine from the repository root (no network there):
 #
 #   tools/gpu_check.sh [SECTION ...]      SECTION: a bench section name, or "all"
+#   from this machine: run(command="bash tools/gpu_check.sh decode", carry=[".whl"])
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site and puts it and the checkout on PYTHONPATH
 # 2. prints nvidia-smi and the software versions
-# 3. compiles every registered kernel for sm_90 (kvarn-cutlass build)
-# 4. runs the GPU tests (pytest -m gpu -x), then the full suite
+# 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs)
+# 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
+#    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
+# Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
+# GPU_BENCH_LIMIT (default 300 s) bound the steps.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.
@@ -55,16 +59,20 @@ from kvarn_cutlass.runtime import cache_root, compiler_version
 print("compiler", compiler_version(), "cache", cache_root())
 PY
 
-step build python3 -m kvarn_cutlass.cli build --arch sm90
-step pytest_gpu python3 -m pytest -m gpu -x -q -p no:cacheprovider
-step pytest_all python3 -m pytest -q -p no:cacheprovider
+step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
+limit=${GPU_TEST_LIMIT:-120}
+for group in runtime compress rotate gemm decode prefill hf; do
+  files=$(ls tests/test_${group}*.py 2>/dev/null)
+  [ -n "$files" ] || continue
+  step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider $files
+done
 
 if [ "$#" -gt 0 ]; then
   bench_args=()
   for s in "$@"; do
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done
-  step bench python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
+  step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
 fi
 
 for record in docs/benchmarks/*.json; do
