@@ -28,12 +28,13 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 failed=0
 
-# step NAME CMD...: run CMD with output to the terminal and $OUT/NAME.log; record its status.
+# step NAME CMD...: run CMD with output to the terminal and $OUT/gpu_check.log; record its status.
 step() {
   local name=$1
   shift
-  echo "== $name: $*" | tee -a "$OUT/$name.log"
-  "$@" 2>&1 | tee -a "$OUT/$name.log"
+  # One log file for all steps: the device tool returns at most 8 files from $OUT.
+  echo "== $name: $*" | tee -a "$OUT/gpu_check.log"
+  "$@" 2>&1 | tee -a "$OUT/gpu_check.log"
   local rc=$?
   echo "$name: exit $rc" | tee -a "$SUMMARY"
   [ "$rc" -eq 0 ] || failed=1
@@ -41,10 +42,10 @@ step() {
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>&1 | tee "$OUT/env.log" || { echo "wheel install failed" | tee -a "$SUMMARY"; exit 1; }
+    2>&1 | tee -a "$OUT/gpu_check.log" || { echo "wheel install failed" | tee -a "$SUMMARY"; exit 1; }
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
-  echo "no wheels in .whl/; using the installed packages" | tee "$OUT/env.log"
+  echo "no wheels in .whl/; using the installed packages" | tee -a "$OUT/gpu_check.log"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
