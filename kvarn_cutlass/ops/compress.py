@@ -36,14 +36,13 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Any
 
 import torch
 
 from .. import codec
 from ..format import HEAD_DIMS, PRESETS, SCALE_DTYPES, TileSpec
 from ..runtime.registry import register
-from ..runtime.spec import KernelSpec, get_module
+from ..runtime.spec import KernelSpec, get_kernel
 
 __all__ = [
     "COMPRESS_SIGNATURE",
@@ -162,7 +161,6 @@ def check_error_flag(flag: torch.Tensor, spec: TileSpec) -> None:
 
 
 _flags: dict[tuple[int, int], torch.Tensor] = {}
-_kernels: dict[tuple[int, str], Any] = {}
 _lock = threading.Lock()
 
 
@@ -179,15 +177,7 @@ def _stream_flag(device: torch.device) -> torch.Tensor:
 
 
 def _kernel(device_index: int, spec: KernelSpec):
-    name = spec.kernel_names[0]
-    key = (device_index, name)
-    k = _kernels.get(key)
-    if k is None:
-        with _lock:
-            k = _kernels.get(key)
-            if k is None:
-                k = _kernels[key] = get_module(spec, device_index).kernel(name, COMPRESS_SIGNATURE)
-    return k
+    return get_kernel(spec, spec.kernel_names[0], COMPRESS_SIGNATURE, device_index)
 
 
 # --- validation -----------------------------------------------------------------------------------

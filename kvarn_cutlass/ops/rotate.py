@@ -9,14 +9,12 @@ float32 output the result is bit-identical to ``codec.wht(x.float())``.
 from __future__ import annotations
 
 import math
-import threading
-from typing import Any
 
 import torch
 
 from ..format import HEAD_DIMS
 from ..runtime.registry import register
-from ..runtime.spec import KernelSpec, get_module
+from ..runtime.spec import KernelSpec, get_kernel
 
 __all__ = ["WHT_SIGNATURE", "rotate_spec", "kernel_name", "wht", "rotate_queries", "unrotate_outputs"]
 
@@ -52,19 +50,8 @@ def rotate_spec(head_dim: int) -> KernelSpec:
 
 register("rotate", lambda: [rotate_spec(d) for d in HEAD_DIMS])
 
-_kernels: dict[tuple[int, str], Any] = {}
-_lock = threading.Lock()
-
-
 def _kernel(device_index: int, head_dim: int, name: str):
-    key = (device_index, name)
-    k = _kernels.get(key)
-    if k is None:
-        with _lock:
-            k = _kernels.get(key)
-            if k is None:
-                k = _kernels[key] = get_module(rotate_spec(head_dim), device_index).kernel(name, WHT_SIGNATURE)
-    return k
+    return get_kernel(rotate_spec(head_dim), name, WHT_SIGNATURE, device_index)
 
 
 def _inv_sqrt(d: int) -> float:

@@ -25,7 +25,7 @@ from .diskcache import cache_root, cached_artifact
 from .errors import CompileError, CudaError
 from .module import Kernel, Module, PreparedLaunch, load_module
 from .registry import register
-from .spec import CompiledModule, KernelSpec, build, get_module
+from .spec import CompiledModule, KernelSpec, build, get_kernel, get_module
 
 __all__ = [
     "CompileError",
@@ -47,6 +47,7 @@ __all__ = [
     "cubin_symbols",
     "device_arch",
     "get_module",
+    "get_kernel",
     "load_module",
     "normalize_arch",
     "register",

@@ -21,9 +21,9 @@ from .arch import arch_target, device_arch
 from .compiler import KernelResources, compile_cubin, compiler_version, cubin_symbols, default_backend, full_options
 from .diskcache import cached_artifact
 from .errors import CompileError
-from .module import Module, _device_index, load_module
+from .module import Kernel, Module, _device_index, load_module
 
-__all__ = ["CSRC_DIR", "KernelSpec", "CompiledModule", "build", "get_module"]
+__all__ = ["CSRC_DIR", "KernelSpec", "CompiledModule", "build", "get_module", "get_kernel"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
@@ -225,3 +225,25 @@ def get_module(spec: KernelSpec, device: Any = None, backend: str | None = None)
         if module is None:
             module = _modules[key] = load_module(build(spec, target, backend).cubin, index)
         return module
+
+
+_kernels: dict[tuple, Kernel] = {}
+
+
+def get_kernel(spec: KernelSpec, name: str, signature: tuple[str, ...], device: Any = None) -> Kernel:
+    """Kernel ``name`` of ``spec``'s module on ``device`` with its argument ``signature``.
+
+    Looked up once per (spec, kernel, signature, device, compiler) in this process (the driver
+    query and signature check are not repeated on the launch path); later calls are a dict lookup.
+    """
+    index = _device_index(device)
+    key = (spec, name, tuple(signature), index, default_backend())
+    kernel = _kernels.get(key)
+    if kernel is None:
+        module = get_module(spec, index)
+        with _modules_lock:
+            kernel = _kernels.get(key)
+            if kernel is None:
+                kernel = _kernels[key] = module.kernel(name, signature)
+    return kernel
+
