@@ -7,7 +7,7 @@ Window 256 rows use the decode-time view (position p sees the cache holding p+1 
 ``prefill`` view with window 0): that is the configuration the expected numbers were computed for
 (the decode-time view with window 0 gives 9.591 / 9.559, see docs/accuracy.md).
 
-Runtime: about 2-4 minutes on 2 CPU cores (the codec's tile encoding dominates).
+Runtime: about 65 s on 2 idle CPU cores, several minutes under load (the codec's tile encoding dominates).
 """
 
 from __future__ import annotations
