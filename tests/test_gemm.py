@@ -3,11 +3,9 @@
 on disk under the kvarn-cutlass cache root and shared through a session fixture."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -77,7 +75,7 @@ def test_emission_contents_and_determinism(cfg, expect):
     src = emit_source(cfg)
     for e in expect:
         assert e in src, f"{e!r} missing from the source of {cfg.name}"
-    assert f'extern "C" __global__ void\n' in src and f"{cfg.name}_params" in src
+    assert 'extern "C" __global__ void\n' in src and f"{cfg.name}_params" in src
     assert emit_source(cfg) == src
     # stable across processes (no hash-seed or id()-dependent text)
     r = _run_py(f"from kvarn_cutlass.gemm import GemmConfig, emit_source; import hashlib; "

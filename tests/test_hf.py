@@ -9,8 +9,6 @@ tokens agree (checked here over 32 tokens).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 

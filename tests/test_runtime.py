@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing
-import os
 import struct
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from kvarn_cutlass.runtime import (
     normalize_arch,
     register,
 )
-from kvarn_cutlass.runtime import diskcache, registry
+from kvarn_cutlass.runtime import registry
 from kvarn_cutlass.runtime import spec as spec_mod
 from kvarn_cutlass.runtime.compiler import _nvcc_path, cubin_resources, kernel_resources, parse_ptxas_log
 from kvarn_cutlass.runtime.module import Kernel, _parse_signature
