@@ -15,7 +15,8 @@ Pipeline (unfused; one pass per tile group, online softmax state carried across 
                                                                  (gemm.KScoreGemm / torch ref)
         sv:     online softmax over the group's tiles (causal for tiles newer than the chunk's
                 first query) and V from the codes on tensor cores: P' = p*tok_step/smax (f16)
-                x codes (exact small integers), plus sum p*tok_min, times col_scale
+                x centered codes (code - 2^(v_bits-1), exact in f16), f32 accumulation, plus
+                sum p*(tok_min + 2^(v_bits-1)*tok_step) in f32, times col_scale
                 (csrc/prefill_sv.cu mma.sync kernel, or torch.bmm on f16 codes)
     tile part: one inverse WHT of acc at the end
     exact part (sink + window, causal): f32 torch matmuls, slabbed to the budget
@@ -276,7 +277,11 @@ class _GpuStages:
 
 
 def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
-    """(v codes f16 [L, T, D] as exact integers, tok_step, tok_min [L, T], col_scale [L, D]) in f32."""
+    """(centered v codes f16 [L, T, D], tok_step, tok_min [L, T], col_scale [L, D]) in f32.
+
+    Codes are returned as ``code - 2^(v_bits-1)`` ([-2, 1] or [-8, 7], exact in f16); the caller adds
+    ``2^(v_bits-1) * tok_step`` to tok_min (see :func:`_sv_torch`).
+    """
     T, D, vb = spec.tile_tokens, spec.head_dim, spec.v_bits
     recs = pool.reshape(-1, spec.tile_nbytes).index_select(0, tile_index.to(torch.int64))
 
@@ -289,7 +294,7 @@ def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
     per = 8 // vb
     shifts = torch.arange(per, dtype=torch.int32, device=pool.device) * vb
     codes = ((raw[..., None] >> shifts) & (2**vb - 1)).reshape(-1, T, D)
-    return codes.to(torch.float16), scales("tok_step", T), scales("tok_min", T), scales("col_scale", D)
+    return (codes - (1 << (vb - 1))).to(torch.float16), scales("tok_step", T), scales("tok_min", T), scales("col_scale", D)
 
 
 def _tile_mask(ctx: _Ctx, g0: int, Gt: int, Mp: int):
@@ -304,8 +309,26 @@ def _tile_mask(ctx: _Ctx, g0: int, Gt: int, Mp: int):
     return kpos[:, None, :] > qpos[None, :, None]
 
 
+def _pv_f16(pp: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """P' x codes with f16 operands and f32 accumulation, result f32 (what the mma.sync kernel does)."""
+    if pp.is_cuda:
+        try:  # cuBLAS f16 tensor cores with an f32 result (torch >= 2.8)
+            return torch.bmm(pp, codes, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # older torch: f16 result (one more f16 rounding of O)
+            return torch.bmm(pp, codes).to(torch.float32)
+    # CPU emulation: f16 operands (exact in f32), f32 accumulation
+    return torch.bmm(pp.to(torch.float32), codes.to(torch.float32))
+
+
 def _sv_torch(ctx: _Ctx, S, tile_index, Hg, Gt, g0, acc, m, l):
-    """Online softmax + V (torch; tensor cores via torch.bmm on f16 on CUDA). State [Hg, Mp(, D)] in place."""
+    """Online softmax + V (torch; tensor cores via torch.bmm on f16 on CUDA). State [Hg, Mp(, D)] in place.
+
+    Per tile: V[t, d] = col_scale[d] * (tok_min[t] + tok_step[t] * code[t, d]) is summed as
+    col_scale[d] * (smax * sum_t P'[t] * (code[t, d] - h) + sum_t p[t] * (tok_min[t] + h * tok_step[t]))
+    with h = 2^(v_bits-1) and P' = p * tok_step / smax rounded to f16. Centered codes (exact in f16) keep
+    the f16 product small: uncentered codes carry their mean, so P' x codes and sum p*tok_min cancel
+    and the f16 rounding of P' is amplified by that cancellation.
+    """
     spec = ctx.cache.spec
     T, D = spec.tile_tokens, spec.head_dim
     Mp = S.shape[1]
@@ -319,16 +342,13 @@ def _sv_torch(ctx: _Ctx, S, tile_index, Hg, Gt, g0, acc, m, l):
     p = torch.exp(s - m_use[:, None, :, None])  # [Hg, Gt, Mp, T]
     codes, tok_step, tok_min, col_scale = _v_fields(ctx.pool, tile_index, spec)
     tok_step, tok_min, col_scale = (x.view(Hg, Gt, -1) for x in (tok_step, tok_min, col_scale))
-    smax = tok_step.amax(-1)  # [Hg, Gt]
+    tok_off = tok_min + float(1 << (spec.v_bits - 1)) * tok_step  # the centering offset, f32
+    smax = tok_step.amax(-1)  # [Hg, Gt]; P' in [0, 1] (p <= 1), so f16 keeps its relative precision
     inv = torch.where(smax > 0, 1.0 / torch.where(smax > 0, smax, torch.ones_like(smax)), torch.zeros_like(smax))
     pp = (p * (tok_step * inv[..., None])[:, :, None, :]).to(torch.float16).view(Hg * Gt, Mp, T)
-    if pp.is_cuda:
-        o = torch.bmm(pp, codes).to(torch.float32)  # cuBLAS f16 tensor cores, f32 accumulate, f16 out
-    else:  # CPU emulation of the same: f16 operands, f32 accumulation, f16 result
-        o = torch.bmm(pp.to(torch.float32), codes.to(torch.float32)).to(torch.float16).to(torch.float32)
-    o = o.view(Hg, Gt, Mp, D)
-    pmin = (p * tok_min[:, :, None, :]).sum(-1)  # [Hg, Gt, Mp]
-    contrib = ((o * smax[..., None, None] + pmin[..., None]) * col_scale[:, :, None, :]).sum(1)
+    o = _pv_f16(pp, codes).view(Hg, Gt, Mp, D)
+    poff = (p * tok_off[:, :, None, :]).sum(-1)  # [Hg, Gt, Mp], f32
+    contrib = ((o * smax[..., None, None] + poff[..., None]) * col_scale[:, :, None, :]).sum(1)
     l.mul_(alpha).add_(p.sum(dim=(1, 3)))
     acc.mul_(alpha[..., None]).add_(contrib)
     m.copy_(m_new)

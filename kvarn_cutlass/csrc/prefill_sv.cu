@@ -7,19 +7,23 @@
 //   acc [Hg, Mp, D] f32  -- unnormalized tile-part output in the rotated domain,
 //   m   [Hg, Mp]    f32  -- running max of the scores (-inf: nothing seen yet),
 //   l   [Hg, Mp]    f32  -- running sum of exp(s - m).
-// Per tile, with p[t] = exp(s[t] - m) (causally masked), smax = max_t tok_step[t]:
+// Per tile, with p[t] = exp(s[t] - m) (causally masked), smax = max_t tok_step[t], h = 2^(VB-1):
 //   P'[r, t]  = p[t] * tok_step[t] / smax             (f16, in [0, 1])
-//   O[r, d]   = sum_t P'[r, t] * code[t, d]              (mma.sync m16n8k16, codes exact in f16)
-//   acc[r, d] = acc * exp(m_old - m_new) + col_scale[d] * (smax * O[r, d] + sum_t p[t] * tok_min[t])
+//   O[r, d]   = sum_t P'[r, t] * (code[t, d] - h)        (mma.sync m16n8k16, f32 accumulation;
+//                                                         centered codes [-2, 1] / [-8, 7], exact in f16)
+//   acc[r, d] = acc * exp(m_old - m_new)
+//             + col_scale[d] * (smax * O[r, d] + sum_t p[t] * (tok_min[t] + h * tok_step[t]))   (f32)
 // No dequantized V is formed: codes are exact small integers, tok_step/tok_min are folded into the
-// probabilities and col_scale is applied to the per-tile product.
+// probabilities and col_scale is applied to the per-tile product. The codes are centered because
+// uncentered codes carry their mean: O and sum p*tok_min would then largely cancel, amplifying the f16
+// rounding of P' (same reason and same fix as the K codes in kscore_prep.cu).
 //
 // Rows: r = j * n_new + i (j: q head within the GQA group, i: query index in the chunk); query i
 // sits at position qpos0 + i; tile g of the group holds positions tile_pos0 + g*T + t. A key later
 // than the query is masked (only tiles that end after qpos0 need the check).
 //
 // Block: 4 warps, 16 rows each (64 rows); grid (Mp / 64, Hg). Dynamic smem:
-//   codes^T f16 [D][T + 8] | tok_step f32 [T] | tok_min f32 [T] | col_scale f32 [D]
+//   centered codes^T f16 [D][T + 8] | tok_step f32 [T] | tok_min + h*tok_step f32 [T] | col_scale f32 [D]
 #include <cuda_fp16.h>
 
 typedef unsigned char u8;
@@ -66,6 +70,7 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
   constexpr int KB = T / 16;         // k blocks of the P' x codes MMA
   constexpr int NB = D / 8;          // n blocks (8 channels each)
   constexpr float LOG2E = 1.4426950408889634f;
+  constexpr int HALF = 1 << (VB - 1);  // code centering offset
   extern __shared__ __align__(16) u8 smem[];
   __half* vt = reinterpret_cast<__half*>(smem);
   float* s_step = reinterpret_cast<float*>(smem + D * PT * 2);
@@ -103,8 +108,9 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
       const SC* tm = reinterpret_cast<const SC*>(rec + tok_min_off);
       const SC* cs = reinterpret_cast<const SC*>(rec + col_scale_off);
       for (int i = tid; i < T; i += blockDim.x) {
-        s_step[i] = sc_f32(ts[i]);
-        s_min[i] = sc_f32(tm[i]);
+        const float st = sc_f32(ts[i]);
+        s_step[i] = st;
+        s_min[i] = fmaf((float)HALF, st, sc_f32(tm[i]));  // tok_min + h * tok_step (h*st exact)
       }
       for (int i = tid; i < D; i += blockDim.x) s_cs[i] = sc_f32(cs[i]);
       // V codes: token-major, low bits first; each 32-bit word holds 32/VB codes of one token
@@ -115,7 +121,7 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
         const int idx = w * CPW, t = idx / D, d0 = idx - t * D;
 #pragma unroll
         for (int j = 0; j < CPW; ++j)
-          vt[(d0 + j) * PT + t] = __int2half_rn((int)((word >> (j * VB)) & ((1u << VB) - 1)));
+          vt[(d0 + j) * PT + t] = __int2half_rn((int)((word >> (j * VB)) & ((1u << VB) - 1)) - HALF);
       }
     }
     __syncthreads();
@@ -170,7 +176,7 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
     for (int j = 0; j < NB; ++j) {
       acc[j][0] *= al_lo; acc[j][1] *= al_lo; acc[j][2] *= al_hi; acc[j][3] *= al_hi;
     }
-    // ---- p, P' (A fragments), row sums and sum p * tok_min
+    // ---- p, P' (A fragments), row sums and sum p * (tok_min + h * tok_step)
     u32 afr[KB][4];
     float pm_lo = 0.f, pm_hi = 0.f;
 #pragma unroll
