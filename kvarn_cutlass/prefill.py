@@ -210,17 +210,10 @@ try:  # make `kvarn-cutlass build` see the family; harmless when the registry is
 except Exception:  # pragma: no cover
     pass
 
-_sv_kernels: dict[tuple[int, str], Any] = {}
-
-
 def _sv_kernel(device: torch.device, name: str):
-    key = (device.index, name)
-    k = _sv_kernels.get(key)
-    if k is None:
-        from .runtime.spec import get_module
+    from .runtime.spec import get_kernel
 
-        k = _sv_kernels[key] = get_module(sv_spec(), device).kernel(name, _SV_SIG)
-    return k
+    return get_kernel(sv_spec(), name, _SV_SIG, device)
 
 
 @dataclass
@@ -374,7 +367,6 @@ def _exact_part(ctx: _Ctx, qrows: torch.Tensor, budget: int):
     cache, layer = ctx.cache, ctx.layer
     sink_k, sink_v = cache.sink_kv(layer)
     win_k, win_v = cache.window_kv(layer)
-    B, Hkv = cache.batch_size, cache.num_kv_heads
     HH, M, D = qrows.shape
     dev = qrows.device
     ke = torch.cat((sink_k, win_k), 2).reshape(HH, -1, D)
