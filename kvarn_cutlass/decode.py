@@ -11,11 +11,12 @@ Public entry points:
 * :class:`DecodePlan`: per-cache device state (lengths, partials workspace, prepared launches).
 * :class:`DecodeGraph`: capture one decode call in a CUDA graph once, ``replay()`` every step.
 
-Kernels (``csrc/decode.cu``): (1) partials, fixed grid ``(S + 1, Hkv, B)``: split ``j < S`` covers
+Kernels (``csrc/decode.cu``): (1) partials, fixed grid ``(S + E, Hkv, B)``: split ``j < S`` covers
 ``tps = max(min_tps, ceil(n_tiles[b] / S))`` tiles starting at ``j * tps`` (computed on the device from
-the live tile count, so one grid serves every length); split ``S`` attends to the sink and the
-window (original domain). (2) combine, grid ``(Hq, B)``: LSE merge of the tile splits, one inverse
-WHT of the merged rotated output, merge with the exact part, normalization.
+the live tile count, so one grid serves every length); split ``S + e`` attends to tokens
+``[e*TE, (e+1)*TE)`` of sink ++ window (original domain), ``E = ceil((W + SC) / TE)``, TE = 64 or 32
+(:func:`kernel_layout`). (2) combine, grid ``(Hq, B)``: LSE merge of the tile splits, one inverse
+WHT of the merged rotated output, LSE merge of the exact blocks, merge of the two, normalization.
 
 Graph strategy: the kernels read the lengths from device memory. The plan owns an int32 tensor
 ``lens [num_layers, 3, B]`` (n_tiles, window_len, sink_len); :meth:`DecodePlan.refresh` copies the
@@ -30,6 +31,7 @@ stay valid while the sequence grows across tile boundaries because the pool neve
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -52,18 +54,20 @@ __all__ = [
 ]
 
 NUM_THREADS = 128
-MIN_TILES_PER_SPLIT = 4
-# Tile-split blocks target this many waves of resident blocks (finer splits balance the SMs).
-TARGET_WAVES = 2
+# Fewest tiles one split block covers (the device computes tps = max(min_tps, ceil(n_tiles / S))).
+# Environment override for A/B runs: KVARN_DECODE_MIN_TPS.
+MIN_TILES_PER_SPLIT = 2
+# Upper bound on the waves of resident blocks the split choice may use (see choose_splits).
+MAX_WAVES = 4
 Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GROUP = 8
 
 _PARTIALS_SIG = (
     "ptr q", "ptr tiles", "ptr win_k", "ptr win_v", "ptr sink_k", "ptr sink_v", "ptr n_tiles", "ptr win_len",
     "ptr sink_len", "ptr po", "ptr pm", "ptr pl", "i32 Hkv", "i32 G", "i32 cap", "i32 W", "i32 SC", "i32 S",
-    "i32 min_tps", "i32 flags", "f32 scale",
+    "i32 E", "i32 min_tps", "i32 flags", "f32 scale",
 )
-_COMBINE_SIG = ("ptr po", "ptr pm", "ptr pl", "ptr out", "i32 Hkv", "i32 G", "i32 S", "i32 out_bf16")
+_COMBINE_SIG = ("ptr po", "ptr pm", "ptr pl", "ptr out", "i32 Hkv", "i32 G", "i32 S", "i32 E", "i32 out_bf16")
 
 
 # --- kernel specs ------------------------------------------------------------------------------
@@ -103,6 +107,7 @@ class KernelLayout:
     stages: int
     smem_bytes: int
     offsets: dict
+    exact_tokens: int = 64  # TE: sink/window tokens per exact block
 
 
 def kernel_layout(spec: TileSpec) -> KernelLayout:
@@ -119,8 +124,24 @@ def kernel_layout(spec: TileSpec) -> KernelLayout:
     rec = off["col_scale"] + D * SB
     ns = 4 if rec <= 8192 else (3 if rec <= 20480 else 2)
     tpw = T // 4
-    smem = ns * rec + 8 * D * 4 + (D // 16) * 32 * 16 + 4 * 8 * 4 + 4 * 2 * 8 * tpw * 2 + 16
-    return KernelLayout(rec, ns, smem, off)
+    smem_tile = ns * rec + 8 * D * 4 + (D // 16) * 32 * 16 + 4 * 8 * 4 + 4 * 2 * 8 * tpw * 2 + 16
+
+    def exact_smem(te: int) -> int:
+        return te * D * 4 + 8 * D * 4 + NUM_THREADS * 32 + 8 * te * 4 + 64 + NUM_THREADS * 64
+
+    te = 64 if exact_smem(64) <= smem_tile else 32
+    return KernelLayout(rec, ns, max(smem_tile, exact_smem(te)), off, te)
+
+
+def exact_blocks(spec: TileSpec, window: int, sink: int) -> int:
+    """E: exact (sink + window) blocks per (sequence, KV head) for buffer capacities W and SC."""
+    return max(1, math.ceil((window + sink) / kernel_layout(spec).exact_tokens))
+
+
+def min_tiles_per_split() -> int:
+    """MIN_TILES_PER_SPLIT, or the KVARN_DECODE_MIN_TPS environment override (A/B runs)."""
+    v = os.environ.get("KVARN_DECODE_MIN_TPS")
+    return max(1, int(v)) if v else MIN_TILES_PER_SPLIT
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -181,38 +202,63 @@ def _occupancy(kernel, smem: int) -> int:
             return int(n)
     except Exception:  # estimate below
         pass
-    return max(1, min(3, (227 * 1024) // (smem + 1024)))
+    return max(1, min(4, (227 * 1024) // (smem + 1024)))
 
 
 class DecodeWorkspace:
-    """Partials buffers and the split count for one (batch, kv heads, capacity, head_dim, group).
+    """Partials buffers and the split counts for one (batch, kv heads, capacity, head_dim, group).
 
-    ``po`` float32 [B, Hkv, S+1, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+1, G]. Reused across layers
+    ``S = splits`` tile splits and ``E = exact`` exact (sink + window) blocks per (sequence, KV head):
+    ``po`` float32 [B, Hkv, S+E, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+E, G]. Reused across layers
     and steps (kernels run in stream order); graphs capture its pointers, so it must stay alive.
+    ``min_tps``: fewest tiles per split block (passed to the kernel).
     """
 
     def __init__(self, device: torch.device, batch: int, num_kv_heads: int, group: int, head_dim: int,
-                 splits: int):
+                 splits: int, exact: int = 1, min_tps: int | None = None):
         self.batch, self.num_kv_heads, self.group, self.head_dim, self.splits = batch, num_kv_heads, group, head_dim, splits
-        n = batch * num_kv_heads * (splits + 1) * group
+        self.exact = exact
+        self.min_tps = min_tps or min_tiles_per_split()
+        n = batch * num_kv_heads * (splits + exact) * group
         self.po = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.pm = torch.empty(n, dtype=torch.float32, device=device)
         self.pl = torch.empty(n, dtype=torch.float32, device=device)
 
 
-def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.device, spec: TileSpec,
-                  waves: float = TARGET_WAVES) -> int:
-    """Tile splits per (sequence, KV head): enough blocks for ``waves`` waves over the SMs.
+# Model constants of choose_splits (unit: the SM time per tile when the SM's issue is saturated).
+SATURATING_BLOCKS = 2.5      # resident blocks an SM needs to saturate issue; k < that run at k / 2.5
+SPLIT_COST = 0.02            # combine work and partial traffic per extra split
 
-    ``S = clamp(slots * waves // (B * Hkv) - 1, 1, ceil(cap / MIN_TILES_PER_SPLIT))`` where
-    ``slots = SMs x resident blocks per SM``; the ``-1`` leaves room for the exact (window) split.
+
+def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int) -> float:
+    """Modelled makespan of ``s`` tile splits: the busiest SM's tiles x its per-tile time.
+
+    ``per_sm = ceil(pairs x used splits / SMs)`` blocks of ``tps`` tiles land on the busiest SM; with
+    ``k = min(per_sm, occupancy)`` of them resident its per-tile time is ``max(1, SATURATING_BLOCKS / k)``.
     """
+    tps = max(min_tps, math.ceil(cap_tiles / s))
+    used = math.ceil(cap_tiles / tps)
+    per_sm = math.ceil(pairs * used / sms)
+    k = min(per_sm, occupancy)
+    return tps * per_sm * max(1.0, SATURATING_BLOCKS / k) + SPLIT_COST * s
+
+
+def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.device, spec: TileSpec,
+                  min_tps: int | None = None) -> int:
+    """Tile splits S per (sequence, KV head), minimizing :func:`split_cost` at the capacity.
+
+    The partials kernel is issue-bound per SM (docs/perf-notes.md, decode), so the makespan is set by
+    the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots.
+    S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps).
+    """
+    min_tps = min_tps or min_tiles_per_split()
     lay = kernel_layout(spec)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     k = _kernels(spec, device)[0]
-    slots = sms * _occupancy(k, lay.smem_bytes)
-    s = int(slots * waves) // (batch * num_kv_heads) - 1
-    return max(1, min(s, max(1, math.ceil(cap_tiles / MIN_TILES_PER_SPLIT))))
+    occ = _occupancy(k, lay.smem_bytes)
+    pairs = batch * num_kv_heads
+    s_cap = max(1, min(MAX_WAVES * sms * occ // pairs, math.ceil(cap_tiles / min_tps)))
+    return min(range(1, s_cap + 1), key=lambda s: (split_cost(s, pairs, cap_tiles, sms, occ, min_tps), s))
 
 
 _kernel_cache: dict = {}
@@ -226,7 +272,7 @@ def _kernels(spec: TileSpec, device: torch.device):
         mod = get_module(ks_spec, device)
         ks = (mod.kernel(ks_spec.kernel_names[0], _PARTIALS_SIG), mod.kernel(ks_spec.kernel_names[1], _COMBINE_SIG))
         # Opt in to the dynamic shared memory now, so that the occupancy query sees it.
-        ks[0].prepare((1, 1, 1), NUM_THREADS, (0,) * 12 + (0,) * 8 + (1.0,), shared_mem=kernel_layout(spec).smem_bytes)
+        ks[0].prepare((1, 1, 1), NUM_THREADS, (0,) * 12 + (0,) * 9 + (1.0,), shared_mem=kernel_layout(spec).smem_bytes)
         _kernel_cache[key] = ks
     return ks
 
@@ -305,26 +351,27 @@ def decode_attention_ragged(
     elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != device
           or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {q.dtype} tensor {list(q.shape)} on {device}")
+    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2])
     if workspace is None:
-        workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec))
-    elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim) != (B, Hkv, G, D):
+        workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec), E)
+    elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim, workspace.exact) != (B, Hkv, G, D, E):
         raise ValueError(
             f"workspace is for batch={workspace.batch}, kv_heads={workspace.num_kv_heads}, group={workspace.group}, "
-            f"head_dim={workspace.head_dim}; this call needs {B}, {Hkv}, {G}, {D}"
+            f"head_dim={workspace.head_dim}, exact blocks={workspace.exact}; this call needs {B}, {Hkv}, {G}, {D}, {E}"
         )
     q = q.contiguous()
     S = workspace.splits
     flags = (1 if q.dtype == torch.bfloat16 else 0) | (2 if window_k.dtype == torch.bfloat16 else 0)
     args_p = (q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
-              workspace.pm, workspace.pl, Hkv, G, cap, window_k.shape[2], sink_k.shape[2], S, MIN_TILES_PER_SPLIT,
-              flags, scale)
-    args_c = (workspace.po, workspace.pm, workspace.pl, out, Hkv, G, S, 1 if q.dtype == torch.bfloat16 else 0)
+              workspace.pm, workspace.pl, Hkv, G, cap, window_k.shape[2], sink_k.shape[2], S, E,
+              workspace.min_tps, flags, scale)
+    args_c = (workspace.po, workspace.pm, workspace.pl, out, Hkv, G, S, E, 1 if q.dtype == torch.bfloat16 else 0)
     key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args_p + args_c) + (spec,)
     launches = None if _prepared is None else _prepared.get(key)
     if launches is None:
         kp, kc = _kernels(spec, device)
         lay = kernel_layout(spec)
-        p = kp.prepare((S + 1, Hkv, B), NUM_THREADS, args_p, shared_mem=lay.smem_bytes)
+        p = kp.prepare((S + E, Hkv, B), NUM_THREADS, args_p, shared_mem=lay.smem_bytes)
         c = kc.prepare((Hq, B), NUM_THREADS, args_c)
         launches = (p, c)
         if _prepared is not None:
@@ -370,9 +417,10 @@ class DecodePlan:
     Args:
         cache: a KVarNCache on a CUDA device.
         splits: tile splits per (sequence, KV head); default from :func:`choose_splits`.
+        min_tps: fewest tiles per split block; default :func:`min_tiles_per_split`.
     """
 
-    def __init__(self, cache: KVarNCache, splits: int | None = None):
+    def __init__(self, cache: KVarNCache, splits: int | None = None, min_tps: int | None = None):
         _check_cache(cache)
         if cache.device.type != "cuda":
             raise ValueError(f"cache must be on a CUDA device for decode_attention, got {cache.device}")
@@ -381,6 +429,9 @@ class DecodePlan:
         self.cache = cache
         self.device = cache.device
         self.splits_override = splits
+        if min_tps is not None and (isinstance(min_tps, bool) or not isinstance(min_tps, int) or min_tps < 1):
+            raise ValueError(f"min_tps must be a positive int, got {min_tps!r}")
+        self.min_tps = min_tps
         B, L = cache.batch_size, cache.num_layers
         self.lens = torch.zeros(L, 3, B, dtype=torch.int32, device=self.device)
         self._ring = _PinnedRing((3, B))
@@ -406,8 +457,12 @@ class DecodePlan:
         ws = self._workspaces.get(key)
         if ws is None:
             c = self.cache
-            s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec)
-            ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim, s)
+            s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
+                                                      self.min_tps)
+            st = c._layers[0]
+            e = exact_blocks(c.spec, st.window_k.shape[2], st.sink_k.shape[2])
+            ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
+                                                         s, e, self.min_tps)
         return ws
 
     def launch(self, q: torch.Tensor, layer: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -107,3 +107,31 @@ def test_scale_validation():
     with pytest.raises(ValueError, match="scale must be a positive finite float"):
         decode._check_scale(-1.0, 64)
     assert decode._check_scale(None, 64) == 0.125
+
+
+def test_exact_blocks_and_layout():
+    ts = TileSpec(preset="k4v2_g128", head_dim=128)
+    lay = decode.kernel_layout(ts)
+    assert lay.exact_tokens == 64
+    assert decode.exact_blocks(ts, 256, 0) == 4
+    assert decode.exact_blocks(ts, 256, 100) == 6
+    assert decode.exact_blocks(ts, 0, 0) == 1
+    assert decode.kernel_layout(TileSpec(preset="k4v2_g128", head_dim=256)).exact_tokens == 32
+
+
+def test_split_cost_model():
+    """The split choice model: batch 1 / 4k spreads to 2 tiles per split; batch 16 / 32k fills one wave."""
+    def best(pairs, cap, occ=4, min_tps=2):
+        cands = range(1, min(4 * 132 * occ // pairs, -(-cap // min_tps)) + 1)
+        return min(cands, key=lambda s: (decode.split_cost(s, pairs, cap, 132, occ, min_tps), s))
+
+    assert best(8, 33) == 17
+    assert best(128, 257) == 3
+    assert 33 <= best(8, 1025) <= 66
+
+
+def test_min_tps_env(monkeypatch):
+    monkeypatch.setenv("KVARN_DECODE_MIN_TPS", "3")
+    assert decode.min_tiles_per_split() == 3
+    monkeypatch.delenv("KVARN_DECODE_MIN_TPS")
+    assert decode.min_tiles_per_split() == decode.MIN_TILES_PER_SPLIT

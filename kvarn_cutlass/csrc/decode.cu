@@ -1,6 +1,6 @@
 // Split-tile KVarN decode attention: one new query token per sequence.
 //
-// Kernel 1 (partials), grid (S + 1, num_kv_heads, batch), 128 threads:
+// Kernel 1 (partials), grid (S + E, num_kv_heads, batch), 128 threads:
 //   blockIdx.x < S : a contiguous range of tiles of one (sequence, KV head) for ALL q heads of the
 //                    GQA group. Tiles per split are computed on the device from the live tile count
 //                    (tps = max(min_tps, ceil(n_tiles / S))), so one fixed grid serves every length
@@ -10,10 +10,11 @@
 //                    fp16; q_rot*chan_step is split in fp16 hi+lo, fp32 accumulation), V is aggregated
 //                    from the token-major codes with a second MMA (p*tok_step split hi+lo) in the
 //                    rotated domain; per-tile col_scale, tok_min and chan_min are applied in fp32.
-//   blockIdx.x == S: the exact part (sink + fp16/bf16 window) in the original domain, CUDA cores.
-//   Partials: po [B, Hkv, S+1, G, D] (unnormalized), pm / pl [B, Hkv, S+1, G], log2 domain.
+//   blockIdx.x = S + e: the exact part (sink + fp16/bf16 window) in the original domain, CUDA cores,
+//                    tokens [e*TE, (e+1)*TE) of sink ++ window, staged in shared memory with cp.async.
+//   Partials: po [B, Hkv, S+E, G, D] (unnormalized), pm / pl [B, Hkv, S+E, G], log2 domain.
 // Kernel 2 (combine), grid (num_q_heads, batch): log-sum-exp merge of the tile splits, one inverse
-//   WHT of the merged rotated tile output, merge with the exact part, normalize, store q's dtype.
+//   WHT of the merged rotated tile output, LSE merge of the E exact partials, merge, normalize, store.
 //
 // Compile-time parameters (one module per record layout): KVD_D (head_dim), KVD_T (tile tokens),
 // KVD_VB (V bits), KVD_SB (scale bytes: 2 = f16, 4 = f32).
@@ -63,17 +64,27 @@ constexpr int OFF_TMIN = OFF_TSTEP + T * SB;
 constexpr int OFF_COL = OFF_TMIN + T * SB;
 constexpr int REC = OFF_COL + D * SB;
 constexpr int NS = REC <= 8192 ? 4 : (REC <= 20480 ? 3 : 2);   // cp.async ring stages
-constexpr int MINB = D >= 256 ? 2 : 3;
+#ifndef KVD_MINB
+constexpr int MINB = D >= 256 ? 2 : 4;
+#else
+constexpr int MINB = KVD_MINB;
+#endif
 // Dynamic shared memory of the partials kernel (the host computes the same from these numbers).
 constexpr int SM_STAGES = NS * REC;
 constexpr int SM_QROT = 8 * D * 4;
 constexpr int SM_FRAG = KSTEPS * 32 * 16;
 constexpr int SM_BIAS = NW * 8 * 4;
 constexpr int SM_PT = NW * 2 * 8 * TPW * 2;
-constexpr int SMEM = SM_STAGES + SM_QROT + SM_FRAG + SM_BIAS + SM_PT + 16;
+constexpr int SMEM_TILE = SM_STAGES + SM_QROT + SM_FRAG + SM_BIAS + SM_PT + 16;
+// Exact (sink + window) blocks: TE tokens each, K/V rows staged in shared memory (see exact_part).
+constexpr int exact_smem(int te) { return te * D * 4 + 8 * D * 4 + NT * 32 + 8 * te * 4 + 64 + NT * 64; }
+constexpr int TE = exact_smem(64) <= SMEM_TILE ? 64 : 32;
+constexpr int EX_NP = NT / TE;               // channel parts per token in the score phase: 2 or 4
+constexpr int SMEM = SMEM_TILE > exact_smem(TE) ? SMEM_TILE : exact_smem(TE);
 
 static_assert(OFF_CSTEP % 128 == 0 && OFF_V % 16 == 0 && REC % 16 == 0, "record sections must be aligned");
 static_assert(VGB == 2 || VGB == 4 || VGB == 8, "unsupported V chunk");
+static_assert((KSTEPS * 32) % NT == 0, "q fragment elements per thread");
 static_assert(NW * 8 * (D + 2) * 4 <= SM_STAGES, "warp merge buffer must fit in the stage ring");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -119,7 +130,9 @@ __device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float
 template <int K, int NB>
 __device__ __forceinline__ unsigned codes2(unsigned x) {
     constexpr unsigned M = ((1u << NB) - 1u) << K;
-    unsigned v = (x & (M | (M << 16))) | 0x64006400u;
+    // (x & mask) | 0x64006400 as one LOP3 (written as C, ptxas emits two: one immediate per LOP3)
+    unsigned v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(x), "n"(M | (M << 16)), "r"(0x64006400u));
     const unsigned short s_bits = (unsigned short)(0x3C00 - (K << 10));          // 2^-K
     const unsigned short o_bits = (unsigned short)(0x8000 | (0x3C00 + ((10 - K) << 10)));  // -2^(10-K)
     __half2 s = __halves2half2(__ushort_as_half(s_bits), __ushort_as_half(s_bits));
@@ -158,57 +171,81 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // fragment loads: the four channel rows a lane quad reads land in different banks).
 __device__ __forceinline__ int kswz(int a) { return a ^ (((a >> 7) & 7) << 4); }
 
-__device__ __forceinline__ void load_record(unsigned char* dst, const unsigned char* src, int tid) {
-    constexpr int NCH = REC / 16;
-    constexpr int KCH = OFF_CSTEP / 16;
-#pragma unroll 4
-    for (int c = tid; c < NCH; c += NT) {
-        int o = c * 16;
-        int d = c < KCH ? kswz(o) : o;
-        cp_async16(dst + d, src + o);
+// Chunk c = tid + k*NT of the record: the K code chunks are exactly k < KCH/NT (KCH is a multiple of
+// NT), and kswz(tid*16 + k*NT*16) = kswz(tid*16) + k*NT*16 (NT*16 bytes = 16 whole 128-byte lines), so
+// the thread's two destination offsets are tile-invariant (dk = kswz(16 tid), dn = 16 tid) and every
+// copy is one LDGSTS with immediate offsets.
+__device__ __forceinline__ void load_record(unsigned char* dst, const unsigned char* src, int tid, int dk) {
+    constexpr int NCH = REC / 16, KCH = OFF_CSTEP / 16;
+    constexpr int NFULL = NCH / NT, NREM = NCH % NT, KIT = KCH / NT;
+    static_assert(KCH % NT == 0, "K code chunks must be a multiple of the block size");
+    const int dn = tid * 16;
+    dst += dn;
+    src += dn;
+#pragma unroll
+    for (int k = 0; k < NFULL; ++k) cp_async16(dst + (k < KIT ? dk - dn : 0) + k * NT * 16, src + k * NT * 16);
+    if constexpr (NREM > 0) {
+        if (tid < NREM) cp_async16(dst + NFULL * NT * 16, src + NFULL * NT * 16);
     }
 }
 
-// Exact part: sink + window tokens in the original domain (fp16/bf16 K, V), all G heads.
+// Exact part: sink + window tokens in the original domain (fp16/bf16 K, V), all G heads. Block e of
+// the E exact blocks covers tokens [e*TE, min(n, (e+1)*TE)) of the sequence sink ++ window; its K and V
+// rows arrive with one round of cp.async (one memory latency), then scores, softmax and P.V run from
+// shared memory. The block writes one partial (m, l, unnormalized o) like a tile split; the combine
+// kernel merges the E partials (so this is the same math as one pass, in a different summation order).
 __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k, const void* win_v,
                            const void* sink_k, const void* sink_v, const int* win_len, const int* sink_len,
                            float* po, float* pm, float* pl, size_t slot, int b, int h, int Hkv, int G, int W,
-                           int SC, bool q_bf, bool kv_bf, float sl2) {
+                           int SC, int e, bool q_bf, bool kv_bf, float sl2) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    float* qs = reinterpret_cast<float*>(smem);     // [8][D]
-    float* sc = qs + 8 * D;                          // [8][128]
-    float* mrun = sc + 8 * 128;                      // [8]
-    float* lrun = mrun + 8;
-    float* alph = lrun + 8;
-    float* red = alph + 8;                           // [NTG][8][D]
     int sl = sink_len[b], wl = win_len[b];
     sl = sl < 0 ? 0 : (sl > SC ? SC : sl);
     wl = wl < 0 ? 0 : (wl > W ? W : wl);
     const int n = sl + wl;
-    const size_t qbase = (size_t)(b * Hkv + h) * G * D;
-    for (int i = tid; i < G * D; i += NT) qs[i] = ld_in(q, qbase + i, q_bf) * sl2;
-    if (tid < 8) { mrun[tid] = neg_inf(); lrun[tid] = 0.f; alph[tid] = 1.f; }
-    constexpr int TPG = D / 2;               // threads per token group (2 channels each)
-    constexpr int NTG = NT / TPG;            // token groups: 4, 2, 1
-    const int cp = tid % TPG, tg = tid / TPG;
-    float acc[8][2];
-#pragma unroll
-    for (int g = 0; g < 8; ++g) acc[g][0] = acc[g][1] = 0.f;
+    const int t0 = e * TE;
+    const int cnt = min(TE, n - t0);
+    if (cnt <= 0) {
+        if (tid < G) { pm[slot + tid] = neg_inf(); pl[slot + tid] = 0.f; }
+        return;
+    }
+    unsigned char* kb = smem;                                   // [TE][D] fp16/bf16
+    unsigned char* vb = kb + TE * D * 2;                        // [TE][D]
+    float* qs = reinterpret_cast<float*>(vb + TE * D * 2);      // [8][D]
+    float* scp = qs + 8 * D;                                    // [EX_NP][8][TE]
+    float* pr = scp + EX_NP * 8 * TE;                           // [8][TE]
+    float* mst = pr + 8 * TE;                                   // [8]
+    float* lst = mst + 8;                                       // [8]
+    float* red = lst + 8;                                       // [NTG][8][D]
     const size_t sbase = (size_t)(b * Hkv + h) * SC;
     const size_t wbase = (size_t)(b * Hkv + h) * W;
+    constexpr int RCH = D / 8;  // 16-byte chunks per row
+    for (int c = tid; c < cnt * RCH; c += NT) {
+        const int r = c / RCH, k = c % RCH, t = t0 + r;
+        const size_t row = t < sl ? sbase + t : wbase + (t - sl);
+        const unsigned char* srk = reinterpret_cast<const unsigned char*>(t < sl ? sink_k : win_k);
+        const unsigned char* srv = reinterpret_cast<const unsigned char*>(t < sl ? sink_v : win_v);
+        cp_async16(kb + r * D * 2 + k * 16, srk + row * D * 2 + k * 16);
+        cp_async16(vb + r * D * 2 + k * 16, srv + row * D * 2 + k * 16);
+    }
+    cp_async_commit();
+    const size_t qbase = (size_t)(b * Hkv + h) * G * D;
+    for (int i = tid; i < G * D; i += NT) qs[i] = ld_in(q, qbase + i, q_bf) * sl2;
+    cp_async_wait<0>();
     __syncthreads();
-    for (int start = 0; start < n; start += NT) {
-        const int t = start + tid;
+    // --- scores: thread (token t, channel part p) over D / EX_NP channels, 8 at a time --------------
+    {
+        const int t = tid % TE, p = tid / TE;
+        constexpr int CPP = D / EX_NP, NCK = CPP / 8;
         float s[8];
 #pragma unroll
         for (int g = 0; g < 8; ++g) s[g] = 0.f;
-        if (t < n) {
-            const unsigned char* row = t < sl
-                ? reinterpret_cast<const unsigned char*>(sink_k) + (sbase + t) * D * 2
-                : reinterpret_cast<const unsigned char*>(win_k) + (wbase + (t - sl)) * D * 2;
-#pragma unroll 2
-            for (int c8 = 0; c8 < D / 8; ++c8) {
-                uint4 u = reinterpret_cast<const uint4*>(row)[c8];
+        if (t < cnt) {
+            const unsigned char* row = kb + t * D * 2 + p * CPP * 2;
+#pragma unroll 4
+            for (int ck = 0; ck < NCK; ++ck) {
+                const int c8 = (ck + t) % NCK;  // rotated start: the lanes of a phase hit different banks
+                const uint4 u = *reinterpret_cast<const uint4*>(row + c8 * 16);
                 unsigned uw[4] = {u.x, u.y, u.z, u.w};
                 float kv[8];
 #pragma unroll
@@ -221,11 +258,12 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
                         kv[2 * k] = f.x; kv[2 * k + 1] = f.y;
                     }
                 }
+                const int c0 = p * CPP + c8 * 8;
 #pragma unroll
                 for (int g = 0; g < 8; ++g) {
                     if (g < G) {
-                        const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c8 * 8);
-                        const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c8 * 8 + 4);
+                        const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c0);
+                        const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c0 + 4);
                         s[g] += q0.x * kv[0] + q0.y * kv[1] + q0.z * kv[2] + q0.w * kv[3] + q1.x * kv[4] +
                                 q1.y * kv[5] + q1.z * kv[6] + q1.w * kv[7];
                     }
@@ -234,48 +272,58 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
         }
 #pragma unroll
         for (int g = 0; g < 8; ++g)
-            if (g < G) sc[g * NT + tid] = t < n ? s[g] : neg_inf();
-        __syncthreads();
-        for (int g = w; g < G; g += NW) {
-            float v[4], mx = neg_inf();
+            if (g < G) scp[(p * 8 + g) * TE + t] = s[g];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * TE; i += NT) {
+        const int g = i / TE, t = i % TE;
+        float v = 0.f;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) { v[k] = sc[g * NT + lane + 32 * k]; mx = fmaxf(mx, v[k]); }
+        for (int p = 0; p < EX_NP; ++p) v += scp[(p * 8 + g) * TE + t];
+        pr[g * TE + t] = t < cnt ? v : neg_inf();
+    }
+    __syncthreads();
+    // --- softmax over the block's tokens, one warp per head ----------------------------------------
+    for (int g = w; g < G; g += NW) {
+        constexpr int PL = (TE + 31) / 32;
+        float v[PL], mx = neg_inf();
 #pragma unroll
-            for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float mo = mrun[g];
-            const float mn = fmaxf(mo, mx);
-            const float al = mo == neg_inf() ? 0.f : exp2f(mo - mn);
-            float ps = 0.f;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float p = v[k] == neg_inf() ? 0.f : exp2f(v[k] - mn);
-                sc[g * NT + lane + 32 * k] = p;
-                ps += p;
-            }
-#pragma unroll
-            for (int o = 16; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-            __syncwarp();
-            if (lane == 0) { lrun[g] = lrun[g] * al + ps; mrun[g] = mn; alph[g] = al; }
+        for (int k = 0; k < PL; ++k) {
+            const int t = lane + 32 * k;
+            v[k] = t < TE ? pr[g * TE + t] : neg_inf();
+            mx = fmaxf(mx, v[k]);
         }
-        __syncthreads();
-        const int cnt = min(NT, n - start);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float ps = 0.f;
+#pragma unroll
+        for (int k = 0; k < PL; ++k) {
+            const int t = lane + 32 * k;
+            const float pv = v[k] == neg_inf() ? 0.f : exp2f(v[k] - mx);
+            if (t < TE) pr[g * TE + t] = pv;
+            ps += pv;
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        if (lane == 0) { mst[g] = mx; lst[g] = ps; }
+    }
+    __syncthreads();
+    // --- P.V: thread (channel pair cp, token group tg) ---------------------------------------------
+    constexpr int TPG = D / 2;               // threads per token group (2 channels each)
+    constexpr int NTG = NT / TPG;            // token groups: 4, 2, 1
+    const int cp = tid % TPG, tg = tid / TPG;
+    float acc[8][2];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) acc[g][0] = acc[g][1] = 0.f;
+#pragma unroll 4
+    for (int tt = tg; tt < cnt; tt += NTG) {
+        const unsigned u = *reinterpret_cast<const unsigned*>(vb + tt * D * 2 + cp * 4);
+        float v0, v1;
+        if (kv_bf) { v0 = __uint_as_float(u << 16); v1 = __uint_as_float(u & 0xffff0000u); }
+        else { float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u)); v0 = f.x; v1 = f.y; }
 #pragma unroll
         for (int g = 0; g < 8; ++g)
-            if (g < G) { acc[g][0] *= alph[g]; acc[g][1] *= alph[g]; }
-        for (int tt = tg; tt < cnt; tt += NTG) {
-            const int tk = start + tt;
-            const unsigned char* row = tk < sl
-                ? reinterpret_cast<const unsigned char*>(sink_v) + (sbase + tk) * D * 2
-                : reinterpret_cast<const unsigned char*>(win_v) + (wbase + (tk - sl)) * D * 2;
-            unsigned u = reinterpret_cast<const unsigned*>(row)[cp];
-            float v0, v1;
-            if (kv_bf) { v0 = __uint_as_float(u << 16); v1 = __uint_as_float(u & 0xffff0000u); }
-            else { float2 f = __half22float2(*reinterpret_cast<__half2*>(&u)); v0 = f.x; v1 = f.y; }
-#pragma unroll
-            for (int g = 0; g < 8; ++g)
-                if (g < G) { const float p = sc[g * NT + tt]; acc[g][0] += p * v0; acc[g][1] += p * v1; }
-        }
-        __syncthreads();
+            if (g < G) { const float pv = pr[g * TE + tt]; acc[g][0] += pv * v0; acc[g][1] += pv * v1; }
     }
     if constexpr (NTG > 1) {
 #pragma unroll
@@ -299,7 +347,7 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
         for (int g = 0; g < 8; ++g)
             if (g < G) *reinterpret_cast<float2*>(po + (slot + g) * D + 2 * cp) = make_float2(acc[g][0], acc[g][1]);
     }
-    if (tid < G) { pm[slot + tid] = n > 0 ? mrun[tid] : neg_inf(); pl[slot + tid] = n > 0 ? lrun[tid] : 0.f; }
+    if (tid < G) { pm[slot + tid] = mst[tid]; pl[slot + tid] = lst[tid]; }
 }
 
 }  // namespace kvd
@@ -312,16 +360,16 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
     const void* __restrict__ win_v, const void* __restrict__ sink_k, const void* __restrict__ sink_v,
     const int* __restrict__ n_tiles, const int* __restrict__ win_len, const int* __restrict__ sink_len,
     float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int Hkv, int G, int cap, int W, int SC,
-    int S, int min_tps, int flags, float scale) {
+    int S, int E, int min_tps, int flags, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, qq = lane & 3;
-    const size_t slot = ((size_t)(b * Hkv + h) * (S + 1) + split) * G;
+    const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
     const bool q_bf = flags & 1;
     constexpr float LOG2E = 1.4426950408889634f;
-    if (split == S) {
+    if (split >= S) {
         exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
-                   q_bf, (flags & 2) != 0, scale * LOG2E);
+                   split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
         return;
     }
     int n = n_tiles[b];
@@ -343,9 +391,10 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
 
     const size_t rstride = (size_t)Hkv * REC;  // bytes between consecutive tiles of one head
     const unsigned char* rec0 = tiles + ((size_t)b * cap * Hkv + h) * REC + (size_t)t0 * rstride;
+    const int dk = kswz(tid * 16);
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-        if (s < nloc) load_record(stages + s * REC, rec0 + s * rstride, tid);
+        if (s < nloc) load_record(stages + s * REC, rec0 + s * rstride, tid, dk);
         cp_async_commit();
     }
 
@@ -385,13 +434,22 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
         for (int m = 0; m < MBV; ++m) acc[c][m][0] = acc[c][m][1] = acc[c][m][2] = acc[c][m][3] = 0.f;
     float mrun0 = neg_inf(), mrun1 = neg_inf(), lrun0 = 0.f, lrun1 = 0.f;
     __half* ptw = pt + w * (2 * 8 * TPW);
+    // K code byte offsets of this lane's four channel rows (see kswz): a + 1024 u keeps the swizzle of a
+    // (1024 bytes = 8 whole lines), so step s reads kaddr[s % SPER][j] + (s / SPER) * 1024.
+    constexpr int SPER = 1024 / (16 * KROW);
+    static_assert(SPER >= 1 && KSTEPS % SPER == 0, "K steps per swizzle period");
+    int kaddr[SPER][4];
+#pragma unroll
+    for (int sp = 0; sp < SPER; ++sp)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) kaddr[sp][j] = kswz((16 * sp + 4 * qq + j) * KROW + w * (TPW / 2) + g * MB);
 
     for (int i = 0; i < nloc; ++i) {
         cp_async_wait<NS - 2>();
         __syncthreads();  // tile i landed for every thread; everyone is done with tile i-1
         {
             const int nx = i + NS - 1;
-            if (nx < nloc) load_record(stages + (nx % NS) * REC, rec0 + (size_t)nx * rstride, tid);
+            if (nx < nloc) load_record(stages + (nx % NS) * REC, rec0 + (size_t)nx * rstride, tid, dk);
             cp_async_commit();
         }
         const unsigned char* st = stages + (i % NS) * REC;
@@ -399,7 +457,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
         {
             float bsum = 0.f;
 #pragma unroll
-            for (int e = tid; e < KSTEPS * 32; e += NT) {
+            for (int it = 0; it < KSTEPS * 32 / NT; ++it) {
+                const int e = tid + it * NT;
                 const int s = e >> 5;
                 uint4 f = make_uint4(0u, 0u, 0u, 0u);
                 if (g < G) {
@@ -429,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
             unsigned x[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int a = kswz((16 * s + 4 * qq + j) * KROW + w * (TPW / 2) + g * MB);
+                const int a = kaddr[s % SPER][j] + (s / SPER) * 1024;
                 if constexpr (MB == 2) x[j] = *reinterpret_cast<const unsigned short*>(st + a);
                 else x[j] = st[a];
             }
@@ -620,27 +679,27 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
     }
 }
 
-// out: [B, Hkv*G, 1, D] in q's dtype (out_bf16). Grid (Hkv*G, B), 128 threads.
-extern "C" __global__ void __launch_bounds__(128) KVD_COMBINE(const float* __restrict__ po,
-                                                              const float* __restrict__ pm,
-                                                              const float* __restrict__ pl, void* __restrict__ out,
-                                                              int Hkv, int G, int S, int out_bf16) {
-    __shared__ float x[D];
-    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-    const int h = hq / G, gg = hq % G;
-    const size_t base = (size_t)(b * Hkv + h) * (S + 1);
-    constexpr int CPT = (D + 127) / 128;
-    float Mt = neg_inf();
-    for (int j = 0; j < S; ++j) Mt = fmaxf(Mt, pm[(base + j) * G + gg]);
-    float Lt = 0.f, o[CPT];
+// LSE merge of partials j in [j0, j1) of one (sequence, KV head, q head): the max M over the block
+// (every thread scans the same pm values: broadcast loads, no reduction barrier), the sum L and the
+// weighted sum of po for channels tid + 128k. Neutral partials (m = -inf) are skipped (their po is
+// never written). The loop carries no dependence, so the unrolled loads overlap.
+template <int CPT>
+__device__ __forceinline__ void lse_merge(const float* __restrict__ po, const float* __restrict__ pm,
+                                          const float* __restrict__ pl, size_t base, int G, int gg, int j0,
+                                          int j1, int tid, float& M, float& L, float* o) {
+    M = neg_inf();
+#pragma unroll 4
+    for (int j = j0; j < j1; ++j) M = fmaxf(M, pm[(base + j) * G + gg]);
+    L = 0.f;
 #pragma unroll
     for (int k = 0; k < CPT; ++k) o[k] = 0.f;
-    if (Mt != neg_inf()) {
-        for (int j = 0; j < S; ++j) {
-            const float m = pm[(base + j) * G + gg];
-            if (m == neg_inf()) continue;
-            const float wgt = exp2f(m - Mt);
-            Lt += wgt * pl[(base + j) * G + gg];
+    if (M == neg_inf()) return;
+#pragma unroll 4
+    for (int j = j0; j < j1; ++j) {
+        const float m = pm[(base + j) * G + gg];
+        if (m != neg_inf()) {
+            const float wgt = exp2f(m - M);
+            L += wgt * pl[(base + j) * G + gg];
 #pragma unroll
             for (int k = 0; k < CPT; ++k) {
                 const int c = tid + 128 * k;
@@ -648,6 +707,22 @@ extern "C" __global__ void __launch_bounds__(128) KVD_COMBINE(const float* __res
             }
         }
     }
+}
+
+// out: [B, Hkv*G, 1, D] in q's dtype (out_bf16). Grid (Hkv*G, B), 128 threads. Partials 0..S-1 are tile
+// splits (rotated domain), S..S+E-1 the exact blocks (original domain).
+extern "C" __global__ void __launch_bounds__(128) KVD_COMBINE(const float* __restrict__ po,
+                                                              const float* __restrict__ pm,
+                                                              const float* __restrict__ pl, void* __restrict__ out,
+                                                              int Hkv, int G, int S, int E, int out_bf16) {
+    __shared__ float x[D];
+    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+    const int h = hq / G, gg = hq % G;
+    const size_t base = (size_t)(b * Hkv + h) * (S + E);
+    constexpr int CPT = (D + 127) / 128;
+    float Mt, Lt, o[CPT], Me, Le, oe[CPT];
+    lse_merge<CPT>(po, pm, pl, base, G, gg, 0, S, tid, Mt, Lt, o);
+    lse_merge<CPT>(po, pm, pl, base, G, gg, S, S + E, tid, Me, Le, oe);
 #pragma unroll
     for (int k = 0; k < CPT; ++k)
         if (tid + 128 * k < D) x[tid + 128 * k] = o[k];
@@ -662,20 +737,17 @@ extern "C" __global__ void __launch_bounds__(128) KVD_COMBINE(const float* __res
         }
         __syncthreads();
     }
-    const size_t es = (base + S) * G + gg;
-    const float me = pm[es], le = pl[es];
-    const float M = fmaxf(Mt, me);
+    const float M = fmaxf(Mt, Me);
     const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
-    const float we = me == neg_inf() ? 0.f : exp2f(me - M);
-    const float den = wt * Lt + we * le;
+    const float we = Me == neg_inf() ? 0.f : exp2f(Me - M);
+    const float den = wt * Lt + we * Le;
     const float inv = den > 0.f ? 1.f / den : 0.f;
     const float rd = rsqrtf((float)D);
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
         const int c = tid + 128 * k;
         if (c >= D) continue;
-        const float oe = we > 0.f ? po[es * D + c] : 0.f;
-        const float r = (wt * x[c] * rd + we * oe) * inv;
+        const float r = (wt * x[c] * rd + we * oe[k]) * inv;
         const size_t oi = ((size_t)b * Hkv * G + hq) * D + c;
         if (out_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16(r);
         else reinterpret_cast<__half*>(out)[oi] = __float2half(r);
