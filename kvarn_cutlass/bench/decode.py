@@ -27,8 +27,10 @@ Prediction basis: the partials kernel does ~500-700 SM cycles of issue per tile 
 4-bit scores and 2-bit V, code unpacking, per-tile scale folding), about the time one SM needs to
 receive a 13.8 KB record at its share (~32 GB/s) of the bandwidth, so it runs near the memory
 bound when three blocks per SM overlap their cp.async rings; the combine kernel and launch gaps
-add ~3-5 us. ``split_sweep`` records the time at batch 16 / 32k for several split counts so the
-default (two waves of resident blocks) can be checked.
+add ~3-5 us. ``split_sweep_graph_us`` records the time at batch 16 / 32k and batch 1 / 4k for several
+split counts and ``min_tps_sweep`` (batch 1 / 4k) for the fewest tiles per split, in quick runs too, so
+the split model of ``decode.choose_splits`` can be checked (revised predictions after the first run:
+docs/perf-notes.md, decode).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _kvarn_bytes(cache, layer: int = 0) -> int:
     return B * HKV * n_tiles * cache.spec.tile_nbytes + B * HKV * win * D * 2 * 2
 
 
-def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None) -> dict[str, Any]:
+def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None, min_tps_list=None) -> dict[str, Any]:
     import torch
 
     from ..decode import DecodePlan, decode_attention
@@ -106,7 +108,8 @@ def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None) -> d
         return t.median_us / layers
 
     plan = DecodePlan(cache)
-    res["splits"] = plan.workspace(HQ // HKV).splits
+    ws = plan.workspace(HQ // HKV)
+    res["splits"], res["exact_blocks"], res["min_tps"] = ws.splits, ws.exact, ws.min_tps
     res["graph_us"] = round(graph_time(plan), 2)
     i_box = [0]
 
@@ -118,11 +121,17 @@ def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None) -> d
     res["gb_per_s_graph"] = round(nbytes / (res["graph_us"] * 1e-6) / 1e9, 1)
     res["fraction_of_copy_ceiling"] = round(res["gb_per_s_graph"] / COPY_CEILING_GB_S, 3)
     res["floor_us"] = round(nbytes / (COPY_CEILING_GB_S * 1e9) * 1e6, 2)
-    if splits_list:
+    if splits_list:  # A/B of the split choice (same min_tps as the default plan)
         sweep = {}
         for s in splits_list:
             sweep[str(s)] = round(graph_time(DecodePlan(cache, splits=s)), 2)
         res["split_sweep_graph_us"] = sweep
+    if min_tps_list:  # A/B of the fewest tiles per split (splits re-chosen for each)
+        sweep = {}
+        for m in min_tps_list:
+            p2 = DecodePlan(cache, min_tps=m)
+            sweep[str(m)] = {"splits": p2.workspace(HQ // HKV).splits, "graph_us": round(graph_time(p2), 2)}
+        res["min_tps_sweep"] = sweep
     del cache, outs
     torch.cuda.empty_cache()
     return res
@@ -160,8 +169,12 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     rows = []
     cases = [(1, 4096), (16, 32768)] if opts.quick else [(b, c) for b in BATCHES for c in CONTEXTS]
     for batch, ctx in cases:
-        sweep = [1, 2, 3, 4, 6, 8, 12] if (batch, ctx) == (16, 32768) and not opts.quick else None
-        row = _time_kvarn(batch, ctx, opts, sweep)
+        sweep = tps_sweep = None
+        if (batch, ctx) == (16, 32768):
+            sweep = [2, 3, 4, 5, 6, 8] if opts.quick else [1, 2, 3, 4, 5, 6, 8, 12]
+        if (batch, ctx) == (1, 4096):
+            sweep, tps_sweep = [4, 8, 16, 32], [1, 2, 4]
+        row = _time_kvarn(batch, ctx, opts, sweep, tps_sweep)
         row.update(_time_sdpa(batch, ctx, opts))
         row["sdpa_cudnn_reference_us"] = SDPA_CUDNN_REF_US.get((batch, ctx))
         for name in ("cudnn", "flash"):
