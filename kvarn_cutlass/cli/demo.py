@@ -90,16 +90,16 @@ def _model_qkv(model_dir: str, n: int):
 
 
 def _compile_gemm_for_sm90() -> dict:
-    from .gemm.compile import build_gemm, nvcc_path
+    from ..gemm.compile import build_gemm, nvcc_path
 
     try:
         nvcc_path()
     except Exception:
         return {"status": "skipped: nvcc not found (a GPU machine compiles it on first use)"}
-    from .gemm.configs import select_config
+    from ..gemm.configs import select_config
     import warnings
 
-    from .gemm.sass import disassemble, summarize
+    from ..gemm.sass import disassemble, summarize
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an untuned bucket falls back to the default config
@@ -190,7 +190,7 @@ def _gpu_speed(kc, cache, q16, k16, v16, n) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from .bench.timing import time_cuda
+    from ..bench.timing import time_cuda
 
     q1 = q16[:, :, n - 1 : n].contiguous()
     kvarn = time_cuda(lambda: kc.decode_attention(q1, cache, 0), warmup=20, runs=200).median_us

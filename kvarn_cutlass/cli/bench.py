@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import BenchOptions, sections
+    from ..bench import BenchOptions, sections
 
     registered = sections()
     if args.list:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .record import default_record_path, provenance, record_section
+    from ..bench.record import default_record_path, provenance, record_section
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench needs a CUDA device (torch.cuda.is_available() is False)")

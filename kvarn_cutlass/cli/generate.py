@@ -39,8 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .hf._compat import load_model
-    from .hf.generate import agreement, kvarn_cache_factory, prompts_from_text
+    from ..hf._compat import load_model
+    from ..hf.generate import agreement, kvarn_cache_factory, prompts_from_text
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = load_model(args.model, device, args.dtype)

@@ -46,9 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .hf import SimSpec
-    from .hf._compat import load_model
-    from .hf.perplexity import evaluate, token_windows
+    from ..hf import SimSpec
+    from ..hf._compat import load_model
+    from ..hf.perplexity import evaluate, token_windows
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():

@@ -34,8 +34,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _build_one(job: tuple) -> tuple:
     """Worker: build one (spec, arch); returns (compiled, None) or (None, (message, log))."""
-    from .errors import CompileError
-    from .spec import build
+    from ..runtime.errors import CompileError
+    from ..runtime.spec import build
 
     spec, arch, backend = job
     try:
@@ -45,8 +45,8 @@ def _build_one(job: tuple) -> tuple:
 
 
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from . import registry
-    from .arch import device_arch, normalize_arch
+    from ..runtime import registry
+    from ..runtime.arch import device_arch, normalize_arch
 
     if not args.arch:
         import torch

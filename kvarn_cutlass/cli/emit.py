@@ -16,8 +16,8 @@ def config_from_args(args: argparse.Namespace):
     import warnings
 
     from ..runtime import normalize_arch
-    from .config import GemmConfig
-    from .configs import UntunedConfigWarning, select_config
+    from ..gemm.config import GemmConfig
+    from ..gemm.configs import UntunedConfigWarning, select_config
 
     cc = normalize_arch(args.arch)
     if args.config:
@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .emit import cppgen_reference_source, emit_source
+    from ..gemm.emit import cppgen_reference_source, emit_source
 
     cfg = config_from_args(args)
     print(cppgen_reference_source(cfg) if args.cppgen else emit_source(cfg))

@@ -5,7 +5,7 @@ import argparse
 import json
 from typing import Any
 
-from .cli_emit import add_config_args, config_from_args
+from .emit import add_config_args, config_from_args
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -16,8 +16,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def dump(cfg, output: str | None = None) -> dict:
-    from .compile import build_gemm
-    from .sass import disassemble, summarize
+    from ..gemm.compile import build_gemm
+    from ..gemm.sass import disassemble, summarize
 
     b = build_gemm(cfg, 90)
     sass = disassemble(b.cubin)

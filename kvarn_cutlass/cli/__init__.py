@@ -1,6 +1,7 @@
 """``kvarn-cutlass`` command line.
 
-Each subcommand lives in its own module exposing::
+Each subcommand lives in its own module of this package (the tuner in ``kvarn_cutlass.gemm.tune``)
+exposing::
 
     def add_parser(subparsers) -> argparse.ArgumentParser   # subparsers.add_parser(NAME, help=...)
     def run(args: argparse.Namespace) -> int                 # exit status
@@ -24,14 +25,14 @@ PROG = "kvarn-cutlass"
 
 # Subcommand name -> module implementing add_parser(subparsers) and run(args).
 COMMANDS: dict[str, str] = {
-    "build": "kvarn_cutlass.runtime.build_command",
-    "bench": "kvarn_cutlass.bench.command",
-    "emit": "kvarn_cutlass.gemm.cli_emit",
-    "sass": "kvarn_cutlass.gemm.cli_sass",
-    "tune": "kvarn_cutlass.gemm.tune",
-    "perplexity": "kvarn_cutlass.cli_perplexity",
-    "generate": "kvarn_cutlass.cli_generate",
-    "demo": "kvarn_cutlass.cli_demo",
+    "demo": "kvarn_cutlass.cli.demo",
+    "build": "kvarn_cutlass.cli.build",
+    "emit": "kvarn_cutlass.cli.emit",
+    "sass": "kvarn_cutlass.cli.sass",
+    "tune": "kvarn_cutlass.gemm.tune",  # the tuner itself; its CLI is two functions there
+    "bench": "kvarn_cutlass.cli.bench",
+    "perplexity": "kvarn_cutlass.cli.perplexity",
+    "generate": "kvarn_cutlass.cli.generate",
 }
 
 
@@ -74,6 +75,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: error: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
