@@ -3,6 +3,9 @@
 #
 #   tools/gpu_check.sh [SECTION ...]      SECTION: a bench section name, or "all"
 #   from this machine: run(command="bash tools/gpu_check.sh decode", carry=[".whl"])
+#   (the GPU machine has no network; fetch the wheels it lacks here first, into the ignored .whl/:
+#    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#      --platform manylinux_2_17_x86_64 -d .whl nvidia-cutlass==4.2.0.0 pydot treelib)
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site and puts it and the checkout on PYTHONPATH
 # 2. prints nvidia-smi and the software versions
