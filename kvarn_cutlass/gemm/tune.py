@@ -39,14 +39,21 @@ def all_buckets() -> list[str]:
     return [f"M{m}_T{t}_D{d}_{o}" for m in M_BUCKETS for t in T_BUCKETS for d in D_BUCKETS for o in OUT_BUCKETS]
 
 
+def _gemm_k(head_dim: int) -> int:
+    """The GEMM's K for a head_dim: the two-level fold's rows [hi ++ lo] against codes
+    [16(c-8) ++ (c-8)] (see gemm.prep)."""
+    return 2 * head_dim
+
+
 def sweep(bucket: str) -> list[GemmConfig]:
     M, T, D, out = parse_bucket(bucket)
+    K = _gemm_k(D)
     cands = []
     for ks, tms in TILES_M.items():
         for tm, tn, tk, (cm, cn) in itertools.product(tms, TILES_N, TILES_K, CLUSTERS):
             cfg = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, cluster_m=cm, cluster_n=cn, kernel_schedule=ks,
                              out_dtype=out)
-            if validate_for_problem(cfg, M, T, D, L_TUNE)[0]:
+            if validate_for_problem(cfg, M, T, K, L_TUNE)[0]:
                 cands.append(cfg)
     return sorted(set(cands))
 
@@ -86,7 +93,7 @@ def _measure(cfg: GemmConfig, bucket: str, runs: int) -> dict[str, Any]:
 
     M, T, D, out = parse_bucket(bucket)
     L = L_TUNE
-    K = 2 * D  # two-level fold: qi8 rows [hi ++ lo] against codes [16(c-8) ++ (c-8)] (see gemm.prep)
+    K = _gemm_k(D)
     dev = torch.device("cuda", torch.cuda.current_device())
     ot = {"f16": torch.float16, "f32": torch.float32}[out]
     per = L * (M * K + T * K + M * T * (2 if out == "f16" else 4))
