@@ -146,6 +146,14 @@ class KVarNCache:
         """The whole preallocated pool, uint8 [batch, tile_capacity, num_kv_heads, tile_nbytes]."""
         return self._layer(layer).tiles
 
+    def buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        """The whole preallocated buffers of ``layer`` (stable addresses, for kernels and graphs):
+        ``window_k``/``window_v`` [batch, num_kv_heads, window, head_dim] and ``sink_k``/``sink_v``
+        [batch, num_kv_heads, sink_tokens, head_dim]; only their first window_len / sink_len tokens
+        are live (``positions``)."""
+        st = self._layer(layer)
+        return {"window_k": st.window_k, "window_v": st.window_v, "sink_k": st.sink_k, "sink_v": st.sink_v}
+
     def window_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [batch, num_kv_heads, window_len, head_dim] of the newest unquantized tokens."""
         st = self._layer(layer)

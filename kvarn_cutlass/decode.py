@@ -34,7 +34,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -434,6 +434,10 @@ class DecodePlan:
         self.min_tps = min_tps
         B, L = cache.batch_size, cache.num_layers
         self.lens = torch.zeros(L, 3, B, dtype=torch.int32, device=self.device)
+        # Stands in for a pool that has no tiles yet (no max_seq_len): the kernel needs a valid pointer,
+        # and allocating it here keeps launch() free of allocations.
+        self._empty_pool = torch.zeros(B, 1, cache.num_kv_heads, cache.spec.tile_nbytes, dtype=torch.uint8,
+                                       device=self.device)
         self._ring = _PinnedRing((3, B))
         self._workspaces: dict[tuple[int, int], DecodeWorkspace] = {}
         self._prepared: dict = {}
@@ -459,8 +463,8 @@ class DecodePlan:
             c = self.cache
             s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
                                                       self.min_tps)
-            st = c._layers[0]
-            e = exact_blocks(c.spec, st.window_k.shape[2], st.sink_k.shape[2])
+            buf = c.buffers(0)
+            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2])
             ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
                                                          s, e, self.min_tps)
         return ws
@@ -470,11 +474,11 @@ class DecodePlan:
         c = self.cache
         pool = c.tile_pool(layer)
         if pool.shape[1] == 0:  # an empty pool (no max_seq_len, nothing compressed yet) has no pointer
-            pool = torch.zeros(c.batch_size, 1, c.num_kv_heads, c.spec.tile_nbytes, dtype=torch.uint8, device=self.device)
-        st = c._layers[layer]
+            pool = self._empty_pool
+        buf = c.buffers(layer)
         G = q.shape[1] // c.num_kv_heads
         return decode_attention_ragged(
-            q, pool, st.window_k, st.window_v, st.sink_k, st.sink_v, self.lens[layer, 0], self.lens[layer, 1],
+            q, pool, buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"], self.lens[layer, 0], self.lens[layer, 1],
             self.lens[layer, 2], c.spec, scale=scale, out=out, workspace=self.workspace(G), _prepared=self._prepared,
         )
 

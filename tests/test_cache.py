@@ -36,6 +36,9 @@ def test_documented_api_and_tile_count_rule():
     assert torch.equal(tb[1, 2, 0], rec)
     wk, wv = cache.window_kv(1)
     assert torch.equal(wk, k[:, :, 512:]) and torch.equal(wv, v[:, :, 512:])
+    buf = cache.buffers(1)
+    assert buf["window_k"].shape == (2, 2, 256, 128) and buf["sink_k"].shape == (2, 2, 0, 128)
+    assert buf["window_k"].data_ptr() == wk.data_ptr() and torch.equal(buf["window_v"][:, :, :188], wv)
     assert cache.nbytes() == 4 * 2 * 2 * 13824 + 188 * 2 * 2 * 2 * 128 * 2
 
 
