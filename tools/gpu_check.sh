@@ -15,7 +15,8 @@
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
-# GPU_BENCH_LIMIT (default 300 s) bound the steps.
+# GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
+# GPU_TEST_GROUPS (default: all) picks the test groups.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.
@@ -65,7 +66,7 @@ PY
 
 step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
 limit=${GPU_TEST_LIMIT:-120}
-for group in runtime compress rotate gemm decode prefill hf; do
+for group in ${GPU_TEST_GROUPS:-runtime compress rotate gemm decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
   step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider $files
@@ -73,6 +74,7 @@ done
 
 if [ "$#" -gt 0 ]; then
   bench_args=()
+  [ -n "${GPU_BENCH_QUICK:-}" ] && bench_args+=(--quick)
   for s in "$@"; do
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done
