@@ -346,3 +346,19 @@ def test_select_config_warns_untuned_and_falls_back(monkeypatch, tmp_path):
     with pytest.warns(UntunedConfigWarning, match="no gemm_configs table"):
         cfg = select_config(90, 512, 64, 256, 4, "f32")
     assert cfg.tile_n == 64 and cfg.tile_k == 128 and cfg.out_dtype == "f32"
+
+
+def test_build_lists_every_table_config_and_the_s32_check():
+    """`kvarn-cutlass build` compiles each distinct GEMM config of the table once, and none below sm_90."""
+    from kvarn_cutlass.cli.build import _gemm_configs
+    from kvarn_cutlass.gemm.config import GemmConfig
+    from kvarn_cutlass.gemm.configs import load_table
+
+    table = load_table(90)
+    listed = _gemm_configs(90)
+    names = [c.name for c in listed]
+    assert len(names) == len(set(names))
+    for entry in table["buckets"].values():
+        assert GemmConfig.from_dict(entry["config"]).name in names
+    assert GemmConfig(out_dtype="s32").name in names
+    assert _gemm_configs(80) == []

@@ -1,5 +1,9 @@
 """``kvarn-cutlass build``: compile every registered kernel for the given architectures (no GPU needed).
 
+Besides the registered NVRTC families this compiles, for sm_90, every distinct CUTLASS K-score GEMM
+config of ``gemm_configs/sm90.json`` (family ``kscore_gemm``, nvcc), so that a GPU run after a build
+never compiles a GEMM on first use.
+
 Reports per kernel: registers, static shared memory, stack, spills and ptxas time,
 and per module the whole compile time (also for cache hits, where it is the time of
 the compilation that made the entry). Spills and ptxas time come from the compiler
@@ -44,6 +48,41 @@ def _build_one(job: tuple) -> tuple:
         return None, (str(e).splitlines()[0], e.log)
 
 
+GEMM_FAMILY = "kscore_gemm"
+
+
+def _gemm_configs(arch: int) -> list:
+    """Distinct configs of ``arch``'s GEMM config table, plus the default config for every output dtype
+    (``s32`` is the raw-accumulator check); none below sm_90 (wgmma/TMA)."""
+    from ..gemm.config import OUT_DTYPES, GemmConfig
+    from ..gemm.configs import load_table
+
+    if arch < 90:
+        return []
+    table = load_table(arch) or {}
+    dicts = [b["config"] for b in table.get("buckets", {}).values()]
+    if "default" in table:
+        dicts.append(table["default"])
+    configs = {GemmConfig.from_dict(d) for d in dicts} | {GemmConfig(out_dtype=o) for o in OUT_DTYPES}
+    return sorted(configs, key=lambda c: c.name)
+
+
+def _build_gemm_one(job: tuple) -> tuple:
+    """Worker: build one CUTLASS GEMM config; returns ((cubin resources, meta), None) or (None, failure)."""
+    from ..gemm.compile import build_gemm
+    from ..runtime.compiler import cubin_resources, parse_ptxas_log
+    from ..runtime.errors import CompileError
+
+    cfg, arch = job
+    try:
+        binary = build_gemm(cfg, arch)
+    except CompileError as e:
+        return None, (str(e).splitlines()[0], e.log)
+    res = cubin_resources(binary.cubin)
+    logged = parse_ptxas_log(binary.ptxas_log)
+    return (res, logged, binary.meta), None
+
+
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..runtime import registry
     from ..runtime.arch import device_arch, normalize_arch
@@ -57,7 +96,7 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     for a in arches:
         normalize_arch(a)  # reject a bad --arch before compiling anything
     families = registry.families()
-    unknown = sorted(set(args.family or ()) - set(families))
+    unknown = sorted(set(args.family or ()) - set(families) - {GEMM_FAMILY})
     if unknown:
         raise ValueError(f"unknown kernel family {unknown}; registered: {sorted(families)}")
     jobs = [(family, spec, arch) for family, specs in families.items() if not args.family or family in args.family
@@ -65,13 +104,20 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     work = [(spec, arch, args.backend) for _, spec, arch in jobs]
+    gemm_jobs = []
+    if not args.family or GEMM_FAMILY in args.family:
+        gemm_jobs = [(cfg, normalize_arch(a)) for a in arches for cfg in _gemm_configs(normalize_arch(a))]
     if args.jobs == 1:
         results = [_build_one(w) for w in work]
+        gemm_results = [_build_gemm_one(g) for g in gemm_jobs]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(args.jobs) as pool:
+            # the slow nvcc GEMM builds first, so the quick NVRTC modules fill the gaps
+            gemm_futures = [pool.submit(_build_gemm_one, g) for g in gemm_jobs]
             results = list(pool.map(_build_one, work))
+            gemm_results = [f.result() for f in gemm_futures]
     records: list[dict[str, Any]] = []
     for (family, spec, arch), (compiled, failure) in zip(jobs, results):
         base = {"family": family, "module": spec.name, "source": spec.source_file, "arch": str(arch)}
@@ -89,6 +135,26 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "cached": compiled.cached,
                 "compiler": compiled.compiler,
             })
+    for (cfg, cc), (built, failure) in zip(gemm_jobs, gemm_results):
+        base = {"family": GEMM_FAMILY, "module": cfg.name, "source": "cutlass_cppgen", "arch": f"sm{cc}"}
+        if failure is not None:
+            records.append({**base, "error": failure[0], "log": failure[1]})
+            continue
+        res, logged, meta = built
+        kernel_res = next(iter(res.values()), None)
+        extra = next(iter(logged.values()), None)
+        fields = dict(vars(kernel_res)) if kernel_res is not None else {}
+        if extra is not None:  # spills and ptxas time are only in the nvcc log
+            fields.update({k: v for k, v in vars(extra).items() if fields.get(k) is None})
+        records.append({
+            **base,
+            "target": f"sm_{cc}a",
+            "kernel": cfg.name,
+            **fields,
+            "module_compile_s": float(meta.get("seconds", 0.0)),
+            "cached": None,
+            "compiler": f"nvcc {meta.get('nvcc', '?')}",
+        })
     return records
 
 
@@ -105,7 +171,8 @@ def _table(records: list[dict[str, Any]]) -> str:
         rows.append((
             r["family"], r["kernel"], r["target"], show(r.get("registers")), show(r.get("shared_bytes")),
             show(r.get("stack_bytes")), f"{show(r.get('spill_store_bytes'))}/{show(r.get('spill_load_bytes'))}",
-            show(r.get("ptxas_ms"), "{:.1f}"), f"{r['module_compile_s']:.3f}", "yes" if r["cached"] else "no",
+            show(r.get("ptxas_ms"), "{:.1f}"), f"{r['module_compile_s']:.3f}",
+            "?" if r["cached"] is None else "yes" if r["cached"] else "no",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
