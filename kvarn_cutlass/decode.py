@@ -226,21 +226,24 @@ class DecodeWorkspace:
 
 
 # Model constants of choose_splits (unit: the SM time per tile when the SM's issue is saturated).
-SATURATING_BLOCKS = 2.5      # resident blocks an SM needs to saturate issue; k < that run at k / 2.5
+SATURATING_BLOCKS = 4.0      # resident blocks an SM needs to saturate issue; k < that run at k / 4 (fit: perf-notes)
 SPLIT_COST = 0.02            # combine work and partial traffic per extra split
 
 
 def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int) -> float:
-    """Modelled makespan of ``s`` tile splits: the busiest SM's tiles x its per-tile time.
+    """Modelled makespan of ``s`` tile splits: the busiest SM's blocks in waves of resident blocks.
 
-    ``per_sm = ceil(pairs x used splits / SMs)`` blocks of ``tps`` tiles land on the busiest SM; with
-    ``k = min(per_sm, occupancy)`` of them resident its per-tile time is ``max(1, SATURATING_BLOCKS / k)``.
+    ``per_sm = ceil(pairs x used splits / SMs)`` blocks of ``tps`` tiles land on the busiest SM and run
+    in waves of ``occupancy``; a wave of ``k`` resident blocks takes ``tps x k x max(1, SATURATING_BLOCKS
+    / k)`` (below saturation each block runs at its own latency-bound speed), so a partial last wave
+    costs as much as a full one.
     """
     tps = max(min_tps, math.ceil(cap_tiles / s))
     used = math.ceil(cap_tiles / tps)
     per_sm = math.ceil(pairs * used / sms)
-    k = min(per_sm, occupancy)
-    return tps * per_sm * max(1.0, SATURATING_BLOCKS / k) + SPLIT_COST * s
+    full, rest = divmod(per_sm, occupancy)
+    waves = [occupancy] * full + ([rest] if rest else [])
+    return tps * sum(k * max(1.0, SATURATING_BLOCKS / k) for k in waves) + SPLIT_COST * s
 
 
 def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.device, spec: TileSpec,
@@ -248,7 +251,8 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
     """Tile splits S per (sequence, KV head), minimizing :func:`split_cost` at the capacity.
 
     The partials kernel is issue-bound per SM (docs/perf-notes.md, decode), so the makespan is set by
-    the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots.
+    the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots
+    (a partial last wave).
     S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps).
     """
     min_tps = min_tps or min_tiles_per_split()

@@ -120,13 +120,15 @@ def test_exact_blocks_and_layout():
 
 
 def test_split_cost_model():
-    """The split choice model: batch 1 / 4k spreads to 2 tiles per split; batch 16 / 32k fills one wave."""
+    """The split choice model: batch 1 / 4k spreads to 2 tiles per split; batch 16 / 32k fills one wave of
+    4 resident blocks per SM (measured best, S = 4: a 3-block wave or a partial second wave is slower)."""
     def best(pairs, cap, occ=4, min_tps=2):
         cands = range(1, min(4 * 132 * occ // pairs, -(-cap // min_tps)) + 1)
         return min(cands, key=lambda s: (decode.split_cost(s, pairs, cap, 132, occ, min_tps), s))
 
     assert best(8, 33) == 17
-    assert best(128, 257) == 3
+    assert best(128, 257) == 4
+    assert decode.split_cost(5, 128, 257, 132, 4, 2) > decode.split_cost(8, 128, 257, 132, 4, 2)
     assert 33 <= best(8, 1025) <= 66
 
 

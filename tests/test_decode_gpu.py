@@ -240,7 +240,7 @@ def test_q_on_other_device_or_noncontiguous():
 @pytest.mark.parametrize("splits,min_tps", [(1, 1), (3, 2), (7, 1), (40, 4)])
 def test_split_knobs_agree(splits, min_tps):
     """Any split count / min tiles per split gives the same result (summation order only)."""
-    c = make_cache(2, 2, 128, n=3000, sink=64, seed=12)
+    c = make_cache(2, 2, 128, n=3000, sink=128, seed=12)
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.float16)
     ref = reference.attention(q, c, 0)
     plan = decode.DecodePlan(c, splits=splits, min_tps=min_tps)
