@@ -16,6 +16,7 @@ import datetime
 import itertools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,8 @@ def _measure(cfg: GemmConfig, bucket: str, runs: int) -> dict[str, Any]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("tune", help="sweep K-score GEMM configs per shape bucket (GPU) -> gemm_configs/sm90.json")
     p.add_argument("--buckets", nargs="*", help="bucket keys (default: all); e.g. M4096_T128_D128_f16")
+    p.add_argument("--filter", default=None, metavar="REGEX",
+                   help="only candidates whose config name matches REGEX (re.search), e.g. a shortlist")
     p.add_argument("--dry-run", action="store_true", help="list the sweep, no compile, no GPU")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel nvcc compiles")
     p.add_argument("--runs", type=int, default=50, help="timed runs per candidate")
@@ -125,6 +128,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     buckets = args.buckets or all_buckets()
     plan = {b: sweep(b) for b in buckets}
+    if args.filter:
+        pattern = re.compile(args.filter)
+        plan = {b: [c for c in cands if pattern.search(c.name)] for b, cands in plan.items()}
     if args.dry_run:
         total = 0
         for b, cands in plan.items():
@@ -188,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         best = max(recs, key=lambda r: r["tops"])
         table["buckets"][b] = {"config": best["config"], "status": "tuned", "tops": round(best["tops"], 2),
-                               "time_us": round(best["time_us"], 2), "provenance": prov}
+                               "time_us": round(best["time_us"], 2), "candidates": len(recs),
+                               "filter": args.filter, "provenance": prov}
     out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out_path}", file=sys.stderr)
     return 0
