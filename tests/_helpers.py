@@ -1,10 +1,17 @@
-"""Shared helpers for the tests: deterministic inputs, float64 Hadamard matrices, cache snapshots."""
+"""Shared helpers for the tests: deterministic inputs, float64 Hadamard matrices, cache snapshots,
+where the shared reference model and text live."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
+
+# The shared resources (reference model, eval text): ../shared beside the checkout, or
+# $KVARN_SHARED_DIR (the GPU machine gets a copy inside the checkout; tools/gpu_check.sh sets it).
+SHARED = Path(os.environ.get("KVARN_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
 def hadamard64(D: int) -> torch.Tensor:

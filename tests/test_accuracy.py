@@ -12,14 +12,13 @@ Runtime: about 65 s on 2 idle CPU cores, several minutes under load (the codec's
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from _helpers import SHARED  # noqa: E402
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 TEXT = SHARED / "data" / "code_eval.txt"
 

@@ -10,7 +10,6 @@ tokens agree (checked here over 32 tokens).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from kvarn_cutlass.hf import perplexity as P  # noqa: E402
 from kvarn_cutlass.hf._compat import cache_kwarg  # noqa: E402
 from kvarn_cutlass.hf.simulate import quantized_key_mask, quantized_tiles  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from _helpers import SHARED  # noqa: E402
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 TEXT = SHARED / "data" / "code_eval.txt"
 needs_model = pytest.mark.skipif(
@@ -301,3 +300,19 @@ def test_cpu_dequantized_tiles_path_matches_reference():
     assert cache.num_tiles(0) == 5
     with pytest.raises(ValueError, match="cpu_attention"):
         kh.KVarNCache(_qwen3_config(), cpu_attention="fast")
+
+
+@needs_model
+def test_nll_decode_batched_windows(model_tok, text_ids):
+    """Two windows decoded as one batch give each window's own NLL (statistically: the batch-2 GEMMs
+    round differently; see test_nll_simulation_matches_decode_through_hf_cache)."""
+    model, _ = model_tok
+    ids = torch.stack((text_ids[0, :100], text_ids[0, 100:200]))
+    spec = kh.SimSpec("k4v2_g64", window=64)
+    both = P.nll_decode(model, ids, spec)
+    assert both.shape == (2, 99)
+    for b in range(2):
+        one = P.nll_decode(model, ids[b], spec)
+        base = P.nll_sim(model, ids[b], kh.SimSpec(None, 0))
+        assert (both[b] - one).abs().mean().item() < 0.2 * (one - base).abs().mean().item()
+        assert abs(both[b].mean().item() - one.mean().item()) < 2e-3

@@ -8,14 +8,13 @@ teacher-forced NLL through the decode kernel (token by token) matches the one-pa
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from _helpers import SHARED  # noqa: E402
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 TEXT = SHARED / "data" / "code_eval.txt"
 

@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default on CUDA, GPU decode kernel); prefill: chunked prefill semantics")
     p.add_argument("--chunk", type=int, default=512,
                    help="chunk size of --method prefill, query block of --method sim (default 512)")
-    p.add_argument("--batch", type=int, default=2, help="windows per forward pass in the simulation (default 2)")
+    p.add_argument("--batch", type=int, default=2, help="windows per forward pass (simulation) or per decode batch (default 2)")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
     p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized baseline")

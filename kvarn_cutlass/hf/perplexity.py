@@ -71,16 +71,19 @@ def _make_cache(model, spec: SimSpec) -> KVarNCache:
 
 @torch.no_grad()
 def nll_decode(model, ids: torch.Tensor, spec: SimSpec, step=None) -> torch.Tensor:
-    """NLL [n-1]: token-by-token decode through a real KVarNCache."""
+    """NLL [..., n-1] float64 (on CPU): token-by-token decode through a real KVarNCache, for ids [n] or
+    [batch, n] (independent windows decoded together as one batch). ``step(k)`` is called per step."""
     cache, kw = _make_cache(model, spec), cache_kwarg(model)
-    ids = ids.to(model.device)[None]
+    batch = ids.to(model.device).reshape(-1, ids.shape[-1])
     rows = []
-    for t in range(ids.shape[1] - 1):
-        out = model(input_ids=ids[:, t : t + 1], use_cache=True, **{kw: cache})
-        rows.append(out.logits[0, -1])
+    for t in range(batch.shape[1] - 1):
+        out = model(input_ids=batch[:, t : t + 1], use_cache=True, **{kw: cache})
+        rows.append(out.logits[:, -1])
         if step is not None:
-            step()
-    return _nll_from_logits(torch.stack(rows), ids[0, 1:]).cpu()
+            step(batch.shape[0])
+    logits = torch.stack(rows, 1)  # [batch, n-1, vocab]
+    nll = torch.stack([_nll_from_logits(logits[b], batch[b, 1:]) for b in range(batch.shape[0])])
+    return nll.reshape(*ids.shape[:-1], ids.shape[-1] - 1).cpu()
 
 
 @torch.no_grad()
@@ -158,7 +161,7 @@ def evaluate(
     ppl); with the baseline, also ``nll_baseline``, ``ppl_baseline``, ``ppl_rel_increase`` and
     per-bucket baseline values. The baseline is the unquantized cache: every key/value exact in the
     cache dtype (``SimSpec(preset=None)``), computed in the same run. ``batch_size``: windows per
-    forward pass in the simulation.
+    forward pass in the simulation and per decode batch.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -188,13 +191,13 @@ def evaluate(
             for grp in groups:
                 rows.append(nll_sim(model, grp, spec))
                 tick(grp.shape[0])
+        elif method == "decode":
+            for grp in groups:
+                rows.append(nll_decode(model, grp, spec, step=tick))
         else:
             for w in windows:
-                if method == "decode":
-                    rows.append(nll_decode(model, w, spec, step=lambda: tick(1))[None])
-                else:
-                    rows.append(nll_prefill(model, w, spec, chunk)[None])
-                    tick(1)
+                rows.append(nll_prefill(model, w, spec, chunk)[None])
+                tick(1)
         res = _summary(torch.cat(rows), bucket_edges(ctx, spec.window, spec.tile_tokens), base)
         res.update(config=spec.describe(), preset=spec.preset, window=spec.window, sink_tokens=spec.sink_tokens)
         out["results"].append(res)
