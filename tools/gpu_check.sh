@@ -9,11 +9,17 @@
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site and puts it and the checkout on PYTHONPATH
 # 2. prints nvidia-smi and the software versions
-# 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs)
+# 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs), after
+#    unpacking prebuilt CUTLASS GEMMs from .carry/gemm_sm90a.tgz into the kernel cache when carried
+#    (nvcc builds here cost device time; the cache key includes the nvcc version, so a mismatch rebuilds)
+# 3b. GPU_TUNE="BUCKET[,BUCKET] [REGEX]": runs the GEMM tuner on those buckets (candidates filtered by
+#    REGEX), writing gemm_configs/sm90.json (copied to $OUT)
 # 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
 #    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
+# 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
+#    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
 # GPU_TEST_GROUPS (default: all) picks the test groups.
@@ -53,6 +59,13 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+SHARED_DIR="${KVARN_SHARED_DIR:-}"
+if [ -z "$SHARED_DIR" ] && [ -d .carry/shared ]; then SHARED_DIR="$PWD/.carry/shared"; fi
+[ -n "$SHARED_DIR" ] && export KVARN_SHARED_DIR="$SHARED_DIR"
+if [ -f .carry/gemm_sm90a.tgz ]; then
+  mkdir -p "$KVARN_CUTLASS_CACHE" && tar xzf .carry/gemm_sm90a.tgz -C "$KVARN_CUTLASS_CACHE"
+fi
+
 step env nvidia-smi
 step env python3 - <<'PY'
 import platform, torch
@@ -62,9 +75,19 @@ print("nvrtc", nvrtc.nvrtcVersion()[1:], "driver API", driver.cuDriverGetVersion
 print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 from kvarn_cutlass.runtime import cache_root, compiler_version
 print("compiler", compiler_version(), "cache", cache_root())
+from kvarn_cutlass.gemm.compile import nvcc_version
+print("nvcc (CUTLASS GEMMs)", nvcc_version())
 PY
 
 step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
+if [ -n "${GPU_TUNE:-}" ]; then
+  read -r tune_buckets tune_filter <<<"$GPU_TUNE"
+  tune_args=(--buckets ${tune_buckets//,/ } --jobs "$(nproc)" --runs 30)
+  [ -n "$tune_filter" ] && tune_args+=(--filter "$tune_filter")
+  step tune timeout "${GPU_TUNE_LIMIT:-240}" python3 -m kvarn_cutlass.cli tune "${tune_args[@]}"
+  cp gemm_configs/sm90.json "$OUT/"
+fi
+
 limit=${GPU_TEST_LIMIT:-120}
 for group in ${GPU_TEST_GROUPS:-runtime compress rotate gemm decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
@@ -79,6 +102,21 @@ if [ "$#" -gt 0 ]; then
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done
   step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
+fi
+
+if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
+  ppl() {  # one row of docs/accuracy.md: ARGS...
+    timeout "${GPU_PPL_LIMIT:-150}" python3 -m kvarn_cutlass.cli perplexity --model "$SHARED_DIR/models/kvarn-ref-lm" \
+      --text "$SHARED_DIR/data/code_eval.txt" --ctx 2048 --windows 6 --device cuda --batch 6 --no-progress --json "$@" \
+      | python3 -c "import json, sys; print(json.dumps({'args': sys.argv[1:], **json.load(sys.stdin)}))" "$@" \
+      >>"$OUT/ppl.jsonl"
+  }
+  step ppl_k4v2_w256 ppl --preset k4v2_g128 --window 256
+  step ppl_k4v4_w256 ppl --preset k4v4_g128 --window 256
+  step ppl_k4v2_none ppl --preset k4v2_g128 --window 0 --method sim
+  step ppl_k4v4_none ppl --preset k4v4_g128 --window 0 --method sim
+  step ppl_k4v2_none_prefill ppl --preset k4v2_g128 --window 0 --view prefill --method sim
+  step ppl_k4v4_none_prefill ppl --preset k4v4_g128 --window 0 --view prefill --method sim
 fi
 
 for record in docs/benchmarks/*.json; do
