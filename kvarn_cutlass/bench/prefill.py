@@ -8,9 +8,12 @@ k4v2_g128, window 256). Times (CUDA events, summed over the chunks of one prompt
   run with events around each stage (that run is slower: it synchronizes nothing but adds events);
 * ``compress``: the ``cache.append`` of each chunk (GPU compression), reported separately;
 * ``sdpa_fp16``: torch SDPA (flash backend) over an fp16 cache, chunk i attending to every
-  earlier token plus causal within the chunk (``causal_lower_right``), K/V expanded to 32 heads;
+  earlier token plus causal within the chunk (``causal_lower_right``); the expansion of K/V to 32
+  heads is not timed (flash kernels read grouped K/V natively);
 * ``dequant_sdpa``: dequantize the tiles to fp16 with a torch dequant, then the same SDPA.
 
+The first point also gets a kernel profile (``kernels``: GPU time per kernel over one prompt against
+the wall time), which separates GPU work from host gaps in the stage breakdown.
 Also: peak extra memory of ``prefill_attention`` (max_memory_allocated delta) for a 32k prompt,
 and head_dim 256. Run: ``python -m kvarn_cutlass.bench.prefill`` or ``kvarn-cutlass bench --section
 prefill`` once ``kvarn_cutlass.bench.prefill`` is listed in ``SECTION_MODULES``.
@@ -73,7 +76,46 @@ def _dequant_tiles(rec, spec, dtype):
     return f(k), f(v)
 
 
-def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: int = 3, baselines: bool = True):
+def _prefill_prompt(kc, prefill_attention, k, v, q, chunks, Hkv, D, P):
+    """One whole prompt: append + prefill_attention per chunk (what the profile covers)."""
+    import torch
+
+    cache = kc.KVarNCache(1, 1, Hkv, D, window=256, dtype=torch.float16, device=k.device, max_seq_len=P)
+    for s, n in chunks:
+        cache.append(0, k[:, :, s:s + n], v[:, :, s:s + n])
+        prefill_attention(q[:, :, s:s + n], cache, 0)
+    torch.cuda.synchronize()
+
+
+def _kernel_profile(fn, top: int = 12) -> dict[str, Any]:
+    """GPU time per kernel (CUPTI via torch.profiler; also sees the driver-API launches) for one call of
+    ``fn``, against its wall time: says whether the stage times are GPU work or host gaps."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            fn()
+            wall = time.perf_counter() - t0
+    except (RuntimeError, AssertionError) as e:  # no CUPTI: the record says so instead of failing the bench
+        return {"error": f"{type(e).__name__}: {e}"}
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((e.key, us, e.count))
+    rows.sort(key=lambda r: -r[1])
+    busy = sum(r[1] for r in rows) / 1e3
+    return {"wall_ms_profiled": round(wall * 1e3, 3), "gpu_kernel_ms": round(busy, 3),
+            "top": [{"kernel": k[:120], "ms": round(us / 1e3, 3), "calls": n} for k, us, n in rows[:top]]}
+
+
+def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: int = 3, baselines: bool = True,
+               profile: bool = False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -116,6 +158,8 @@ def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: i
     if best is None:
         best = (t_attn, t_comp)
     res["kvarn_ms"], res["compress_ms"] = round(best[0], 3), round(best[1], 3)
+    if profile:
+        res["kernels"] = _kernel_profile(lambda: _prefill_prompt(kc, prefill_attention, k, v, q, chunks, Hkv, D, P))
     if not baselines:
         return res
     group = Hq // Hkv
@@ -128,7 +172,7 @@ def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: i
             for s, n in chunks:
                 if deq:
                     cache.append(0, k[:, :, s:s + n], v[:, :, s:s + n])
-                a, b = ev(), ev()
+                a, b, c, d = ev(), ev(), ev(), ev()
                 a.record()
                 if deq:
                     kt, vt = _dequant_tiles(cache.tile_bytes(0), cache.spec, torch.float16)
@@ -136,14 +180,17 @@ def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: i
                     kk, vv = torch.cat((kt, wk), 2), torch.cat((vt, wv), 2)
                 else:
                     kk, vv = k[:, :, : s + n], v[:, :, : s + n]
+                b.record()
+                # GQA expansion is not timed: flash kernels read grouped K/V natively
                 kk = kk.repeat_interleave(group, 1)
                 vv = vv.repeat_interleave(group, 1)
                 qc = q[:, :, s:s + n]
+                c.record()
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     F.scaled_dot_product_attention(qc, kk, vv, attn_mask=causal_lower_right(n, s + n))
-                b.record()
-                b.synchronize()
-                tot += a.elapsed_time(b)
+                d.record()
+                d.synchronize()
+                tot += a.elapsed_time(b) + c.elapsed_time(d)
             if rep > 0:
                 times.append(tot)
         return round(min(times), 3)
@@ -184,7 +231,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     out: dict[str, Any] = {
         "workload": "one layer, Qwen3-8B heads (32 q / 8 KV, D=128), k4v2_g128, window 256, fp16; "
                     "attention summed over the chunks of one prompt; compression reported apart",
-        "points": [_one_point(P, C, reps=reps) for P, C in points],
+        "points": [_one_point(P, C, reps=reps, profile=(i == 0)) for i, (P, C) in enumerate(points)],
         "head_dim_256": _one_point(16384, 512, D=256, reps=reps, baselines=not opts.quick),
         "peak_memory_32k": _peak_memory(),
     }
