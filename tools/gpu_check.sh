@@ -18,6 +18,8 @@
 #    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
+# 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
+#    partials, prefill softmax+V and CUTLASS GEMM kernels in their bench shapes -> $OUT/ncu.txt
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
@@ -102,6 +104,20 @@ if [ "$#" -gt 0 ]; then
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done
   step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
+fi
+
+if [ -n "${GPU_NCU:-}" ]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  ncu_one() {  # TARGET KERNEL_REGEX
+    timeout "${GPU_NCU_LIMIT:-90}" "$NCU" --clock-control none --kernel-name "regex:$2" --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
+  }
+  step ncu_compress ncu_one compress kvarn_compress
+  step ncu_decode ncu_one decode kvarn_decode_partials
+  step ncu_prefill_sv ncu_one prefill kvarn_prefill_sv
+  step ncu_prefill_gemm ncu_one prefill "device_kernel|kscore_sm90"
+  step ncu_prefill_fold ncu_one prefill kvarn_kscore_fold
 fi
 
 if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then

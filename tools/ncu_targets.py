@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Launch one kernel family in its benchmark shape, for Nsight Compute (hardware counters).
+
+``ncu --clock-control none --kernel-name regex:NAME --launch-skip 3 --launch-count 1 \\
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \\
+      python tools/ncu_targets.py TARGET``
+
+Targets (each launches its kernel 5 times: warm-up launches first, so ``--launch-skip 3`` profiles a
+steady-state launch):
+
+* ``compress``: one layer, 8 KV heads, D=128, one 128-token tile each, k4v2_g128 (kvarn_compress_*);
+* ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_partials_* / _combine_*);
+* ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_sv_*, kvarn_kscore_*,
+  the CUTLASS GEMM ``kscore_sm90*``).
+
+``tools/gpu_check.sh`` runs them when GPU_NCU=1 and writes the reports to $OUT/ncu.txt.
+"""
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the package is the repository root's kvarn_cutlass/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import kvarn_cutlass as kc  # noqa: E402
+
+REPEATS = 5
+
+
+def compress() -> None:
+    from kvarn_cutlass.ops.compress import compress_layer
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(1, 8, 128, 128, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(1, 8, 128, 128, device="cuda", dtype=torch.float16, generator=g)
+    spec = kc.TileSpec(preset="k4v2_g128", head_dim=128)
+    for _ in range(REPEATS):
+        compress_layer(k, v, spec)
+    torch.cuda.synchronize()
+
+
+def decode() -> None:
+    B, Hq, Hkv, D, ctx = 16, 32, 8, 128, 32768
+    cache = kc.KVarNCache(1, B, Hkv, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=ctx)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for s in range(0, ctx, 4096):
+        k = torch.randn(B, Hkv, 4096, D, device="cuda", dtype=torch.float16, generator=g)
+        cache.append(0, k, torch.randn_like(k))
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16, generator=g)
+    for _ in range(REPEATS):
+        kc.decode_attention(q, cache, 0)
+    torch.cuda.synchronize()
+
+
+def prefill() -> None:
+    Hq, Hkv, D, P, C = 32, 8, 128, 16384, 512
+    cache = kc.KVarNCache(1, 1, Hkv, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P + C * REPEATS)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(1, Hkv, P, D, device="cuda", dtype=torch.float16, generator=g)
+    cache.append(0, k, torch.randn_like(k))
+    for _ in range(REPEATS):
+        kn = torch.randn(1, Hkv, C, D, device="cuda", dtype=torch.float16, generator=g)
+        cache.append(0, kn, torch.randn_like(kn))
+        q = torch.randn(1, Hq, C, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
+        kc.prefill_attention(q, cache, 0)
+    torch.cuda.synchronize()
+
+
+TARGETS = {"compress": compress, "decode": decode, "prefill": prefill}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in TARGETS:
+        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(TARGETS)}}}")
+    TARGETS[sys.argv[1]]()
