@@ -113,11 +113,15 @@ if [ -n "${GPU_NCU:-}" ]; then
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
   }
-  step ncu_compress ncu_one compress kvarn_compress
-  step ncu_decode ncu_one decode kvarn_decode_partials
-  step ncu_prefill_sv ncu_one prefill kvarn_prefill_sv
-  step ncu_prefill_gemm ncu_one prefill "device_kernel|kscore_sm90"
-  step ncu_prefill_fold ncu_one prefill kvarn_kscore_fold
+  for t in ${GPU_NCU_TARGETS:-compress decode prefill_sv prefill_gemm prefill_fold}; do
+    case $t in
+      compress) step ncu_compress ncu_one compress kvarn_compress ;;
+      decode) step ncu_decode ncu_one decode kvarn_decode_partials ;;
+      prefill_sv) step ncu_prefill_sv ncu_one prefill kvarn_prefill_sv ;;
+      prefill_gemm) step ncu_prefill_gemm ncu_one prefill "device_kernel|kscore_sm90" ;;
+      prefill_fold) step ncu_prefill_fold ncu_one prefill kvarn_kscore_fold ;;
+    esac
+  done
 fi
 
 if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
