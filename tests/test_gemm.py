@@ -3,9 +3,11 @@
 on disk under the kvarn-cutlass cache root and shared through a session fixture."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,9 @@ import torch
 
 from kvarn_cutlass.format import TileSpec
 from kvarn_cutlass.gemm import GemmConfig, emit_source, validate_config, validate_for_problem
-from kvarn_cutlass.gemm.configs import (UntunedConfigWarning, bucket_key, default_config, load_table, select_config)
+from kvarn_cutlass.gemm.configs import (UntunedConfigWarning, bucket_key, default_config, gemm_depth, load_table,
+                                        select_config, untuned_table)
+from kvarn_cutlass.gemm.tune import parse_bucket
 from kvarn_cutlass.gemm.prep import TileOffsets, fold_reference, kscore_reference, unpack_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,19 +329,41 @@ def test_kscore_formula_matches_dequantized_dot():
 
 # ---------------------------------------------------------------------------------------------
 # config table
-def test_committed_table_is_untuned_and_valid():
+def test_committed_table_is_valid_and_tuned_entries_have_provenance():
     table = load_table(90)
     assert table is not None and table["schema"] == 1 and table["arch"] == "sm90"
+    assert set(table["buckets"]) == set(untuned_table(90)["buckets"])
     for key, e in table["buckets"].items():
-        assert e["status"] == "untuned" and e["tops"] is None and e["provenance"] is None, key
         cfg = GemmConfig.from_dict(e["config"])
         ok, why = validate_config(cfg)
         assert ok, (key, why)
+        if e["status"] == "tuned":
+            M, T, D, out = parse_bucket(key)
+            assert validate_for_problem(cfg, M, T, gemm_depth(D), 128)[0], key
+            assert e["tops"] > 0 and e["time_us"] > 0 and cfg.out_dtype == out, key
+            assert {"gpu", "driver", "cuda", "nvidia_cutlass", "date"} <= set(e["provenance"]), key
+        else:
+            assert e["status"] == "untuned" and e["tops"] is None and e["provenance"] is None, key
+
+
+def test_select_config_takes_a_tuned_entry_valid_at_depth_2d(monkeypatch, tmp_path):
+    """A tuned tile_k = 256 entry of a D=128 bucket is valid for the GEMM (K = 2D = 256) and is used."""
+    table = untuned_table(90)
+    tuned = GemmConfig(tile_m=256, tile_n=128, tile_k=256, cluster_m=2, kernel_schedule="cooperative")
+    table["buckets"]["M4096_T128_D128_f16"].update(config=tuned.to_dict(), status="tuned", tops=1.0, time_us=1.0,
+                                                    provenance={})
+    (tmp_path / "sm90.json").write_text(json.dumps(table))
+    monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntunedConfigWarning)
+        assert select_config(90, 4096, 128, 128, 128, "f16") == tuned
+    with pytest.warns(UntunedConfigWarning, match="untuned"):  # the same table's untuned D=64 bucket
+        select_config(90, 4096, 128, 64, 128, "f16")
 
 
 def test_select_config_warns_untuned_and_falls_back(monkeypatch, tmp_path):
     with pytest.warns(UntunedConfigWarning, match="untuned"):
-        cfg = select_config("sm90", 4096, 128, 128, 128, "f16")
+        cfg = select_config("sm90", 1024, 128, 128, 128, "f16")
     assert cfg == default_config(128, 128, "f16")
     assert bucket_key(3000, 128, 128, "f16") == "M4096_T128_D128_f16"
     assert bucket_key(10, 64, 64, "f32") == "M128_T64_D64_f32"

@@ -38,7 +38,7 @@ from typing import Any
 
 from .config import GemmConfig, validate_for_problem
 
-__all__ = ["UntunedConfigWarning", "bucket_key", "default_config", "select_config", "load_table", "config_dir",
+__all__ = ["UntunedConfigWarning", "bucket_key", "default_config", "gemm_depth", "select_config", "load_table", "config_dir",
            "M_BUCKETS", "T_BUCKETS", "D_BUCKETS", "OUT_BUCKETS", "untuned_table"]
 
 CONFIG_ENV = "KVARN_CUTLASS_GEMM_CONFIGS"
@@ -91,12 +91,22 @@ def load_table(arch: int = 90) -> dict | None:
     return _load(str(path), path.stat().st_mtime)
 
 
-def select_config(arch: "int | str", M: int, N: int, K: int, L: int = 1, out_dtype: str = "f16") -> GemmConfig:
-    """Config for problem (M, N=T, K=D, L) on ``arch``; warns (``UntunedConfigWarning``) when untuned."""
+def gemm_depth(head_dim: int) -> int:
+    """The K-score GEMM's depth K for a head_dim: 2 * D, the two-level fold's rows [hi ++ lo] against
+    the codes [16(c-8) ++ (c-8)] (see gemm.prep). Buckets are keyed by head_dim; configs are
+    validated (and tuned) against this K."""
+    return 2 * head_dim
+
+
+def select_config(arch: "int | str", M: int, N: int, head_dim: int, L: int = 1, out_dtype: str = "f16") -> GemmConfig:
+    """Config for the K-score problem (M rows, N = T tokens per tile, head_dim D, L tiles) on ``arch``:
+    the bucket's entry when it is valid for the GEMM (depth :func:`gemm_depth`), else the default;
+    warns (``UntunedConfigWarning``) when untuned or falling back."""
     from ..runtime import normalize_arch
 
     cc = normalize_arch(arch)
-    key = bucket_key(M, N, K, out_dtype)
+    K = gemm_depth(head_dim)
+    key = bucket_key(M, N, head_dim, out_dtype)
     table = load_table(cc)
     entry = (table or {}).get("buckets", {}).get(key)
     if entry is not None:
@@ -110,7 +120,7 @@ def select_config(arch: "int | str", M: int, N: int, K: int, L: int = 1, out_dty
         reason = f"table entry {cfg.name} invalid for this problem: {why}"
     else:
         reason = "no gemm_configs table" if table is None else "bucket missing from the table"
-    cfg = default_config(N, K, out_dtype)
+    cfg = default_config(N, head_dim, out_dtype)
     warnings.warn(f"GEMM config for sm{cc} bucket {key}: {reason}; using the untuned default {cfg.name}",
                   UntunedConfigWarning, stacklevel=2)
     return cfg

@@ -43,7 +43,7 @@ class KScoreGemm:
 
             if K % 2:
                 raise ValueError(f"K={K} must be 2 * head_dim (the [hi ++ lo] operands of gemm.prep)")
-            config = select_config(90, M=M, N=N, K=K // 2, L=L, out_dtype=out_dtype)  # bucket by head_dim
+            config = select_config(90, M=M, N=N, head_dim=K // 2, L=L, out_dtype=out_dtype)
         if config.out_dtype != out_dtype:
             raise ValueError(f"config out_dtype {config.out_dtype!r} != requested {out_dtype!r}")
         ok, why = validate_for_problem(config, M, N, K, L)

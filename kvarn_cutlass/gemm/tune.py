@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import GemmConfig, validate_for_problem
-from .configs import D_BUCKETS, M_BUCKETS, OUT_BUCKETS, T_BUCKETS, config_dir, untuned_table
+from .configs import D_BUCKETS, M_BUCKETS, OUT_BUCKETS, T_BUCKETS, config_dir, gemm_depth, untuned_table
 
 TILES_M = {"pingpong": (64,), "cooperative": (128, 256), "streamk": (128, 256)}
 TILES_N = (64, 128, 256)
@@ -40,15 +40,9 @@ def all_buckets() -> list[str]:
     return [f"M{m}_T{t}_D{d}_{o}" for m in M_BUCKETS for t in T_BUCKETS for d in D_BUCKETS for o in OUT_BUCKETS]
 
 
-def _gemm_k(head_dim: int) -> int:
-    """The GEMM's K for a head_dim: the two-level fold's rows [hi ++ lo] against codes
-    [16(c-8) ++ (c-8)] (see gemm.prep)."""
-    return 2 * head_dim
-
-
 def sweep(bucket: str) -> list[GemmConfig]:
     M, T, D, out = parse_bucket(bucket)
-    K = _gemm_k(D)
+    K = gemm_depth(D)
     cands = []
     for ks, tms in TILES_M.items():
         for tm, tn, tk, (cm, cn) in itertools.product(tms, TILES_N, TILES_K, CLUSTERS):
@@ -94,7 +88,7 @@ def _measure(cfg: GemmConfig, bucket: str, runs: int) -> dict[str, Any]:
 
     M, T, D, out = parse_bucket(bucket)
     L = L_TUNE
-    K = _gemm_k(D)
+    K = gemm_depth(D)
     dev = torch.device("cuda", torch.cuda.current_device())
     ot = {"f16": torch.float16, "f32": torch.float32}[out]
     per = L * (M * K + T * K + M * T * (2 if out == "f16" else 4))
