@@ -200,7 +200,8 @@ def sv_spec():
 
 
 def sv_smem_bytes(D: int, T: int) -> int:
-    return D * (T + 8) * 2 + (2 * T + D) * 4
+    """Dynamic smem of the sv kernel: codes f16 [T][D + 8], tok_step and offsets f32 [T], col_scale f32 [D]."""
+    return T * (D + 8) * 2 + (2 * T + D) * 4
 
 
 try:  # make `kvarn-cutlass build` see the family; harmless when the registry is absent

@@ -7,7 +7,6 @@ Tolerance: 5e-3 norm-wise relative error against ``kc.reference.attention`` (flo
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ import torch
 import kvarn_cutlass as kc
 from kvarn_cutlass import prefill as P
 from kvarn_cutlass.prefill import plan_groups, prefill_attention
+
+from _helpers import SHARED
 
 TOL = 5e-3  # the target
 # The K-score GEMM folds queries with two int8 levels against centered codes (gemm.prep: [hi ++ lo],
@@ -31,7 +32,7 @@ def tol_for(kw) -> float:
 
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO.parent / "shared" / "models" / "kvarn-ref-lm"
+MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -28,7 +28,8 @@ Prediction basis: the partials kernel does ~500-700 SM cycles of issue per tile 
 receive a 13.8 KB record at its share (~32 GB/s) of the bandwidth, so it runs near the memory
 bound when three blocks per SM overlap their cp.async rings; the combine kernel and launch gaps
 add ~3-5 us. ``split_sweep_graph_us`` records the time at batch 16 / 32k and batch 1 / 4k for several
-split counts and ``min_tps_sweep`` (batch 1 / 4k) for the fewest tiles per split, in quick runs too, so
+split counts and ``min_tps_sweep`` (batch 1 / 4k) for the fewest tiles per split, in quick runs too (and
+batch 1 / 128k in full runs), so
 the split model of ``decode.choose_splits`` can be checked (revised predictions after the first run:
 docs/perf-notes.md, decode).
 """
@@ -174,6 +175,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
             sweep = [2, 3, 4, 5, 6, 8] if opts.quick else [1, 2, 3, 4, 5, 6, 8, 12]
         if (batch, ctx) == (1, 4096):
             sweep, tps_sweep = [4, 8, 16, 32], [1, 2, 4]
+        if (batch, ctx) == (1, 131072):  # one wave of 16-tile blocks measured 97 us vs ~63 modelled
+            sweep, tps_sweep = [33, 65, 130, 260, 512], [2, 4, 8]
         row = _time_kvarn(batch, ctx, opts, sweep, tps_sweep)
         row.update(_time_sdpa(batch, ctx, opts))
         row["sdpa_cudnn_reference_us"] = SDPA_CUDNN_REF_US.get((batch, ctx))

@@ -23,7 +23,11 @@
 // than the query is masked (only tiles that end after qpos0 need the check).
 //
 // Block: 4 warps, 16 rows each (64 rows); grid (Mp / 64, Hg). Dynamic smem:
-//   centered codes^T f16 [D][T + 8] | tok_step f32 [T] | tok_min + h*tok_step f32 [T] | col_scale f32 [D]
+//   centered codes f16 [T][D + 8] | tok_step f32 [T] | tok_min + h*tok_step f32 [T] | col_scale f32 [D]
+// The codes are staged token-major, as stored (each 32-bit code word becomes 16 or 32 contiguous bytes
+// of half2 pairs: vector stores, no bank conflicts to speak of), and the MMA's B fragments (token-pairs
+// of one channel) come out of that layout with ldmatrix.trans. (Staging them channel-major with one
+// 2-byte store per code cost 8-way bank conflicts: the kernel was shared-memory bound, ncu 2026-11-30.)
 #include <cuda_fp16.h>
 
 typedef unsigned char u8;
@@ -61,19 +65,41 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 b16 matrices, transposed: lane l receives (row 2(l%4) + {0,1}, column l/4) of matrix i in
+// register i; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* row_addr) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row_addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// Codes [VB*2i, VB*(2i+1)) and [VB*(2i+1), VB*(2i+2)) of a code word as the half2 (c0 - h, c1 - h):
+// each field is OR-ed into the mantissa of 1024.0, then 1024 + h is subtracted exactly.
+template <int VB>
+__device__ __forceinline__ u32 code_pair(u32 word, int i) {
+  constexpr u32 MASK = (1u << VB) - 1u;
+  const u32 c0 = (word >> (2 * i * VB)) & MASK, c1 = (word >> ((2 * i + 1) * VB)) & MASK;
+  u32 v = c0 | (c1 << 16) | 0x64006400u;
+  const __half off = __float2half_rn(1024.f + (float)(1 << (VB - 1)));
+  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&v), __halves2half2(off, off));
+  return *reinterpret_cast<u32*>(&r);
+}
+
 template <int D, int T, int VB, typename SC, typename ST>
 __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, const int* __restrict__ tile_index,
                         long long record_stride, int v_codes_off, int tok_step_off, int tok_min_off,
                         int col_scale_off, int Mp, int Gt, int n_new, long long qpos0, long long tile_pos0,
                         float* __restrict__ acc_state, float* __restrict__ m_state, float* __restrict__ l_state) {
-  constexpr int PT = T + 8;          // f16 pitch of codes^T rows: conflict-free B fragment loads
+  constexpr int PD = D + 8;          // f16 pitch of a code row: ldmatrix rows 16 bytes apart mod 128
   constexpr int KB = T / 16;         // k blocks of the P' x codes MMA
   constexpr int NB = D / 8;          // n blocks (8 channels each)
+  static_assert(NB % 2 == 0, "ldmatrix.x4 loads two n blocks");
   constexpr float LOG2E = 1.4426950408889634f;
   constexpr int HALF = 1 << (VB - 1);  // code centering offset
   extern __shared__ __align__(16) u8 smem[];
-  __half* vt = reinterpret_cast<__half*>(smem);
-  float* s_step = reinterpret_cast<float*>(smem + D * PT * 2);
+  __half* vn = reinterpret_cast<__half*>(smem);
+  float* s_step = reinterpret_cast<float*>(smem + T * PD * 2);
   float* s_min = s_step + T;
   float* s_cs = s_min + T;
 
@@ -113,15 +139,18 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
         s_min[i] = fmaf((float)HALF, st, sc_f32(tm[i]));  // tok_min + h * tok_step (h*st exact)
       }
       for (int i = tid; i < D; i += blockDim.x) s_cs[i] = sc_f32(cs[i]);
-      // V codes: token-major, low bits first; each 32-bit word holds 32/VB codes of one token
-      constexpr int CPW = 32 / VB;
+      // V codes: token-major, low bits first; each 32-bit word holds CPW = 32/VB codes of one token,
+      // staged as CPW/2 half2 pairs (CPW * 2 contiguous bytes) at row t, channels d0..d0+CPW-1
+      constexpr int CPW = 32 / VB, WPT = D / CPW;
       const u32* vw = reinterpret_cast<const u32*>(rec + v_codes_off);
-      for (int w = tid; w < T * D / CPW; w += blockDim.x) {
+      for (int w = tid; w < T * WPT; w += blockDim.x) {
         const u32 word = vw[w];
-        const int idx = w * CPW, t = idx / D, d0 = idx - t * D;
+        const int t = w / WPT, d0 = (w - t * WPT) * CPW;
+        uint4* dst = reinterpret_cast<uint4*>(vn + t * PD + d0);
 #pragma unroll
-        for (int j = 0; j < CPW; ++j)
-          vt[(d0 + j) * PT + t] = __int2half_rn((int)((word >> (j * VB)) & ((1u << VB) - 1)) - HALF);
+        for (int q = 0; q < CPW / 8; ++q)
+          dst[q] = make_uint4(code_pair<VB>(word, 4 * q), code_pair<VB>(word, 4 * q + 1),
+                              code_pair<VB>(word, 4 * q + 2), code_pair<VB>(word, 4 * q + 3));
       }
     }
     __syncthreads();
@@ -205,23 +234,30 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
       pm_lo += __shfl_xor_sync(0xffffffffu, pm_lo, o);
       pm_hi += __shfl_xor_sync(0xffffffffu, pm_hi, o);
     }
-    // ---- O = P' x codes, 8 channels at a time, folded into acc with col_scale
-    const int n_lane = lane >> 2;
+    // ---- O = P' x codes, 16 channels (two n blocks) at a time, folded into acc with col_scale.
+    // ldmatrix.x4.trans matrices: 0/1 = tokens kb*16 + 0..7 / 8..15 of n block j (b0 / b1 of j),
+    // 2/3 the same for n block j + 1.
+    const int lm_row = (lane & 7) + ((lane >> 3) & 1) * 8, lm_col = (lane >> 4) * 8;
 #pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      float o[4] = {0.f, 0.f, 0.f, 0.f};
-      const __half* brow = vt + (j * 8 + n_lane) * PT + kq;
+    for (int j = 0; j < NB; j += 2) {
+      float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kb = 0; kb < KB; ++kb) {
-        const u32 b0 = *reinterpret_cast<const u32*>(brow + kb * 16);
-        const u32 b1 = *reinterpret_cast<const u32*>(brow + kb * 16 + 8);
-        mma_16816(o, afr[kb], b0, b1);
+        u32 b[4];
+        ldmatrix_x4_trans(b, vn + (kb * 16 + lm_row) * PD + j * 8 + lm_col);
+        mma_16816(o0, afr[kb], b[0], b[1]);
+        mma_16816(o1, afr[kb], b[2], b[3]);
       }
-      const float cs0 = s_cs[j * 8 + kq], cs1 = s_cs[j * 8 + kq + 1];
-      acc[j][0] += cs0 * (smax * o[0] + pm_lo);
-      acc[j][1] += cs1 * (smax * o[1] + pm_lo);
-      acc[j][2] += cs0 * (smax * o[2] + pm_hi);
-      acc[j][3] += cs1 * (smax * o[3] + pm_hi);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float* o = h ? o1 : o0;
+        const int jj = j + h;
+        const float cs0 = s_cs[jj * 8 + kq], cs1 = s_cs[jj * 8 + kq + 1];
+        acc[jj][0] += cs0 * (smax * o[0] + pm_lo);
+        acc[jj][1] += cs1 * (smax * o[1] + pm_lo);
+        acc[jj][2] += cs0 * (smax * o[2] + pm_hi);
+        acc[jj][3] += cs1 * (smax * o[3] + pm_hi);
+      }
     }
   }
 
@@ -246,7 +282,7 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
 
 // extern "C" entry points: kvarn_prefill_sv_d<D>_t<T>_v<VB>_<scale dtype>_<score dtype>
 #define KVARN_SV(D, T, VB, SCN, SC, STN, ST)                                                             \
-  extern "C" __global__ void __launch_bounds__(SV_WARPS * 32)                                          \
+  extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, (D) >= 256 ? 1 : 3)                      \
       kvarn_prefill_sv_d##D##_t##T##_v##VB##_##SCN##_##STN(                                            \
           const ST* S, const u8* pool, const int* tile_index, long long record_stride, int v_codes_off,  \
           int tok_step_off, int tok_min_off, int col_scale_off, int Mp, int Gt, int n_new,              \
