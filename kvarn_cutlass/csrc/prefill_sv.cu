@@ -282,7 +282,7 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
 
 // extern "C" entry points: kvarn_prefill_sv_d<D>_t<T>_v<VB>_<scale dtype>_<score dtype>
 #define KVARN_SV(D, T, VB, SCN, SC, STN, ST)                                                             \
-  extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, (D) >= 256 ? 1 : 3)                      \
+  extern "C" __global__ void __launch_bounds__(SV_WARPS * 32)                                          \
       kvarn_prefill_sv_d##D##_t##T##_v##VB##_##SCN##_##STN(                                            \
           const ST* S, const u8* pool, const int* tile_index, long long record_stride, int v_codes_off,  \
           int tok_step_off, int tok_min_off, int col_scale_off, int Mp, int Gt, int n_new,              \
