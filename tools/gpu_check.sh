@@ -22,6 +22,7 @@
 #    partials, prefill softmax+V and CUTLASS GEMM kernels in their bench shapes -> $OUT/ncu.txt
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
+# 8. GPU_GENERATE=1: the greedy-agreement rows of docs/accuracy.md on CUDA -> $OUT/generate.jsonl
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
 # GPU_TEST_GROUPS (default: all) picks the test groups.
@@ -137,6 +138,18 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
   step ppl_k4v4_none ppl --preset k4v4_g128 --window 0 --method sim
   step ppl_k4v2_none_prefill ppl --preset k4v2_g128 --window 0 --view prefill --method sim
   step ppl_k4v4_none_prefill ppl --preset k4v4_g128 --window 0 --view prefill --method sim
+fi
+
+if [ -n "${GPU_GENERATE:-}" ] && [ -n "$SHARED_DIR" ]; then
+  gen() {  # one greedy-agreement row: ARGS...
+    timeout "${GPU_GENERATE_LIMIT:-120}" python3 -m kvarn_cutlass.cli generate --model "$SHARED_DIR/models/kvarn-ref-lm" \
+      --prompts-from "$SHARED_DIR/data/code_eval.txt" --num-prompts 8 --prompt-tokens 1024 --max-new-tokens 256 \
+      --window 256 --device cuda --teacher-forced --json "$@" \
+      | python3 -c "import json, sys; print(json.dumps({'args': sys.argv[1:], **json.load(sys.stdin)}))" "$@" \
+      >>"$OUT/generate.jsonl"
+  }
+  step generate_k4v4 gen --preset k4v4_g128
+  step generate_k4v2 gen --preset k4v2_g128
 fi
 
 for record in docs/benchmarks/*.json; do
