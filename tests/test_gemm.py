@@ -362,9 +362,11 @@ def test_select_config_takes_a_tuned_entry_valid_at_depth_2d(monkeypatch, tmp_pa
 
 
 def test_select_config_warns_untuned_and_falls_back(monkeypatch, tmp_path):
+    untuned = [k for k, e in load_table(90)["buckets"].items() if e["status"] == "untuned"]
+    M, T, D, out = parse_bucket(untuned[0])
     with pytest.warns(UntunedConfigWarning, match="untuned"):
-        cfg = select_config("sm90", 1024, 128, 128, 128, "f16")
-    assert cfg == default_config(128, 128, "f16")
+        cfg = select_config("sm90", M, T, D, 128, out)
+    assert cfg == default_config(T, D, out)
     assert bucket_key(3000, 128, 128, "f16") == "M4096_T128_D128_f16"
     assert bucket_key(10, 64, 64, "f32") == "M128_T64_D64_f32"
     assert bucket_key(10 ** 6, 64, 64, "f32") == "M16384_T64_D64_f32"

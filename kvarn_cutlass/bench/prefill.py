@@ -203,26 +203,32 @@ def _one_point(P: int, C: int, D: int = 128, Hq: int = 32, Hkv: int = 8, reps: i
 
 
 def _peak_memory(P: int = 32768, C: int = 2048):
+    """Peak device memory a whole P-token prompt adds on top of the cache and the inputs: the prefill
+    workspaces (created from scratch: the cached ones are dropped first), per-call state and
+    temporaries, and the compression in ``cache.append``."""
     import torch
 
     import kvarn_cutlass as kc
-    from kvarn_cutlass.prefill import DEFAULT_SCRATCH_BYTES, prefill_attention
+    from kvarn_cutlass.prefill import DEFAULT_SCRATCH_BYTES, _workspaces, clear_workspaces, prefill_attention
 
     Hq, Hkv, D = 32, 8, 128
+    clear_workspaces()
+    torch.cuda.empty_cache()
     cache = kc.KVarNCache(1, 1, Hkv, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
     k = torch.randn(1, Hkv, P, D, device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
-    peak = 0
+    qs = torch.randn(1, Hq, P, D, device="cuda", dtype=torch.float16) * 0.3
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     for s in range(0, P, C):
         cache.append(0, k[:, :, s:s + C], v[:, :, s:s + C])
-        q = torch.randn(1, Hq, C, D, device="cuda", dtype=torch.float16) * 0.3
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        prefill_attention(q, cache, 0)
-        torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated() - base)
-    return {"P": P, "C": C, "peak_extra_bytes": int(peak), "scratch_budget_bytes": DEFAULT_SCRATCH_BYTES}
+        prefill_attention(qs[:, :, s:s + C], cache, 0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    workspaces = sum(ws.nbytes() for ws in _workspaces.values())
+    return {"P": P, "C": C, "peak_extra_bytes": int(peak), "workspace_bytes": int(workspaces),
+            "scratch_budget_bytes": DEFAULT_SCRATCH_BYTES}
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
