@@ -11,7 +11,11 @@
 # 2. prints nvidia-smi and the software versions
 # 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs), after
 #    unpacking prebuilt CUTLASS GEMMs from .carry/gemm_sm90a.tgz into the kernel cache when carried
-#    (nvcc builds here cost device time; the cache key includes the nvcc version, so a mismatch rebuilds)
+#    (nvcc builds here cost device time; the cache key includes the nvcc version, so a mismatch rebuilds).
+#    Make it on this machine (no GPU; ~1 min per config per core):
+#      KVARN_CUTLASS_CACHE=$PWD/.carry/gemmcache python3 -m kvarn_cutlass.cli build --arch sm90 \
+#        --family kscore_gemm --jobs 2 && tar czf .carry/gemm_sm90a.tgz -C .carry/gemmcache .
+#    (plus the tuner's candidates when GPU_TUNE is used: `tune --dry-run` lists them)
 # 3b. GPU_TUNE="BUCKET[,BUCKET] [REGEX]": runs the GEMM tuner on those buckets (candidates filtered by
 #    REGEX), writing gemm_configs/sm90.json (copied to $OUT)
 # 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
