@@ -50,14 +50,19 @@ def _nll_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return -lp.gather(-1, targets[:, None]).squeeze(-1)
 
 
+def _batch_nll(logits: torch.Tensor, batch: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """NLL of batch[:, 1:] under logits [batch, n-1, vocab], shaped like ``shape`` with n-1 last, on CPU."""
+    nll = torch.stack([_nll_from_logits(logits[b], batch[b, 1:]) for b in range(batch.shape[0])])
+    return nll.reshape(*shape[:-1], shape[-1] - 1).cpu()
+
+
 @torch.no_grad()
 def nll_sim(model, ids: torch.Tensor, spec: SimSpec) -> torch.Tensor:
     """NLL [..., n-1] float64 (on CPU) of ids[..., 1:] given their prefixes, for ids [n] or [batch, n]
     (a batch of independent windows), the cache simulated by ``spec``."""
     batch = ids.to(model.device).reshape(-1, ids.shape[-1])
     logits = model(input_ids=batch, use_cache=False, kvarn_sim=spec).logits
-    nll = torch.stack([_nll_from_logits(logits[b, :-1], batch[b, 1:]) for b in range(batch.shape[0])])
-    return nll.reshape(*ids.shape[:-1], ids.shape[-1] - 1).cpu()
+    return _batch_nll(logits[:, :-1], batch, ids.shape)
 
 
 def _make_cache(model, spec: SimSpec) -> KVarNCache:
@@ -81,9 +86,7 @@ def nll_decode(model, ids: torch.Tensor, spec: SimSpec, step=None) -> torch.Tens
         rows.append(out.logits[:, -1])
         if step is not None:
             step(batch.shape[0])
-    logits = torch.stack(rows, 1)  # [batch, n-1, vocab]
-    nll = torch.stack([_nll_from_logits(logits[b], batch[b, 1:]) for b in range(batch.shape[0])])
-    return nll.reshape(*ids.shape[:-1], ids.shape[-1] - 1).cpu()
+    return _batch_nll(torch.stack(rows, 1), batch, ids.shape)
 
 
 @torch.no_grad()
