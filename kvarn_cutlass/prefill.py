@@ -44,7 +44,8 @@ from . import codec
 from .cache import KVarNCache
 from .reference import check_query
 
-__all__ = ["prefill_attention", "PrefillWorkspace", "DEFAULT_SCRATCH_BYTES", "IMPLS", "plan_groups", "sv_kernel_name"]
+__all__ = ["prefill_attention", "PrefillWorkspace", "DEFAULT_SCRATCH_BYTES", "IMPLS", "plan_groups", "sv_kernel_name",
+           "clear_workspaces", "workspace_bytes"]
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
 IMPLS = ("auto", "gpu", "gpu-torch-sv", "torch")
@@ -174,6 +175,12 @@ def clear_workspaces() -> None:
     """Drop every cached workspace (frees their scratch memory)."""
     with _ws_lock:
         _workspaces.clear()
+
+
+def workspace_bytes() -> int:
+    """Device bytes held by the cached workspaces."""
+    with _ws_lock:
+        return sum(ws.nbytes() for ws in _workspaces.values())
 
 
 # ---------------------------------------------------------------------------------------------

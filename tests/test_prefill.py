@@ -389,6 +389,21 @@ def test_gpu_real_model_qkv():
                 start += n
 
 
+def test_workspace_bytes_counts_the_cached_workspaces():
+    gen = torch.Generator().manual_seed(4)
+    c = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, dtype=torch.float16)
+    k, v = make_kv(gen, 1, 2, 300, 64, torch.float16, outliers(gen, 64))
+    c.append(0, k, v)
+    q = (torch.randn(1, 4, 40, 64, generator=gen) * 0.35).half()
+    P.clear_workspaces()
+    assert P.workspace_bytes() == 0
+    prefill_attention(q, c, 0, impl="torch", scratch_bytes=1 << 20)
+    (ws,) = P._workspaces.values()
+    assert P.workspace_bytes() == ws.nbytes() > 0
+    P.clear_workspaces()
+    assert P.workspace_bytes() == 0
+
+
 @gpu
 def test_gpu_scratch_bounded_and_stable_pointers():
     _gpu_skip()

@@ -14,8 +14,8 @@ k4v2_g128, window 256). Times (CUDA events, summed over the chunks of one prompt
 
 The first point also gets a kernel profile (``kernels``: GPU time per kernel over one prompt against
 the wall time), which separates GPU work from host gaps in the stage breakdown.
-Also: peak extra memory of ``prefill_attention`` (max_memory_allocated delta) for a 32k prompt,
-and head_dim 256. Run: ``python -m kvarn_cutlass.bench.prefill`` or ``kvarn-cutlass bench --section
+Also: peak extra memory over a whole 32k prompt (max_memory_allocated above the cache and inputs,
+prefill workspaces created from scratch), and head_dim 256. Run: ``python -m kvarn_cutlass.bench.prefill`` or ``kvarn-cutlass bench --section
 prefill`` once ``kvarn_cutlass.bench.prefill`` is listed in ``SECTION_MODULES``.
 """
 
@@ -209,7 +209,7 @@ def _peak_memory(P: int = 32768, C: int = 2048):
     import torch
 
     import kvarn_cutlass as kc
-    from kvarn_cutlass.prefill import DEFAULT_SCRATCH_BYTES, _workspaces, clear_workspaces, prefill_attention
+    from kvarn_cutlass.prefill import DEFAULT_SCRATCH_BYTES, clear_workspaces, prefill_attention, workspace_bytes
 
     Hq, Hkv, D = 32, 8, 128
     clear_workspaces()
@@ -226,8 +226,7 @@ def _peak_memory(P: int = 32768, C: int = 2048):
         prefill_attention(qs[:, :, s:s + C], cache, 0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    workspaces = sum(ws.nbytes() for ws in _workspaces.values())
-    return {"P": P, "C": C, "peak_extra_bytes": int(peak), "workspace_bytes": int(workspaces),
+    return {"P": P, "C": C, "peak_extra_bytes": int(peak), "workspace_bytes": workspace_bytes(),
             "scratch_budget_bytes": DEFAULT_SCRATCH_BYTES}
 
 
