@@ -390,3 +390,22 @@ def test_build_lists_every_table_config_and_the_s32_check():
         assert GemmConfig.from_dict(entry["config"]).name in names
     assert GemmConfig(out_dtype="s32").name in names
     assert _gemm_configs(80) == []
+
+
+def test_tune_dry_run_sweeps_valid_candidates_and_filters(capsys):
+    """`kvarn-cutlass tune --dry-run` lists every valid candidate of a bucket (validated at K = 2D);
+    --filter keeps the matching names only."""
+    from kvarn_cutlass import cli
+    from kvarn_cutlass.gemm.tune import sweep
+
+    bucket = "M4096_T128_D128_f16"
+    cands = sweep(bucket)
+    assert cands and all(validate_for_problem(c, 4096, 128, gemm_depth(128), 128)[0] for c in cands)
+    assert any(c.tile_k == 256 for c in cands)  # valid only because K = 2D = 256
+    assert cli.main(["tune", "--dry-run", "--buckets", bucket]) == 0
+    full = capsys.readouterr().out
+    assert f"{bucket}: {len(cands)} configs" in full
+    assert cli.main(["tune", "--dry-run", "--buckets", bucket, "--filter", "_pingpong_"]) == 0
+    listed = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")]
+    want = [c.name for c in cands if "_pingpong_" in c.name]
+    assert want and listed == want
