@@ -23,12 +23,11 @@ all-zero row or channel with mixed-sign zeros are not defined bit for bit by the
 takes IEEE 754-2019 minimum/maximum (-0 < +0). Inputs without -0.0 never produce -0.0 in the
 rotated domain for float16 input (nor for bfloat16/float32 input away from float32 underflow).
 
-Known codec mismatch (float32 scales): the kernel's RMS uses a correctly rounded sqrt, as the
-codec's docstring specifies, but ``codec._rms`` calls ``torch.sqrt``, which for float32 on torch
-builds with MKL runs MKL VML in ``VML_HA`` mode and is sometimes 1 ulp low. With
-``scale_dtype=torch.float32`` the records then differ from ``codec.encode_tiles`` in a few scale
-bytes; float16 scales usually round the difference away. tests/test_compress_emulation.py (a
-CPU mirror of the kernel) shows this; the fix belongs in ``codec._rms``.
+Square roots: the kernel's RMS uses a correctly rounded sqrt (``__fsqrt_rn``); ``codec._rms`` takes
+the square root in float64 and rounds it to float32, which is also correctly rounded (torch's float32
+sqrt on MKL builds is not: it was 1 ulp low in ~0.7% of results and made float32-scale records differ,
+until the codec switched). Records are byte-identical for float16 and float32 scales (H200,
+2026-11-30: tests/test_compress.py; tests/test_compress_emulation.py mirrors the kernel on the CPU).
 """
 
 from __future__ import annotations
