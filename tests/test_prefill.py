@@ -130,6 +130,7 @@ def test_plan_groups():
         ([400, 5], dict(D=256, Hkv=1, group=1)),             # head_dim 256
         ([500], dict(group=8, Hkv=1, score_dtype="f32")),
         ([384, 100], dict(preset="k4v4_g64", window=128)),
+        ([8192], dict(D=64, Hkv=1, group=1, preset="k4v2_g64", window=128)),  # the largest chunk
     ],
 )
 def test_cpu_torch_path(chunks, kw):
@@ -309,6 +310,7 @@ def _gpu_skip():
         ([500], dict(group=8, Hkv=1, score_dtype="f32")),
         ([384, 384], dict(preset="k4v4_g64", window=128)),
         ([2048, 2048], dict(Hkv=2, group=4)),
+        ([8192], dict(Hkv=1, group=4)),  # the largest chunk: 32768 query rows per KV head
     ],
 )
 def test_gpu(chunks, kw, impl):
