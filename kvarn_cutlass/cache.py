@@ -19,6 +19,7 @@ Storage per layer (all on ``device``):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -107,6 +108,8 @@ class KVarNCache:
         self.max_seq_len = max_seq_len
         capacity = 0 if max_seq_len is None else max(0, math.ceil((max_seq_len - sink_tokens) / T))
         self._layers = [self._new_layer(capacity) for _ in range(num_layers)]
+        # int32 [2] error bits (inputs, compression) while a deferred_checks block is open, else None
+        self._deferred: torch.Tensor | None = None
 
     # --- construction helpers ------------------------------------------------------------------
     def _new_layer(self, tile_capacity: int) -> _Layer:
@@ -220,9 +223,13 @@ class KVarNCache:
             )
         k = k.to(self.dtype)
         v = v.to(self.dtype)
-        for name, x in (("k", k), ("v", v)):
-            if not torch.isfinite(x).all():
-                raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
+        if self._deferred is None:
+            for name, x in (("k", k), ("v", v)):
+                if not torch.isfinite(x).all():
+                    raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
+        else:  # noted on the device, raised when the deferred_checks block ends
+            bad = (~torch.isfinite(k).all()).to(torch.int32) + 2 * (~torch.isfinite(v).all()).to(torch.int32)
+            self._deferred[0].bitwise_or_(bad)
 
         # Everything below computes new state first and commits only after compression succeeded.
         n_sink = min(self.sink_tokens - st.sink_len, n)
@@ -254,12 +261,14 @@ class KVarNCache:
 
         On CUDA: one launch of the GPU compression kernel (byte-identical to the codec); it reads
         back a 4-byte error flag, so a codec error (e.g. float16 scale overflow) raises here,
-        before the caller changes any state.
+        before the caller changes any state (inside ``deferred_checks``: the kernel ORs the error
+        into the block's flag and nothing is read back).
         """
         if self.device.type == "cuda":
             from .ops.compress import compress_layer
 
-            return compress_layer(k, v, self.spec)
+            flag = None if self._deferred is None else self._deferred[1:]
+            return compress_layer(k, v, self.spec, error_flag=flag)
         B, H, n, D = k.shape
         T = self.spec.tile_tokens
         to_tiles = lambda x: x.reshape(B, H, n // T, T, D).transpose(1, 2)  # noqa: E731
@@ -274,6 +283,55 @@ class KVarNCache:
         )
         pool[:, : st.n_tiles] = st.tiles[:, : st.n_tiles]
         st.tiles = pool
+
+    @contextlib.contextmanager
+    def deferred_checks(self):
+        """A block of appends that does not synchronize with the device.
+
+        ``append`` normally checks its inputs for NaN/Inf and reads back the compression kernel's
+        error flag before it changes anything: on a CUDA cache that is a host synchronization per
+        call (per layer and chunk in a model's forward pass). Inside this block the same checks
+        only set bits of a device-side flag, read once when the block ends. If a check failed, or
+        the block raises, every layer is restored to its state at the start of the block and the
+        error is raised then (ValueError, naming the input, for a failed check). Host-side checks
+        (shapes, dtypes, devices, lengths) still raise at once. Blocks do not nest.
+        """
+        if self._deferred is not None:
+            raise RuntimeError("deferred_checks blocks do not nest")
+        saved = [
+            (st.n_tiles, st.sink_len, st.window_len, st.sink_k[:, :, : st.sink_len].clone(),
+             st.sink_v[:, :, : st.sink_len].clone(), st.window_k[:, :, : st.window_len].clone(),
+             st.window_v[:, :, : st.window_len].clone())
+            for st in self._layers
+        ]
+
+        def restore() -> None:
+            for st, (n_tiles, sink_len, window_len, sk, sv, wk, wv) in zip(self._layers, saved):
+                st.n_tiles, st.sink_len, st.window_len = n_tiles, sink_len, window_len
+                st.sink_k[:, :, :sink_len] = sk
+                st.sink_v[:, :, :sink_len] = sv
+                st.window_k[:, :, :window_len] = wk
+                st.window_v[:, :, :window_len] = wv
+
+        self._deferred = flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        try:
+            yield self
+            inputs, compression = flags.tolist()  # the block's one synchronization
+        except BaseException:
+            restore()
+            raise
+        finally:
+            self._deferred = None
+        if inputs or compression:
+            restore()
+            if inputs:
+                what = f"{'k' if inputs & 1 else 'v'} contains NaN or Inf (after conversion to {self.dtype})"
+            else:
+                from .ops.compress import error_message
+
+                what = error_message(compression, self.spec.scale_dtype)
+            raise ValueError(f"{what}, in an append of a deferred_checks block; the cache is restored to its "
+                             "state at the start of the block")
 
     def truncate(self, layer_or_all: int | None, new_len: int) -> None:
         """Drop the newest tokens so that the layer (or every layer, for ``None``) holds ``new_len``.

@@ -237,3 +237,92 @@ def test_sizes_against_fp16():
     assert cache.nbytes() == tiles + window
     # 64 tiles plus a one-tile fp16 window: 4.48x smaller than fp16 (4.74x for the tiles alone).
     assert (128 * 65 * 8 * 2 * 128 * 2) / cache.nbytes() > 4.45
+
+
+# ---------------------------------------------------------------------------------------------
+# deferred_checks: appends without a host synchronization per call
+def _valid_state(cache) -> list:
+    """What a cache holds that reads can see: lengths and the valid prefixes of its buffers."""
+    return [
+        (st.n_tiles, st.window_len, st.sink_len, st.tiles[:, : st.n_tiles].clone(),
+         st.window_k[:, :, : st.window_len].clone(), st.window_v[:, :, : st.window_len].clone(),
+         st.sink_k[:, :, : st.sink_len].clone(), st.sink_v[:, :, : st.sink_len].clone())
+        for st in cache._layers
+    ]
+
+
+def _assert_same_state(a: list, b: list) -> None:
+    for la, lb in zip(a, b, strict=True):
+        assert la[:3] == lb[:3]
+        for ta, tb in zip(la[3:], lb[3:]):
+            assert ta.shape == tb.shape and torch.equal(ta, tb)
+
+
+def _deferred_cache():
+    return kc.KVarNCache(2, 1, 2, 64, preset="k4v2_g64", window=64, sink_tokens=64, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("chunks", [[100, 90, 1, 70], [64, 64, 64]])
+def test_deferred_checks_same_state_as_eager(chunks):
+    gen = torch.Generator().manual_seed(21)
+    kv = [(realistic_kv(1, 2, n, 64, generator=gen), realistic_kv(1, 2, n, 64, generator=gen)) for n in chunks]
+    eager, deferred = _deferred_cache(), _deferred_cache()
+    for layer in range(2):
+        for k, v in kv:
+            eager.append(layer, k, v)
+    with deferred.deferred_checks():
+        for layer in range(2):
+            for k, v in kv:
+                deferred.append(layer, k, v)
+    _assert_same_state(_valid_state(eager), _valid_state(deferred))
+
+
+@pytest.mark.parametrize("bad", ["k", "v"])
+def test_deferred_checks_raise_at_exit_and_restore(bad):
+    gen = torch.Generator().manual_seed(22)
+    c = _deferred_cache()
+    c.append(0, realistic_kv(1, 2, 150, 64, generator=gen), realistic_kv(1, 2, 150, 64, generator=gen))
+    c.append(1, realistic_kv(1, 2, 70, 64, generator=gen), realistic_kv(1, 2, 70, 64, generator=gen))
+    before = _valid_state(c)
+    k, v = realistic_kv(1, 2, 130, 64, generator=gen), realistic_kv(1, 2, 130, 64, generator=gen)
+    (k if bad == "k" else v)[0, 1, 129, 5] = float("nan")  # stays in the window: only the deferred flag sees it
+    with pytest.raises(ValueError, match=rf"^{bad} contains NaN or Inf .*deferred_checks.*restored"):
+        with c.deferred_checks():
+            c.append(0, realistic_kv(1, 2, 90, 64, generator=gen), realistic_kv(1, 2, 90, 64, generator=gen))
+            c.append(1, k, v)  # no exception here: the check is deferred
+            c.append(1, realistic_kv(1, 2, 10, 64, generator=gen), realistic_kv(1, 2, 10, 64, generator=gen))
+            assert c.seq_len(1) == 70 + 130 + 10
+    _assert_same_state(before, _valid_state(c))
+    # a NaN that reaches the compression: on the CPU the codec raises at once, the block restores
+    k2, v2 = realistic_kv(1, 2, 130, 64, generator=gen), realistic_kv(1, 2, 130, 64, generator=gen)
+    (k2 if bad == "k" else v2)[0, 0, 3, 1] = float("inf")
+    with pytest.raises(ValueError, match=rf"^{bad} contains NaN or Inf"):
+        with c.deferred_checks():
+            c.append(1, k2, v2)
+    _assert_same_state(before, _valid_state(c))
+    # the cache keeps working, eager and deferred
+    c.append(1, realistic_kv(1, 2, 60, 64, generator=gen), realistic_kv(1, 2, 60, 64, generator=gen))
+    with c.deferred_checks():
+        c.append(1, realistic_kv(1, 2, 5, 64, generator=gen), realistic_kv(1, 2, 5, 64, generator=gen))
+    assert c.seq_len(1) == 70 + 60 + 5
+
+
+def test_deferred_checks_restore_when_the_block_raises_and_do_not_nest():
+    gen = torch.Generator().manual_seed(23)
+    c = _deferred_cache()
+    c.append(0, realistic_kv(1, 2, 100, 64, generator=gen), realistic_kv(1, 2, 100, 64, generator=gen))
+    before = _valid_state(c)
+    with pytest.raises(KeyError):
+        with c.deferred_checks():
+            c.append(0, realistic_kv(1, 2, 200, 64, generator=gen), realistic_kv(1, 2, 200, 64, generator=gen))
+            c.truncate(0, c.seq_len(0) - 10)
+            raise KeyError("user code failed")
+    _assert_same_state(before, _valid_state(c))
+    with pytest.raises(ValueError, match="head_dim=64"):  # host-side checks still raise at once
+        with c.deferred_checks():
+            c.append(0, torch.zeros(1, 2, 3, 32, dtype=torch.float16), torch.zeros(1, 2, 3, 32, dtype=torch.float16))
+    with c.deferred_checks():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with c.deferred_checks():
+                pass
+    _assert_same_state(before, _valid_state(c))

@@ -316,3 +316,41 @@ def test_nll_decode_batched_windows(model_tok, text_ids):
         base = P.nll_sim(model, ids[b], kh.SimSpec(None, 0))
         assert (both[b] - one).abs().mean().item() < 0.2 * (one - base).abs().mean().item()
         assert abs(both[b].mean().item() - one.mean().item()) < 2e-3
+
+
+@needs_model
+def test_prefill_defers_checks_and_restores_on_failure(model_tok, text_ids):
+    """kh.prefill validates all appends at the end (one device read on CUDA); a NaN key raises
+    ValueError there and leaves the cache as it was before the call, usable again."""
+    model, _ = model_tok
+    ids = text_ids[:, :200]
+    cache = kh.KVarNCache(model.config, preset="k4v2_g64", window=64)
+    kh.prefill(model, ids[:, :120], cache, chunk_size=50)
+    before = [cache.library.seq_len(i) for i in range(cache.library.num_layers)]
+    win = cache.library.window_kv(0)[0].clone()
+    attn = model.model.layers[0].self_attn
+
+    def poison(module, args, out):  # NaN in the last token's keys of layer 0: it stays in the window
+        out = out.clone()
+        out[:, -1, :] = float("nan")
+        return out
+
+    hook = attn.k_proj.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match="^k contains NaN or Inf"):
+            kh.prefill(model, ids[:, 120:], cache, chunk_size=30)
+    finally:
+        hook.remove()
+    assert [cache.library.seq_len(i) for i in range(cache.library.num_layers)] == before
+    assert torch.equal(cache.library.window_kv(0)[0], win)
+    out = kh.prefill(model, ids[:, 120:], cache, chunk_size=30)  # works again, no pending updates
+    assert torch.isfinite(out.logits).all() and cache.library.seq_len(0) == 200
+    # a library first created inside a failing block is dropped again
+    fresh = kh.KVarNCache(model.config, preset="k4v2_g64", window=64)
+    with pytest.raises(KeyError):
+        with fresh.deferred_checks():
+            model(input_ids=ids[:, :10], use_cache=True, past_key_values=fresh)
+            raise KeyError("stop")
+    assert fresh.library is None and fresh.get_seq_length() == 0
+    kh.prefill(model, ids[:, :10], fresh, chunk_size=4)
+    assert fresh.library.seq_len(0) == 10

@@ -24,6 +24,8 @@ attention mask that has zeros) raises when the mask is built; beam search (cache
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +257,7 @@ class KVarNCache(Cache):
         self.device = None if device is None else torch.device(device)
         self.library: LibraryCache | None = None
         self.dequantized = None
+        self._deferring: contextlib.ExitStack | None = None  # open deferred_checks block, if any
         super().__init__(layers=[KVarNLayer(self, i) for i in range(self.shape.num_layers)])
 
     # --- library cache ------------------------------------------------------------------------
@@ -271,6 +274,37 @@ class KVarNCache(Cache):
             from .dispatch import DequantizedTiles
 
             self.dequantized = DequantizedTiles()
+        if self._deferring is not None:  # created inside a deferred_checks block: it joins the block
+            self._deferring.enter_context(self.library.deferred_checks())
+
+    @contextlib.contextmanager
+    def deferred_checks(self):
+        """The library's :meth:`kvarn_cutlass.KVarNCache.deferred_checks` for a block of forward passes
+        (what :func:`kvarn_cutlass.hf.prefill.prefill` runs its chunks in): no host synchronization per
+        layer and chunk; a failed check raises when the block ends, with the cache as it was at its
+        start (a library first created inside the block is dropped again)."""
+        if self._deferring is not None:
+            raise RuntimeError("deferred_checks blocks do not nest")
+        existed = self.library is not None
+        try:
+            with contextlib.ExitStack() as stack:
+                self._deferring = stack
+                if existed:
+                    stack.enter_context(self.library.deferred_checks())
+                yield self
+        except BaseException:
+            self._deferring = None
+            if existed:
+                for layer in self.layers:  # a forward cut short leaves updates its attention never read
+                    layer._pending = None
+                if self.dequantized is not None:  # decoded tiles past the restored length are stale
+                    from .dispatch import DequantizedTiles
+
+                    self.dequantized = DequantizedTiles()
+            else:
+                self.reset()
+            raise
+        self._deferring = None
 
     @property
     def preset(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._compat import base_model, cache_kwarg
@@ -12,7 +14,10 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk_size: int = 512, logits
     """Feed ``input_ids`` [batch, n] into ``cache`` in chunks of ``chunk_size`` tokens.
 
     Non-final chunks run the decoder stack only (no LM head); the final chunk runs the full model
-    with ``logits_to_keep`` (default 1: logits of the last position). Returns the final chunk's model
+    with ``logits_to_keep`` (default 1: logits of the last position). With a KVarN cache the chunks
+    run in its ``deferred_checks`` block: the appends of every layer and chunk are validated with one
+    device read at the end instead of a host synchronization each (on a failed check the cache is
+    back at its state before the call and ValueError is raised). Returns the final chunk's model
     output (``.logits`` [batch, min(logits_to_keep, last chunk), vocab]).
 
     Each chunk's queries attend to the cache as it is after the chunk was appended (the library's
@@ -28,11 +33,15 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk_size: int = 512, logits
     inner = base_model(model)
     n = input_ids.shape[1]
     starts = list(range(0, n, chunk_size))
-    for s in starts[:-1]:
-        chunk = input_ids[:, s : s + chunk_size]
-        if inner is not None:
-            inner(input_ids=chunk, use_cache=True, **{cache_kwarg(inner): cache})
-        else:
-            model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{kw: cache})
-    last = input_ids[:, starts[-1] :]
-    return model(input_ids=last, use_cache=True, logits_to_keep=logits_to_keep, **{kw: cache})
+    # a KVarN cache checks the whole prompt's appends with one device read at the end
+    deferred = cache.deferred_checks() if hasattr(cache, "deferred_checks") else contextlib.nullcontext()
+    with deferred:
+        for s in starts[:-1]:
+            chunk = input_ids[:, s : s + chunk_size]
+            if inner is not None:
+                inner(input_ids=chunk, use_cache=True, **{cache_kwarg(inner): cache})
+            else:
+                model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{kw: cache})
+        last = input_ids[:, starts[-1] :]
+        out = model(input_ids=last, use_cache=True, logits_to_keep=logits_to_keep, **{kw: cache})
+    return out
