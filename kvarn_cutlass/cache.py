@@ -224,9 +224,9 @@ class KVarNCache:
         k = k.to(self.dtype)
         v = v.to(self.dtype)
         if self._deferred is None:
-            for name, x in (("k", k), ("v", v)):
-                if not torch.isfinite(x).all():
-                    raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
+            if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for both
+                name = "k" if not torch.isfinite(k).all() else "v"
+                raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
         else:  # noted on the device, raised when the deferred_checks block ends
             bad = (~torch.isfinite(k).all()).to(torch.int32) + 2 * (~torch.isfinite(v).all()).to(torch.int32)
             self._deferred[0].bitwise_or_(bad)
