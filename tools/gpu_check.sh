@@ -138,6 +138,8 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
   }
   step ppl_k4v2_w256 ppl --preset k4v2_g128 --window 256
   step ppl_k4v4_w256 ppl --preset k4v4_g128 --window 256
+  step ppl_k4v2_w128 ppl --preset k4v2_g128 --window 128
+  step ppl_k4v4_w128 ppl --preset k4v4_g128 --window 128
   step ppl_k4v2_none ppl --preset k4v2_g128 --window 0 --method sim
   step ppl_k4v4_none ppl --preset k4v4_g128 --window 0 --method sim
   step ppl_k4v2_none_prefill ppl --preset k4v2_g128 --window 0 --view prefill --method sim
