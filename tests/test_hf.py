@@ -354,3 +354,6 @@ def test_prefill_defers_checks_and_restores_on_failure(model_tok, text_ids):
     assert fresh.library is None and fresh.get_seq_length() == 0
     kh.prefill(model, ids[:, :10], fresh, chunk_size=4)
     assert fresh.library.seq_len(0) == 10
+    with fresh.deferred_checks():  # prefill inside an open block joins it
+        kh.prefill(model, ids[:, 10:20], fresh, chunk_size=4)
+    assert fresh.library.seq_len(0) == 20

@@ -282,9 +282,11 @@ class KVarNCache(Cache):
         """The library's :meth:`kvarn_cutlass.KVarNCache.deferred_checks` for a block of forward passes
         (what :func:`kvarn_cutlass.hf.prefill.prefill` runs its chunks in): no host synchronization per
         layer and chunk; a failed check raises when the block ends, with the cache as it was at its
-        start (a library first created inside the block is dropped again)."""
+        start (a library first created inside the block is dropped again). A block opened inside an
+        open one joins it (its checks happen when the outer block ends)."""
         if self._deferring is not None:
-            raise RuntimeError("deferred_checks blocks do not nest")
+            yield self
+            return
         existed = self.library is not None
         try:
             with contextlib.ExitStack() as stack:
