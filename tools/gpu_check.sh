@@ -57,6 +57,13 @@ step() {
   [ "$rc" -eq 0 ] || failed=1
 }
 
+# append_row FILE ARGS...: append the JSON document on stdin to FILE as one line, tagged with ARGS.
+append_row() {
+  local file=$1
+  shift
+  python3 -c "import json, sys; print(json.dumps({'args': sys.argv[1:], **json.load(sys.stdin)}))" "$@" >>"$file"
+}
+
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     2>&1 | tee -a "$OUT/gpu_check.log" || { echo "wheel install failed" | tee -a "$SUMMARY"; exit 1; }
@@ -133,8 +140,7 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
   ppl() {  # one row of docs/accuracy.md: ARGS...
     timeout "${GPU_PPL_LIMIT:-150}" python3 -m kvarn_cutlass.cli perplexity --model "$SHARED_DIR/models/kvarn-ref-lm" \
       --text "$SHARED_DIR/data/code_eval.txt" --ctx 2048 --windows 6 --device cuda --batch 6 --no-progress --json "$@" \
-      | python3 -c "import json, sys; print(json.dumps({'args': sys.argv[1:], **json.load(sys.stdin)}))" "$@" \
-      >>"$OUT/ppl.jsonl"
+      | append_row "$OUT/ppl.jsonl" "$@"
   }
   step ppl_k4v2_w256 ppl --preset k4v2_g128 --window 256
   step ppl_k4v4_w256 ppl --preset k4v4_g128 --window 256
@@ -151,8 +157,7 @@ if [ -n "${GPU_GENERATE:-}" ] && [ -n "$SHARED_DIR" ]; then
     timeout "${GPU_GENERATE_LIMIT:-120}" python3 -m kvarn_cutlass.cli generate --model "$SHARED_DIR/models/kvarn-ref-lm" \
       --prompts-from "$SHARED_DIR/data/code_eval.txt" --num-prompts 8 --prompt-tokens 1024 --max-new-tokens 256 \
       --window 256 --device cuda --teacher-forced --json "$@" \
-      | python3 -c "import json, sys; print(json.dumps({'args': sys.argv[1:], **json.load(sys.stdin)}))" "$@" \
-      >>"$OUT/generate.jsonl"
+      | append_row "$OUT/generate.jsonl" "$@"
   }
   step generate_k4v4 gen --preset k4v4_g128
   step generate_k4v2 gen --preset k4v2_g128
