@@ -25,6 +25,7 @@
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials, prefill softmax+V and CUTLASS GEMM kernels in their bench shapes -> $OUT/ncu.txt
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
+#    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
 # 8. GPU_GENERATE=1: the greedy-agreement rows of docs/accuracy.md on CUDA -> $OUT/generate.jsonl
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
@@ -142,14 +143,17 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
       --text "$SHARED_DIR/data/code_eval.txt" --ctx 2048 --windows 6 --device cuda --batch 6 --no-progress --json "$@" \
       | append_row "$OUT/ppl.jsonl" "$@"
   }
-  step ppl_k4v2_w256 ppl --preset k4v2_g128 --window 256
-  step ppl_k4v4_w256 ppl --preset k4v4_g128 --window 256
-  step ppl_k4v2_w128 ppl --preset k4v2_g128 --window 128
-  step ppl_k4v4_w128 ppl --preset k4v4_g128 --window 128
-  step ppl_k4v2_none ppl --preset k4v2_g128 --window 0 --method sim
-  step ppl_k4v4_none ppl --preset k4v4_g128 --window 0 --method sim
-  step ppl_k4v2_none_prefill ppl --preset k4v2_g128 --window 0 --view prefill --method sim
-  step ppl_k4v4_none_prefill ppl --preset k4v4_g128 --window 0 --view prefill --method sim
+  ppl_row() {  # NAME ARGS...: one perplexity step, skipped unless NAME matches GPU_PPL_ROWS
+    [[ "$1" =~ ${GPU_PPL_ROWS:-.} ]] && step "$1" ppl "${@:2}"
+  }
+  ppl_row ppl_k4v2_w256 --preset k4v2_g128 --window 256
+  ppl_row ppl_k4v4_w256 --preset k4v4_g128 --window 256
+  ppl_row ppl_k4v2_w128 --preset k4v2_g128 --window 128
+  ppl_row ppl_k4v4_w128 --preset k4v4_g128 --window 128
+  ppl_row ppl_k4v2_none --preset k4v2_g128 --window 0 --method sim
+  ppl_row ppl_k4v4_none --preset k4v4_g128 --window 0 --method sim
+  ppl_row ppl_k4v2_none_prefill --preset k4v2_g128 --window 0 --view prefill --method sim
+  ppl_row ppl_k4v4_none_prefill --preset k4v4_g128 --window 0 --view prefill --method sim
 fi
 
 if [ -n "${GPU_GENERATE:-}" ] && [ -n "$SHARED_DIR" ]; then
