@@ -26,6 +26,7 @@ PROG = "kvarn-cutlass"
 # Subcommand name -> module implementing add_parser(subparsers) and run(args).
 COMMANDS: dict[str, str] = {
     "demo": "kvarn_cutlass.cli.demo",
+    "info": "kvarn_cutlass.cli.info",
     "build": "kvarn_cutlass.cli.build",
     "emit": "kvarn_cutlass.cli.emit",
     "sass": "kvarn_cutlass.cli.sass",

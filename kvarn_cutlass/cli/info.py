@@ -1,0 +1,205 @@
+"""``kvarn-cutlass info``: what this machine offers the package (GPU, driver, toolchain, caches, GEMM configs).
+
+Every field degrades to a string saying why it is absent ("no CUDA GPU", "not installed", ...), so the
+command succeeds on a CPU-only machine. ``--json`` prints the same fields as one JSON object (keys in
+:data:`INFO_KEYS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INFO_KEYS", "add_parser", "run", "gather", "gemm_config_summary", "directory_size"]
+
+NO_GPU = "no CUDA GPU"
+NOT_INSTALLED = "not installed"
+
+# The keys of gather()'s result, in display order.
+INFO_KEYS: tuple[str, ...] = (
+    "gpu", "compute_capability", "arch", "gpu_memory_gib", "driver", "cuda_driver_api", "cuda_torch",
+    "python", "torch", "cuda_bindings", "cuda_python", "nvidia_cutlass", "kvarn_cutlass", "nvcc", "nvrtc",
+    "kernel_cache", "gemm_configs",
+)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "info",
+        help="show the GPU, driver, CUDA/torch/CUTLASS versions, kernel cache and GEMM configs",
+        description="Show what this machine offers kvarn-cutlass: GPU and architecture, driver, CUDA, torch, "
+        "cuda-python and nvidia-cutlass versions, nvcc, the kernel cache directory and its size, and which "
+        "tuned GEMM configs apply to this GPU. Works without a GPU (fields then say why they are absent).",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def _dist_version(name: str) -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - Python >= 3.8 has it
+        return "unknown"
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return NOT_INSTALLED
+
+
+def directory_size(path: Path) -> tuple[int, int]:
+    """``(bytes, files)`` of the regular files under ``path`` (symlinks not followed; 0, 0 if absent)."""
+    total = files = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # removed while walking (another process pruning the cache)
+                continue
+            if not os.path.islink(os.path.join(root, name)):
+                total += st.st_size
+                files += 1
+    return total, files
+
+
+def gemm_config_summary(cc: int | None) -> dict[str, Any] | str:
+    """Which ``gemm_configs/sm<cc>.json`` applies to compute capability ``cc`` and how much of it is tuned.
+
+    Returns ``{"arch", "path", "buckets", "tuned", "default"}`` ("default": buckets that fall back to the
+    untuned default config), or a string saying why none applies (no GPU, an architecture without the
+    sm_90 wgmma GEMM, a missing file).
+    """
+    if cc is None:
+        return f"none ({NO_GPU})"
+    if cc != 90:
+        return f"none (the CUTLASS K-score GEMM needs sm_90; this GPU is sm_{cc})"
+    from ..gemm.configs import config_dir, load_table
+
+    path = config_dir() / f"sm{cc}.json"
+    table = load_table(cc)
+    if table is None:
+        return f"none ({path} not found; every bucket uses the untuned default config)"
+    buckets = table.get("buckets", {})
+    tuned = sum(1 for b in buckets.values() if b.get("status") == "tuned")
+    return {"arch": f"sm{cc}", "path": str(path), "buckets": len(buckets), "tuned": tuned,
+            "default": len(buckets) - tuned}
+
+
+def _gpu_fields() -> tuple[dict[str, Any], int | None]:
+    try:
+        import torch
+    except ImportError:
+        return {k: f"{NO_GPU} (torch {NOT_INSTALLED})" for k in ("gpu", "compute_capability", "arch", "gpu_memory_gib")}, None
+    if not torch.cuda.is_available():
+        return {k: NO_GPU for k in ("gpu", "compute_capability", "arch", "gpu_memory_gib")}, None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    cc = props.major * 10 + props.minor
+    return {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}", "arch": f"sm_{cc}",
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1)}, cc
+
+
+def _driver() -> str:
+    from ..bench.record import _run
+
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return smi.splitlines()[0].strip() if smi else "no NVIDIA driver (nvidia-smi not found or failed)"
+
+
+def _cuda_driver_api() -> str:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return f"cuda-bindings {NOT_INSTALLED}"
+    try:
+        err, v = driver.cuDriverGetVersion()
+    except Exception as e:  # libcuda.so absent: the bindings raise when they first load it
+        return f"no NVIDIA driver ({type(e).__name__})"
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"no NVIDIA driver ({err.name})"
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _nvcc() -> str:
+    try:
+        from ..gemm.compile import nvcc_path, nvcc_version
+
+        return f"{nvcc_version()} ({nvcc_path()})"
+    except Exception:  # FileNotFoundError when absent; anything else means it is not usable either
+        return "not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda/bin, PATH)"
+
+
+def _nvrtc() -> str:
+    try:
+        from ..runtime import compiler_version
+
+        return compiler_version("nvrtc")
+    except Exception:
+        return f"{NOT_INSTALLED} (pip install nvidia-cuda-nvrtc)"
+
+
+def _torch_cuda() -> str:
+    try:
+        import torch
+    except ImportError:
+        return f"torch {NOT_INSTALLED}"
+    return torch.version.cuda or "none (CPU build of torch)"
+
+
+def gather() -> dict[str, Any]:
+    """All fields of ``info`` as a dict with the keys :data:`INFO_KEYS` (strings, numbers or nested dicts)."""
+    from ..runtime import cache_root
+
+    gpu, cc = _gpu_fields()
+    root = cache_root()
+    size, files = directory_size(root)
+    info: dict[str, Any] = {
+        **gpu,
+        "driver": _driver(),
+        "cuda_driver_api": _cuda_driver_api(),
+        "cuda_torch": _torch_cuda(),
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "cuda_bindings": _dist_version("cuda-bindings"),
+        "cuda_python": _dist_version("cuda-python"),
+        "nvidia_cutlass": _dist_version("nvidia-cutlass"),
+        "kvarn_cutlass": _dist_version("kvarn-cutlass"),
+        "nvcc": _nvcc(),
+        "nvrtc": _nvrtc(),
+        "kernel_cache": {"path": str(root), "exists": root.is_dir(), "bytes": size, "files": files},
+        "gemm_configs": gemm_config_summary(cc),
+    }
+    return {k: info[k] for k in INFO_KEYS}
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _text(info: dict[str, Any]) -> str:
+    lines = []
+    for key in INFO_KEYS:
+        value = info[key]
+        if key == "kernel_cache":
+            where = value["path"] if value["exists"] else f"{value['path']} (not created yet)"
+            value = f"{where}, {_human_bytes(value['bytes'])} in {value['files']} files"
+        elif key == "gemm_configs" and isinstance(value, dict):
+            value = (f"{value['path']}: {value['tuned']} of {value['buckets']} buckets tuned, "
+                     f"{value['default']} use the default config")
+        lines.append(f"{key:18s} {value}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = gather()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(_text(info))
+    return 0
