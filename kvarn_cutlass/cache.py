@@ -333,6 +333,40 @@ class KVarNCache:
             raise ValueError(f"{what}, in an append of a deferred_checks block; the cache is restored to its "
                              "state at the start of the block")
 
+    def replace_layers(self, contents: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace the contents of layers, all or nothing (what SnapKV compaction re-assembles).
+
+        contents: ``{layer: (k, v)}``, k and v as for :meth:`append`. Afterwards each layer holds
+        exactly what an empty layer holds after ``append(layer, k, v)``: the same sink, tile records
+        (byte for byte) and window. The data is copied into the layer's existing buffers, so their
+        addresses stay (a preallocated pool is never reallocated). On any error (bad input,
+        max_seq_len, compression) no layer is changed. Not allowed inside ``deferred_checks`` (its
+        restore would not know the new contents).
+        """
+        if self._deferred is not None:
+            raise RuntimeError("replace_layers cannot run inside a deferred_checks block")
+        if not isinstance(contents, dict):
+            raise TypeError(f"contents must be a dict {{layer: (k, v)}}, got {type(contents).__name__}")
+        staged = {}
+        for layer, kv in contents.items():
+            old = self._layer(layer)
+            if not isinstance(kv, tuple) or len(kv) != 2:
+                raise TypeError(f"contents[{layer}] must be a (k, v) tuple")
+            # stage the layer: append to an empty stand-in (the same checks and encoder as append)
+            self._layers[layer] = self._new_layer(0)
+            try:
+                self.append(layer, *kv)
+            finally:
+                staged[layer], self._layers[layer] = self._layers[layer], old
+        for layer, new in staged.items():
+            st = self._layers[layer]
+            if new.n_tiles > st.tiles.shape[1]:
+                self._grow(st, new.n_tiles)
+            st.tiles[:, : new.n_tiles] = new.tiles[:, : new.n_tiles]
+            for name in ("window_k", "window_v", "sink_k", "sink_v"):
+                getattr(st, name).copy_(getattr(new, name))
+            st.n_tiles, st.window_len, st.sink_len = new.n_tiles, new.window_len, new.sink_len
+
     def truncate(self, layer_or_all: int | None, new_len: int) -> None:
         """Drop the newest tokens so that the layer (or every layer, for ``None``) holds ``new_len``.
 
