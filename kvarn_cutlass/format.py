@@ -24,14 +24,24 @@ section               shape / dtype                           layout
 
 In the rotated (Walsh-Hadamard) domain::
 
-    K[t, c] = row_scale[t] * (chan_min[c] + chan_step[c] * k_code[c, t])
-    V[t, c] = col_scale[c] * (tok_min[t] + tok_step[t] * v_code[t, c])
+    K[t, c] = row_scale[t] * (chan_min[c] + chan_step[c] * kbook[k_code[c, t]])
+    V[t, c] = col_scale[c] * (tok_min[t] + tok_step[t] * vbook[v_code[t, c]])
 
-Scales are little-endian float16 (default) or float32.
+with ``kbook = codebook(quantizer, k_bits)`` and ``vbook = codebook(quantizer, v_bits)``. Scales are
+little-endian float16 (default) or float32.
+
+Quantizers (``QUANTIZERS``; the record layout and sizes are the same for both):
+
+* ``uniform`` (default): asymmetric round-to-nearest; the codebook is the identity (code c has the
+  value c), ``*_min`` is the axis minimum and ``*_step`` the spacing of the 2^bits levels.
+* ``lloyd_max``: the code indexes the Lloyd-Max centroids of the unit Gaussian N(0, 1) for 2^bits
+  levels; ``*_min`` holds the axis mean and ``*_step`` the axis RMS about that mean (the values are
+  normalized to unit variance before the nearest-centroid decision, see ``kvarn_cutlass.codec``).
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +58,54 @@ HEAD_DIMS = (64, 128, 256)
 SCALE_DTYPES = (torch.float16, torch.float32)
 DEFAULT_SINKHORN_ITERS = 4
 RECORD_ALIGN = 16
+QUANTIZERS = ("uniform", "lloyd_max")
+DEFAULT_QUANTIZER = "uniform"
+CODE_BITS = (2, 4)  # the code widths of the presets
+
+# Lloyd-Max centroids of N(0, 1), ascending, for 4 and 16 levels: the fixed point of the Lloyd
+# iteration (thresholds at centroid midpoints, centroids at the conditional means of the Gaussian
+# between thresholds) computed in float64 with exact Gaussian integrals (erf/erfc), then rounded to
+# float32. The literals are those float32 values written exactly (tests/test_format.py recomputes
+# them). The codebooks are symmetric: only the positive half is written.
+_LLOYD_MAX_POSITIVE = {
+    2: (0.4527800381183624, 1.5104175806045532),
+    4: (
+        0.12839503586292267, 0.38804829120635986, 0.6567591428756714, 0.9423404335975647,
+        1.2562311887741089, 1.6180464029312134, 2.069017171859741, 2.7325894832611084,
+    ),
+}
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest float32 (ties to even), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def codebook(quantizer: str, bits: int) -> tuple[float, ...]:
+    """The value of each code, ascending: a tuple of 2^bits floats, each exactly a float32.
+
+    ``uniform``: ``(0.0, 1.0, ..., 2^bits - 1)`` (the value of a code is the code). ``lloyd_max``:
+    the Lloyd-Max centroids of N(0, 1) for 2^bits levels (bits 2 or 4).
+    """
+    _check_choice("quantizer", quantizer, QUANTIZERS)
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int, got {type(bits).__name__}")
+    _check_choice("bits", bits, CODE_BITS)
+    if quantizer == "uniform":
+        return tuple(float(c) for c in range(2**bits))
+    half = _LLOYD_MAX_POSITIVE[bits]
+    return tuple(-c for c in reversed(half)) + half
+
+
+def lloyd_max_thresholds(bits: int) -> tuple[float, ...]:
+    """The 2^bits - 1 ascending decision thresholds of the ``lloyd_max`` codebook for ``bits``.
+
+    ``t_j = float32((c_j + c_{j+1}) / 2)`` with the float32 centroids ``c = codebook("lloyd_max",
+    bits)``: the sum and the halving are exact in float64, then one rounding to float32. A value z
+    gets the code ``#{j : z > t_j}`` (ties go to the lower code).
+    """
+    c = codebook("lloyd_max", bits)
+    return tuple(_f32((a + b) / 2) for a, b in zip(c[:-1], c[1:]))
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -64,12 +122,15 @@ class TileSpec:
         head_dim: D, one of 64, 128, 256.
         scale_dtype: ``torch.float16`` (default) or ``torch.float32`` for the step/min/scale vectors.
         sinkhorn_iters: variance-normalization iterations (>= 0, default 4).
+        quantizer: one of ``QUANTIZERS``: ``uniform`` (default) or ``lloyd_max``; what the codes and
+            the step/min fields mean (the layout is the same).
     """
 
     preset: str = DEFAULT_PRESET
     head_dim: int = 128
     scale_dtype: torch.dtype = torch.float16
     sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS
+    quantizer: str = DEFAULT_QUANTIZER
     _offsets: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +141,7 @@ class TileSpec:
         _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
         if isinstance(self.sinkhorn_iters, bool) or not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
             raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
+        _check_choice("quantizer", self.quantizer, QUANTIZERS)
         T, D, sb = self.tile_tokens, self.head_dim, self.scale_bytes
         sizes = [
             ("k_codes", D * T * self.k_bits // 8),
@@ -112,6 +174,16 @@ class TileSpec:
     def tile_tokens(self) -> int:
         """T, tokens per tile (128 or 64)."""
         return PRESETS[self.preset][2]
+
+    @property
+    def k_codebook(self) -> tuple[float, ...]:
+        """``codebook(quantizer, k_bits)``: the value of each K code."""
+        return codebook(self.quantizer, self.k_bits)
+
+    @property
+    def v_codebook(self) -> tuple[float, ...]:
+        """``codebook(quantizer, v_bits)``: the value of each V code."""
+        return codebook(self.quantizer, self.v_bits)
 
     @property
     def scale_bytes(self) -> int:
@@ -154,6 +226,7 @@ class TileSpec:
             "k_bits": self.k_bits,
             "v_bits": self.v_bits,
             "scale_dtype": str(self.scale_dtype).replace("torch.", ""),
+            "quantizer": self.quantizer,
             "tile_nbytes": self.tile_nbytes,
             "bytes_per_token": self.bytes_per_token,
             "compression_vs_fp16": round(self.compression_vs_fp16, 3),

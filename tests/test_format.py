@@ -1,3 +1,6 @@
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -56,3 +59,105 @@ def test_bad_spec_names_the_argument(kwargs, match):
 def test_unknown_section():
     with pytest.raises(KeyError, match="v_scale"):
         kc.TileSpec().section("v_scale")
+
+
+# --- quantizer -------------------------------------------------------------------------------------
+def _gauss_mass(a: float, b: float) -> float:
+    """P(a < X < b) for X ~ N(0, 1) in float64, through erfc on the side away from 0 (no cancellation
+    of two numbers close to 1 in the tails)."""
+    if a >= 0:
+        return 0.5 * (math.erfc(a / math.sqrt(2)) - math.erfc(b / math.sqrt(2)))
+    if b <= 0:
+        return _gauss_mass(-b, -a)
+    return 0.5 * (math.erf(b / math.sqrt(2)) - math.erf(a / math.sqrt(2)))
+
+
+def _gauss_pdf(x: float) -> float:
+    return 0.0 if math.isinf(x) else math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+
+def _lloyd_max_float64(levels: int) -> list[float]:
+    """The Lloyd iteration for N(0, 1) in float64 with exact integrals, from a uniform start on
+    [-2, 2]: thresholds at centroid midpoints, centroids at the conditional means
+    E[X | t_j < X < t_{j+1}] = (pdf(t_j) - pdf(t_{j+1})) / mass(t_j, t_{j+1})."""
+    c = [-2 + 4 * (i + 0.5) / levels for i in range(levels)]
+    for _ in range(20000):
+        t = [-math.inf] + [(a + b) / 2 for a, b in zip(c[:-1], c[1:])] + [math.inf]
+        new = [(_gauss_pdf(t[i]) - _gauss_pdf(t[i + 1])) / _gauss_mass(t[i], t[i + 1]) for i in range(levels)]
+        change, c = max(abs(x - y) for x, y in zip(new, c)), new
+        if change < 1e-14:
+            return c
+    raise AssertionError("the Lloyd iteration did not converge")
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_lloyd_max_codebook_is_the_float32_rounded_gaussian_fixed_point(bits):
+    book = kc.format.codebook("lloyd_max", bits)
+    want = _lloyd_max_float64(2**bits)
+    assert len(book) == 2**bits
+    assert all(isinstance(c, float) and c == _f32(c) for c in book)  # exactly float32
+    assert list(book) == [_f32(c) for c in want]
+    assert max(abs(a - b) for a, b in zip(book, want)) < 1e-6
+    assert list(book) == sorted(book) and list(book) == [-c for c in reversed(book)]
+    # the values the issue quotes
+    quoted = {2: (0.4528, 1.5104), 4: (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326)}[bits]
+    assert np.allclose(book[2 ** (bits - 1):], quoted, atol=6e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_lloyd_max_thresholds_are_float32_midpoints(bits):
+    book = kc.format.codebook("lloyd_max", bits)
+    th = kc.format.lloyd_max_thresholds(bits)
+    assert len(th) == 2**bits - 1
+    for j, t in enumerate(th):
+        mid = (book[j] + book[j + 1]) / 2  # exact in float64 for float32 inputs
+        assert mid == (np.float64(book[j]) + np.float64(book[j + 1])) * 0.5
+        assert t == float(np.float32(mid)) and book[j] < t < book[j + 1]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_uniform_codebook_is_the_identity(bits):
+    assert kc.format.codebook("uniform", bits) == tuple(float(c) for c in range(2**bits))
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        (("lloyd", 4), ValueError, "quantizer"),
+        (("lloyd_max", 3), ValueError, "bits"),
+        (("uniform", 8), ValueError, "bits"),
+        (("lloyd_max", 4.0), TypeError, "bits"),
+        (("lloyd_max", True), TypeError, "bits"),
+    ],
+)
+def test_codebook_bad_arguments(args, exc, match):
+    with pytest.raises(exc, match=match):
+        kc.format.codebook(*args)
+    if args[0] == "lloyd_max":
+        with pytest.raises(exc, match=match):
+            kc.format.lloyd_max_thresholds(args[1])
+
+
+@pytest.mark.parametrize("bad", ["Lloyd_Max", "", None, 1])
+def test_bad_quantizer_names_the_argument(bad):
+    with pytest.raises(ValueError, match="quantizer"):
+        kc.TileSpec(quantizer=bad)
+
+
+def test_quantizer_is_part_of_identity_not_of_layout():
+    uni, lm = kc.TileSpec(), kc.TileSpec(quantizer="lloyd_max")
+    assert uni.quantizer == "uniform" and uni == kc.TileSpec(quantizer="uniform")
+    assert uni != lm and len({uni, lm, kc.TileSpec(quantizer="lloyd_max")}) == 2
+    assert lm == kc.TileSpec(quantizer="lloyd_max") and hash(lm) == hash(kc.TileSpec(quantizer="lloyd_max"))
+    for preset in kc.PRESETS:
+        for sd in (torch.float16, torch.float32):
+            a, b = kc.TileSpec(preset, 128, sd), kc.TileSpec(preset, 128, sd, quantizer="lloyd_max")
+            assert a.tile_nbytes == b.tile_nbytes
+            assert [a.section(n) for n in a.section_names()] == [b.section(n) for n in b.section_names()]
+            assert b.k_codebook == kc.format.codebook("lloyd_max", b.k_bits)
+            assert b.v_codebook == kc.format.codebook("lloyd_max", b.v_bits)
+    assert lm.describe()["quantizer"] == "lloyd_max" and "quantizer='lloyd_max'" in repr(lm)
