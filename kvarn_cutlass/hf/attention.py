@@ -10,6 +10,9 @@
 3. anything else (no cache, or transformers' own ``DynamicCache``): plain SDPA, so the same model
    object also gives the unquantized baseline.
 
+On every path, ``kvarn_queries=QueryRecorder(obs)`` passed to the model's forward records the last
+``obs`` (post-RoPE) queries of each layer (:mod:`kvarn_cutlass.compact`, SnapKV compaction).
+
 The mask function rejects padding (a 2D attention mask with zeros): the library cache holds one
 length for every sequence of the batch.
 """
@@ -67,6 +70,9 @@ def kvarn_attention_forward(
     Returns (attn_output [B, n_q, Hq, D], None) like transformers' SDPA function.
     """
     sim = kwargs.pop("kvarn_sim", None)
+    recorder = kwargs.pop("kvarn_queries", None)  # kvarn_cutlass.compact.QueryRecorder: SnapKV's observation queries
+    if recorder is not None:
+        recorder.record(module.layer_idx, query)
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"KVarN attention does not support {name!r}")

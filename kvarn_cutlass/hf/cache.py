@@ -128,6 +128,10 @@ class KVarNLayer(CacheLayerMixin):
         self.parent = parent
         self.layer_idx = layer_idx
         self._pending: _Handle | None = None
+        # tokens dropped from this layer by compaction (kvarn_cutlass.compact): the layer holds
+        # ``library.seq_len`` tokens but the sequence is this many longer, so new tokens keep their
+        # absolute positions (RoPE) and mask offsets, as in SnapKV
+        self.evicted = 0
 
     def __repr__(self) -> str:
         return f"KVarNLayer({self.layer_idx})"
@@ -157,11 +161,13 @@ class KVarNLayer(CacheLayerMixin):
         return k, v
 
     def get_seq_length(self) -> int:
+        """Tokens of the sequence so far (absolute: includes tokens dropped by compaction)."""
         lib = self.parent.library
-        return 0 if lib is None else lib.seq_len(self.layer_idx)
+        return 0 if lib is None else lib.seq_len(self.layer_idx) + self.evicted
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        # keys held + new ones; held key j sits at position j + evicted for the causal mask
+        return self.get_seq_length() - self.evicted + query_length, self.evicted
 
     def get_max_length(self) -> int:
         return -1 if self.parent.max_seq_len is None else self.parent.max_seq_len
@@ -180,6 +186,7 @@ class KVarNLayer(CacheLayerMixin):
         self.parent.dequantized = None
         self.is_initialized = False
         self._pending = None
+        self.evicted = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
