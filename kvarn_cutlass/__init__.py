@@ -22,6 +22,7 @@ _LAZY = {
     "decode_attention": ("kvarn_cutlass.decode", "decode_attention"),
     "decode_attention_ragged": ("kvarn_cutlass.decode", "decode_attention_ragged"),
     "DecodeGraph": ("kvarn_cutlass.decode", "DecodeGraph"),
+    "snapkv_compact": ("kvarn_cutlass.compact", "snapkv_compact"),
     "hf": ("kvarn_cutlass.hf", None),
 }
 
