@@ -1,75 +1,234 @@
-"""``kvarn-cutlass bench``: run benchmark sections on the current GPU and record their results."""
+"""``kvarn-cutlass bench``: run the benchmark sections on the GPU and write results, tables and plots.
+
+One run (default: every registered section, in :data:`kvarn_cutlass.bench.report.SECTION_ORDER`) writes
+into an output folder (``--out``, default ``bench-results/<UTC date-time>``):
+
+* ``results.json``: every section's results with provenance, in the record layout of
+  :mod:`kvarn_cutlass.bench.record` (rewritten after each section, so a killed run keeps what finished);
+* ``results.md``: the tables of :mod:`kvarn_cutlass.bench.report`, beside the SDPA baselines;
+* PNG plots of :mod:`kvarn_cutlass.bench.plots` (skipped with a notice without matplotlib).
+
+Each section also merges into ``docs/benchmarks/<gpu>.json`` of the checkout (``--record-dir``,
+``--no-record``). ``--from-json FILE`` re-renders the tables and plots of an existing ``results.json``
+or ``docs/benchmarks/<gpu>.json`` without a GPU.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
+import os
 import sys
+import tempfile
+import threading
+import time
 import traceback
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "default_out_dir"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
-        help="run benchmark sections on the GPU and record them",
-        description="Run benchmark sections (default: all) and merge each section's results, with provenance, "
-        "into docs/benchmarks/<gpu>.json (or DIR/<gpu>.json with --out).",
+        help="run the benchmark sections on the GPU; write results.json, markdown tables and plots",
+        description="Run benchmark sections (default: all) on the current CUDA GPU with a progress display, "
+        "and write results.json, results.md (tables beside the SDPA baselines) and PNG plots into an output "
+        "folder. Each section also merges into docs/benchmarks/<gpu>.json of the checkout. "
+        "--from-json re-renders the tables and plots of an existing record without a GPU.",
     )
     p.add_argument("--section", action="append", metavar="NAME", help="section to run (repeatable; default: all)")
     p.add_argument("--list", action="store_true", help="list the registered sections and exit")
-    p.add_argument("--out", metavar="DIR", help="directory of the record file (default: docs/benchmarks of the checkout)")
+    p.add_argument("--out", metavar="DIR",
+                   help="output folder for results.json, results.md and the plots (default: bench-results/<UTC date-time>)")
+    p.add_argument("--from-json", metavar="FILE",
+                   help="re-render results.md and the plots from FILE (a results.json or docs/benchmarks/<gpu>.json); "
+                   "no GPU needed")
+    p.add_argument("--record-dir", metavar="DIR",
+                   help="folder of the merged record <gpu>.json (default: docs/benchmarks of the checkout)")
+    p.add_argument("--no-record", action="store_true", help="do not merge into the record <gpu>.json")
+    p.add_argument("--no-plots", action="store_true", help="write the tables only")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument("--no-record", action="store_true", help="print results without writing the record file")
-    p.add_argument("--json", action="store_true", help="print results as one JSON document")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document instead of the tables")
     return p
 
 
+def default_out_dir(now: _dt.datetime | None = None) -> Path:
+    """``bench-results/<YYYY-MM-DDTHHMMSSZ>`` under the working directory (UTC, so runs never collide in a day)."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return Path("bench-results") / now.strftime("%Y-%m-%dT%H%M%SZ")
+
+
+def _elapsed(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"
+
+
+class _Progress:
+    """Which section runs, n/N and elapsed time on ``stream``.
+
+    On a terminal a status line refreshes every second while a section runs; otherwise (logs, pipes)
+    one plain line at the start and one at the end of each section.
+    """
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.stream = total, stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def _line(self, i: int, name: str, t_section: float) -> str:
+        return f"bench [{i}/{self.total}] {name}: {_elapsed(time.perf_counter() - t_section)} (total {_elapsed(time.perf_counter() - self.t0)})"
+
+    def start(self, i: int, name: str) -> float:
+        t_section = time.perf_counter()
+        if not self.tty:
+            print(f"bench [{i}/{self.total}] {name}: running (total {_elapsed(t_section - self.t0)})",
+                  file=self.stream, flush=True)
+            return t_section
+        self._stop.clear()
+
+        def tick() -> None:
+            while not self._stop.wait(1.0):
+                self.stream.write("\r" + self._line(i, name, t_section) + "\033[K")
+                self.stream.flush()
+
+        self.stream.write(self._line(i, name, t_section))
+        self.stream.flush()
+        self._ticker = threading.Thread(target=tick, daemon=True)
+        self._ticker.start()
+        return t_section
+
+    def done(self, i: int, name: str, t_section: float, status: str) -> None:
+        if self._ticker is not None:
+            self._stop.set()
+            self._ticker.join()
+            self._ticker = None
+            self.stream.write("\r\033[K")
+        print(f"bench [{i}/{self.total}] {name}: {status} in {_elapsed(time.perf_counter() - t_section)} "
+              f"(total {_elapsed(time.perf_counter() - self.t0)})", file=self.stream, flush=True)
+
+
+def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    out = Path(args.out) if args.out else default_out_dir()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a folder")
+    return out
+
+
+def _order(names: list[str]) -> list[str]:
+    from ..bench.report import SECTION_ORDER
+
+    return [n for n in SECTION_ORDER if n in names] + sorted(n for n in names if n not in SECTION_ORDER)
+
+
+def _render(doc: dict[str, Any], out: Path, plots: bool) -> list[Path]:
+    from ..bench.report import write_report
+
+    written, notice = write_report(doc, out, plots=plots)
+    if notice:
+        print(f"kvarn-cutlass bench: {notice}", file=sys.stderr)
+    return written
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    from ..bench.report import load_record
+
+    try:
+        doc = load_record(args.from_json)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--from-json: {e}") from None
+    if args.section:
+        missing = [n for n in args.section if n not in doc["sections"]]
+        if missing:
+            raise ValueError(f"--section: {missing} not in {args.from_json} (it has {sorted(doc['sections'])})")
+        doc = {**doc, "sections": {n: doc["sections"][n] for n in args.section}}
+    out = _out_dir(args)
+    written = _render(doc, out, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps({"out": str(out), "files": [str(p) for p in written]}, indent=2))
+    else:
+        print("\n".join(f"wrote {p}" for p in written))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _from_json(args)
+
     from ..bench import BenchOptions, sections
 
     registered = sections()
     if args.list:
-        for name, sec in registered.items():
-            print(f"{name:16s} {sec.description}")
+        for name in _order(list(registered)):
+            print(f"{name:16s} {registered[name].description}")
         return 0
-    names = args.section or list(registered)
-    unknown = [n for n in names if n not in registered]
+    unknown = [n for n in args.section or [] if n not in registered]
     if unknown:
-        raise ValueError(f"unknown bench section {unknown}; registered: {sorted(registered)}")
+        raise ValueError(f"--section: unknown bench section {unknown}; registered: {_order(list(registered))}")
+    names = list(dict.fromkeys(args.section)) if args.section else _order(list(registered))
+    out = _out_dir(args)
 
     import torch
 
-    from ..bench.record import default_record_path, provenance, record_section
+    from ..bench.record import REPO_ROOT, default_record_path, provenance, record_section
 
     if not torch.cuda.is_available():
-        raise RuntimeError("bench needs a CUDA device (torch.cuda.is_available() is False)")
-    path = None if args.no_record else default_record_path(args.out)
+        raise RuntimeError("bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+                           "--from-json FILE re-renders existing results without one")
+    record = None
+    if not args.no_record:
+        if args.record_dir is None and REPO_ROOT is None:
+            print("kvarn-cutlass bench: not running from a checkout, so no docs/benchmarks record is merged "
+                  "(--record-dir DIR to choose one)", file=sys.stderr)
+        else:
+            record = default_record_path(args.record_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
     prov = provenance()
+    doc: dict[str, Any] = {"sections": {}, "failed": [], "options": {"quick": bool(args.quick)}}
     opts = BenchOptions(quick=args.quick)
-    results: dict[str, Any] = {}
-    failed = []
-    for name in names:
-        print(f"bench {name} ...", file=sys.stderr, flush=True)
+    progress = _Progress(len(names))
+    for i, name in enumerate(names, 1):
+        t_section = progress.start(i, name)
         try:
-            results[name] = registered[name].run(opts)
+            res = registered[name].run(opts)
         except Exception as e:  # one broken section must not cost the others' numbers on a GPU lease
+            progress.done(i, name, t_section, "FAILED")
             traceback.print_exc()
-            failed.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        if path is not None:
-            record_section(name, results[name], path, prov)
+            doc["failed"].append(f"{name}: {type(e).__name__}: {e}")
+        else:
+            progress.done(i, name, t_section, "done")
+            doc["sections"][name] = {"provenance": prov, "results": res}
+            if record is not None:
+                record_section(name, res, record, prov)
+        _write_json_atomic(results_path, doc)
+    written = [results_path] + _render(doc, out, plots=not args.no_plots)
     if args.json:
-        json.dump({"record": str(path) if path else None, "provenance": prov, "sections": results}, sys.stdout, indent=2)
+        json.dump({"out": str(out), "record": str(record) if record else None, "files": [str(p) for p in written],
+                   "provenance": prov, "sections": {n: s["results"] for n, s in doc["sections"].items()},
+                   "failed": doc["failed"]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        for name, res in results.items():
-            print(f"== {name}\n{json.dumps(res, indent=2)}")
-        if path is not None:
-            print(f"recorded in {path}")
-    if failed:
-        print("kvarn-cutlass bench: failed sections: " + "; ".join(failed), file=sys.stderr)
+        print((out / "results.md").read_text())
+        print("\n".join(f"wrote {p}" for p in written))
+        if record is not None:
+            print(f"merged into {record}")
+    if doc["failed"]:
+        print("kvarn-cutlass bench: failed sections: " + "; ".join(doc["failed"]), file=sys.stderr)
         return 1
     return 0
