@@ -30,6 +30,8 @@
 # 8. GPU_GENERATE=1: the greedy-agreement rows of docs/accuracy.md on CUDA -> $OUT/generate.jsonl
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
+# GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
+# $OUT/bench-results.tgz (one file: the tool returns at most 8);
 # GPU_TEST_GROUPS (default: all) picks the test groups.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
@@ -113,10 +115,14 @@ done
 if [ "$#" -gt 0 ]; then
   bench_args=()
   [ -n "${GPU_BENCH_QUICK:-}" ] && bench_args+=(--quick)
+  [ -n "${GPU_BENCH_OUT:-}" ] && bench_args+=(--out "$GPU_BENCH_OUT")
   for s in "$@"; do
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done
   step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
+  if [ -n "${GPU_BENCH_OUT:-}" ] && [ -d "$GPU_BENCH_OUT" ]; then
+    tar czf "$OUT/bench-results.tgz" -C "$GPU_BENCH_OUT" .
+  fi
 fi
 
 if [ -n "${GPU_NCU:-}" ]; then
