@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 __all__ = [
     "SECTION_ORDER", "load_record", "memory_rows", "gemm_bucket_rows", "prefill_rows", "decode_rows",
-    "render_markdown", "write_report",
+    "render_markdown", "write_report", "docs_page_markdown", "write_docs_page",
 ]
 
 # Sections in report (and default run) order: the copy ceiling first, as the decode/GEMM rows refer to it.
@@ -441,3 +441,60 @@ def write_report(doc: dict[str, Any], out_dir: str | os.PathLike, plots: bool = 
     md_path.write_text(render_markdown(doc, images, title=title, intro=intro))
     written.insert(0, md_path)
     return written, notice
+
+
+# --- the docs page (docs/benchmarks.md) ----------------------------------------------------------------------------
+
+DOCS_PLOT_DIR = "benchmarks"
+
+
+def _measured_dates(doc: dict[str, Any]) -> str:
+    dates = sorted({str(s.get("provenance", {}).get("date", ""))[:10] for s in doc["sections"].values()} - {""})
+    if not dates:
+        return "unknown date"
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+
+
+def docs_page_markdown(doc: dict[str, Any], slug: str) -> str:
+    """``docs/benchmarks.md`` for the record ``docs/benchmarks/<slug>.json``, linking the plots
+    ``docs/benchmarks/<slug>-<name>.png`` that :func:`write_docs_page` draws."""
+    from .plots import planned_plots
+
+    gpu = next((s.get("provenance", {}).get("gpu") for s in doc["sections"].values()
+                if s.get("provenance", {}).get("gpu")), slug)
+    intro = f"""Latest results of `kvarn-cutlass bench` on an {gpu}, measured {_measured_dates(doc)} (UTC; the date and
+commit of each section are in the table below). Generated from
+[`{DOCS_PLOT_DIR}/{slug}.json`]({DOCS_PLOT_DIR}/{slug}.json) by `python3 tools/benchmarks_doc.py`; do not edit by hand.
+
+How to reproduce, on a machine with an H200 (or another sm_90 GPU):
+
+```bash
+pip install -e ".[plots]"
+kvarn-cutlass bench --out DIR        # every section; DIR/results.json, results.md and the plots;
+                                     # also merges into docs/benchmarks/<gpu>.json
+kvarn-cutlass bench --section decode --out DIR   # one section
+```
+
+On the project's GPU machine (no network) `tools/gpu_check.sh all` runs the GPU tests and then every
+section (`GPU_BENCH_OUT=DIR` keeps the tables and plots, packed into `bench-results.tgz`). Without a GPU,
+`kvarn-cutlass bench --from-json docs/benchmarks/{slug}.json --out DIR` re-renders the tables and plots,
+and `python3 tools/benchmarks_doc.py` this page."""
+    images = {group: [f"{DOCS_PLOT_DIR}/{slug}-{name}" for name in names] for group, names in planned_plots(doc).items()}
+    return render_markdown(doc, images, title=f"Benchmarks: {gpu}", intro=intro)
+
+
+def write_docs_page(record: str | os.PathLike, docs_dir: str | os.PathLike) -> list[Path]:
+    """Write ``<docs_dir>/benchmarks.md`` and its plots ``<docs_dir>/benchmarks/<slug>-*.png`` for ``record``
+    (``<slug>`` = the record's file stem, e.g. ``h200``).
+
+    Raises:
+        PlotsUnavailable: matplotlib is not importable (the page links the plots, so it is not written).
+    """
+    from .plots import write_plots
+
+    doc = load_record(record)
+    slug = Path(record).stem
+    drawn = write_plots(doc, Path(docs_dir) / DOCS_PLOT_DIR, prefix=f"{slug}-")
+    page = Path(docs_dir) / "benchmarks.md"
+    page.write_text(docs_page_markdown(doc, slug))
+    return [page] + [p for paths in drawn.values() for p in paths]
