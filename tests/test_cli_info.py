@@ -1,0 +1,114 @@
+"""``kvarn-cutlass info``: fields, --json, graceful degradation without a GPU, cache size, gemm_configs summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarn_cutlass.cli import main
+from kvarn_cutlass.cli.info import INFO_KEYS, directory_size, gemm_config_summary
+
+REPO = Path(__file__).resolve().parents[1]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def _info_json(capsys) -> dict:
+    assert main(["info", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@no_gpu
+def test_info_json_on_cpu_has_every_key_and_says_no_gpu(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(tmp_path / "cache"))
+    info = _info_json(capsys)
+    assert list(info) == list(INFO_KEYS)
+    for key in ("gpu", "compute_capability", "arch", "gpu_memory_gib"):
+        assert info[key] == "no CUDA GPU"
+    assert info["gemm_configs"] == "none (no CUDA GPU)"
+    assert info["torch"] == torch.__version__
+    assert info["cuda_torch"] == (torch.version.cuda or "none (CPU build of torch)")
+    assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0}
+    for key in INFO_KEYS:  # every field is filled, never null
+        assert info[key] not in (None, "")
+
+
+@no_gpu
+def test_info_text_is_one_line_per_field_and_exits_zero_as_a_process(tmp_path):
+    env = {**os.environ, "KVARN_CUTLASS_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "kvarn_cutlass.cli", "info"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == list(INFO_KEYS)
+    assert "no CUDA GPU" in lines[0]
+
+
+def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypatch):
+    rng = random.Random()
+    root = tmp_path / "cache"
+    expected_bytes, expected_files = 0, 0
+    for i in range(rng.randint(3, 8)):
+        d = root / f"kind{i % 3}" / f"sub{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        n = rng.randint(0, 5000)
+        (d / f"entry{i}.bin").write_bytes(os.urandom(n))
+        expected_bytes += n
+        expected_files += 1
+    (root / "link").symlink_to(root / "kind0")  # a link is neither followed nor counted
+    assert directory_size(root) == (expected_bytes, expected_files)
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+    info = _info_json(capsys)
+    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes, "files": expected_files}
+
+
+def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch):
+    rng = random.Random()
+    n = rng.randint(5, 40)
+    statuses = [rng.choice(["tuned", "untuned"]) for _ in range(n)]
+    table = {"schema": 1, "arch": "sm90", "default": {},
+             "buckets": {f"M{128 << (i % 8)}_T128_D{64 << (i % 3)}_f{i}": {"status": s} for i, s in enumerate(statuses)}}
+    (tmp_path / "sm90.json").write_text(json.dumps(table))
+    monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path))
+    summary = gemm_config_summary(90)
+    assert summary == {"arch": "sm90", "path": str(tmp_path / "sm90.json"), "buckets": n,
+                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}
+
+
+def test_gemm_config_summary_of_the_committed_table():
+    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
+    tuned = [k for k, b in table["buckets"].items() if b["status"] == "tuned"]
+    summary = gemm_config_summary(90)
+    assert (summary["buckets"], summary["tuned"]) == (len(table["buckets"]), len(tuned))
+
+
+def test_gemm_config_summary_says_why_none_applies(tmp_path, monkeypatch):
+    assert gemm_config_summary(None) == "none (no CUDA GPU)"
+    assert gemm_config_summary(100).startswith("none (the CUTLASS K-score GEMM needs sm_90; this GPU is sm_100")
+    monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path / "absent"))
+    assert gemm_config_summary(90).startswith("none (") and "not found" in gemm_config_summary(90)
+
+
+def test_info_rejects_unknown_arguments_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--bogus" in err
+
+
+@pytest.mark.gpu
+def test_info_on_a_gpu_reports_its_architecture(capsys):
+    info = _info_json(capsys)
+    major, minor = torch.cuda.get_device_capability()
+    assert info["gpu"] == torch.cuda.get_device_name()
+    assert info["compute_capability"] == f"{major}.{minor}"
+    assert info["arch"] == f"sm_{major}{minor}"
+    if (major, minor) == (9, 0):
+        assert isinstance(info["gemm_configs"], dict) and info["gemm_configs"]["arch"] == "sm90"
