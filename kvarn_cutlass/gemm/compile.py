@@ -153,6 +153,7 @@ class GemmBinary:
     cubin: bytes
     host_so: bytes
     meta: dict  # nvcc version, flags, ptxas resource log, compile seconds, source sha256
+    cached: bool = False  # True when this call read the disk cache instead of running nvcc
 
     @property
     def ptxas_log(self) -> str:
@@ -207,7 +208,10 @@ def build_gemm(cfg: GemmConfig, arch: "int | str" = 90) -> GemmBinary:
         "format": 1,
     }
 
+    compiled = []  # build() runs only when the cache holds no valid entry
+
     def build() -> bytes:
+        compiled.append(True)
         cubin, so, log, secs = _compile(src, entry, cc, flags)
         meta = {"nvcc": key["nvcc"], "flags": flags, "log": log, "seconds": round(secs, 2),
                 "source_sha256": key["source_sha256"], "entry": entry, "nvidia_cutlass": key["nvidia_cutlass"]}
@@ -215,7 +219,7 @@ def build_gemm(cfg: GemmConfig, arch: "int | str" = 90) -> GemmBinary:
 
     blob = rt.cached_artifact("gemm", cfg.name, key, build)
     meta, cubin, so = _unpack(blob)
-    return GemmBinary(config=cfg, arch=cc, entry=entry, cubin=cubin, host_so=so, meta=meta)
+    return GemmBinary(config=cfg, arch=cc, entry=entry, cubin=cubin, host_so=so, meta=meta, cached=not compiled)
 
 
 # ---- host helper library ---------------------------------------------------------------------
