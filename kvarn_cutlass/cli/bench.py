@@ -73,9 +73,10 @@ class _Progress:
     one plain line at the start and one at the end of each section.
     """
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
-        self.total, self.stream = total, stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr  # looked up now: tests and tools swap it
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None

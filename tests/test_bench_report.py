@@ -1,0 +1,377 @@
+"""Benchmark report and ``kvarn-cutlass bench`` output without a GPU.
+
+Tables are checked cell by cell against the record they come from (the committed H200 record and
+fresh random records), derived columns against independent arithmetic, memory per token against the
+record layout's byte count written out by hand; plots as PNG files; the CLI's one-line errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarn_cutlass.bench import Section
+from kvarn_cutlass.bench.report import (docs_page_markdown, gemm_bucket_rows, load_record, render_markdown,
+                                        write_report)
+from kvarn_cutlass.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = REPO / "docs" / "benchmarks" / "h200.json"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def _tables(md: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Every markdown table of ``md`` as (header, rows of cells)."""
+    tables, lines = [], md.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith(("|:---", "|---")):
+            header = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("| "):
+                rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            tables.append((header, rows))
+        else:
+            i += 1
+    return tables
+
+
+def _table(md: str, first_columns: list[str]) -> list[dict[str, str]]:
+    found = [(h, rows) for h, rows in _tables(md) if h[:len(first_columns)] == first_columns]
+    assert len(found) == 1, f"expected one table starting with {first_columns}"
+    header, rows = found[0]
+    return [dict(zip(header, r)) for r in rows]
+
+
+@pytest.fixture()
+def h200(tmp_path) -> tuple[Path, dict]:
+    path = tmp_path / "h200.json"
+    shutil.copy(H200, path)
+    return path, json.loads(H200.read_text())
+
+
+# --- tables against the committed H200 record -----------------------------------------------------------------------
+
+
+def test_decode_table_equals_the_record(h200):
+    path, raw = h200
+    md = render_markdown(load_record(path))
+    res = raw["sections"]["decode"]["results"]
+    table = {(int(r["batch"]), int(r["context"])): r for r in _table(md, ["batch", "context"])}
+    assert set(table) == {(r["batch"], r["context"]) for r in res["rows"]}
+    for row in res["rows"]:
+        cells = table[(row["batch"], row["context"])]
+        assert float(cells["KVarN graph µs"]) == row["graph_us"]
+        assert float(cells["SDPA cuDNN µs"]) == row["sdpa_cudnn_us"]
+        assert float(cells["SDPA flash µs"]) == row["sdpa_flash_us"]
+        assert abs(float(cells["cuDNN / KVarN"]) - row["sdpa_cudnn_us"] / row["graph_us"]) <= 0.005
+        assert abs(float(cells["flash / KVarN"]) - row["sdpa_flash_us"] / row["graph_us"]) <= 0.005
+        # % of the copy ceiling from the compressed bytes read per step, independently of the stored fraction
+        pct = row["kvarn_bytes"] / (row["graph_us"] * 1e-6) / 1e9 / res["copy_ceiling_gb_per_s"] * 100
+        assert abs(float(cells["% of copy ceiling"]) - pct) <= 0.15
+        assert abs(float(cells["fp16 MiB"]) - row["fp16_bytes"] / 2**20) <= 0.05
+
+
+def test_prefill_table_equals_the_record(h200):
+    path, raw = h200
+    md = render_markdown(load_record(path))
+    res = raw["sections"]["prefill"]["results"]
+    table = {(int(r["prompt P"]), int(r["chunk C"]), int(r["head_dim"])): r for r in _table(md, ["prompt P", "chunk C", "head_dim", "KVarN ms"])}
+    points = res["points"] + [res["head_dim_256"]]
+    assert set(table) == {(p["P"], p["C"], p["head_dim"]) for p in points}
+    for p in points:
+        cells = table[(p["P"], p["C"], p["head_dim"])]
+        assert float(cells["KVarN ms"]) == p["kvarn_ms"]
+        assert float(cells["SDPA fp16 ms"]) == p["sdpa_fp16_ms"]
+        assert float(cells["dequant+SDPA ms"]) == p["dequant_sdpa_ms"]
+        assert abs(float(cells["KVarN / SDPA"]) - p["kvarn_ms"] / p["sdpa_fp16_ms"]) <= 0.005
+        assert abs(float(cells["KVarN / dequant+SDPA"]) - p["kvarn_ms"] / p["dequant_sdpa_ms"]) <= 0.005
+
+
+def test_gemm_and_compress_tables_equal_the_record(h200):
+    path, raw = h200
+    md = render_markdown(load_record(path))
+    gemm = raw["sections"]["gemm"]["results"]
+    kernels = {r["kernel"]: r for r in _table(md, ["kernel", "median µs"])}
+    assert float(kernels["K-score GEMM + epilogue"]["median µs"]) == gemm["gemm"]["timing"]["median_us"]
+    assert float(kernels["K-score GEMM + epilogue"]["TOPS (depth D)"]) == gemm["gemm"]["tops_equiv"]
+    assert float(kernels["fold"]["GB/s"]) == gemm["fold"]["gb_per_s"]
+    comp = raw["sections"]["compress"]["results"]["compress"]
+    rows = _table(md, ["preset", "head_dim", "batch"])
+    assert [(r["preset"], float(r["graph µs"])) for r in rows] == [(c["preset"], c["graph_us"]) for c in comp]
+
+
+def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):
+    path, _ = h200
+    doc = load_record(path)
+    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
+    tuned = {k: b for k, b in table["buckets"].items() if b["status"] == "tuned"}
+    rows = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}
+    assert set(rows) == set(tuned)
+    for key, b in tuned.items():
+        assert float(rows[key]["TOPS (depth D)"]) == b["tops"]
+        m, t, d = (int(part[1:]) for part in key.split("_")[:3])
+        # the tuner's TOPS-equivalent: 2*M*T*D*L / time with L = 128 (time rounded to 0.01 us)
+        assert b["tops"] == pytest.approx(2 * m * t * d * 128 / (b["time_us"] * 1e-6) / 1e12, rel=2e-3)
+
+
+def test_gemm_buckets_measured_by_the_bench_take_precedence(h200):
+    path, _ = h200
+    doc = load_record(path)
+    rng = random.Random()
+    measured = [{"bucket": f"M{m}_T128_D128_f16", "time_us": round(rng.uniform(10, 500), 2),
+                 "tops": round(rng.uniform(10, 400), 2)} for m in rng.sample([128, 512, 2048, 8192], 3)]
+    doc["sections"]["gemm"]["results"]["buckets"] = measured
+    rows, source = gemm_bucket_rows(doc)
+    assert "this bench run" in source
+    assert sorted((r["bucket"], r["tops"], r["time_us"]) for r in rows) == sorted(
+        (b["bucket"], b["tops"], b["time_us"]) for b in measured)
+
+
+def test_memory_per_token_matches_the_record_layout_by_hand():
+    md = render_markdown({"sections": {}})
+    rows = _table(md, ["preset", "head_dim", "tokens per tile"])
+    bits = {"k4v2_g128": (4, 2, 128), "k4v4_g128": (4, 4, 128), "k4v2_g64": (4, 2, 64), "k4v4_g64": (4, 4, 64)}
+    assert {(r["preset"], int(r["head_dim"])) for r in rows} == {(p, d) for p in bits for d in (64, 128, 256)}
+    for r in rows:
+        kb, vb, t = bits[r["preset"]]
+        d = int(r["head_dim"])
+        # codes (K and V), three fp16 vectors over channels and three over tokens per record
+        record = d * t * (kb + vb) // 8 + 3 * 2 * d + 3 * 2 * t
+        assert int(r["record bytes"]) == record
+        assert float(r["bytes / token"]) == record / t
+        assert int(r["fp16 bytes / token"]) == 2 * 2 * d
+        assert abs(float(r["fp16 / KVarN"]) - 4 * d / (record / t)) <= 0.005
+
+
+# --- fresh random records -----------------------------------------------------------------------------------------
+
+
+def _random_record(rng: random.Random) -> dict:
+    prov = {"gpu": "NVIDIA Test GPU", "compute_capability": "9.0", "date": "2031-02-03T04:05:06+00:00"}
+    rows = []
+    for batch in rng.sample([1, 2, 4, 8, 16, 32], 2):
+        for ctx in rng.sample([1024, 2048, 4096, 8192, 65536], 3):
+            row = {"batch": batch, "context": ctx, "graph_us": round(rng.uniform(5, 3000), 2),
+                   "sdpa_cudnn_us": round(rng.uniform(5, 3000), 2), "kvarn_bytes": rng.randint(1, 2**30)}
+            if rng.random() < 0.5:
+                row["sdpa_flash_us"] = round(rng.uniform(5, 3000), 2)
+            rows.append(row)
+    points = [{"P": p, "C": c, "head_dim": 128, "kvarn_ms": round(rng.uniform(1, 500), 3),
+               "sdpa_fp16_ms": round(rng.uniform(1, 500), 3)} for p in (4096, 8192) for c in (256, 1024)]
+    return {"sections": {"decode": {"provenance": prov, "results": {"rows": rows}},
+                         "prefill": {"provenance": prov, "results": {"points": points}},
+                         "mystery": {"provenance": prov, "results": {"x": 1}}}}
+
+
+def test_random_record_cells_and_missing_fields(tmp_path):
+    rng = random.Random()
+    doc = _random_record(rng)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    md = render_markdown(load_record(path))
+    table = {(int(r["batch"]), int(r["context"])): r for r in _table(md, ["batch", "context"])}
+    for row in doc["sections"]["decode"]["results"]["rows"]:
+        cells = table[(row["batch"], row["context"])]
+        assert float(cells["KVarN graph µs"]) == row["graph_us"]
+        assert abs(float(cells["cuDNN / KVarN"]) - row["sdpa_cudnn_us"] / row["graph_us"]) <= 0.005
+        if "sdpa_flash_us" in row:
+            assert abs(float(cells["flash / KVarN"]) - row["sdpa_flash_us"] / row["graph_us"]) <= 0.005
+        else:
+            assert cells["SDPA flash µs"] == cells["flash / KVarN"] == "-"
+        assert cells["KVarN eager µs"] == cells["% of copy ceiling"] == "-"
+    prefill = _table(md, ["prompt P", "chunk C", "head_dim", "KVarN ms"])
+    assert sorted((int(r["prompt P"]), int(r["chunk C"]), float(r["KVarN ms"])) for r in prefill) == sorted(
+        (p["P"], p["C"], p["kvarn_ms"]) for p in doc["sections"]["prefill"]["results"]["points"])
+    assert all(r["dequant+SDPA ms"] == "-" for r in prefill)
+    assert "mystery" in md.splitlines()[-1]
+    assert "2031-02-03T04:05:06+00:00" in md
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "is not JSON"),
+    ('{"sections": {"decode": {"rows": []}}}', "is not a benchmark record"),
+    ("[1, 2]", "is not a benchmark record"),
+])
+def test_load_record_rejects_non_records(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_record(path)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_record(tmp_path / "absent.json")
+
+
+# --- plots --------------------------------------------------------------------------------------------------------
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plots_are_valid_pngs(h200, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, raw = h200
+    written, notice = write_report(load_record(path), tmp_path / "out")
+    assert notice is None
+    names = sorted(p.name for p in written)
+    batches = sorted({r["batch"] for r in raw["sections"]["decode"]["results"]["rows"]})
+    assert names == sorted(["results.md", "prefill.png", "gemm_tops.png", "memory_per_token.png"]
+                           + [f"decode_b{b}.png" for b in batches])
+    md = (tmp_path / "out" / "results.md").read_text()
+    for p in written:
+        if p.suffix == ".png":
+            width, height = _png_size(p)
+            assert (width, height) == (640, 400)
+            assert 5_000 < p.stat().st_size < 300_000
+            assert f"]({p.name})" in md  # linked from the tables
+
+
+def test_without_matplotlib_tables_are_written_with_a_notice(h200, tmp_path, monkeypatch, capsys):
+    path, _ = h200
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    written, notice = write_report(load_record(path), tmp_path / "a")
+    assert [p.name for p in written] == ["results.md"]
+    assert "pip install 'kvarn-cutlass[plots]'" in notice and "\n" not in notice
+    assert "![" not in (tmp_path / "a" / "results.md").read_text()
+    assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kvarn-cutlass[plots]" in err[0]
+    assert (tmp_path / "b" / "results.md").is_file()
+
+
+def test_docs_page_is_generated_from_the_h200_record():
+    """docs/benchmarks.md is what tools/benchmarks_doc.py renders from docs/benchmarks/h200.json (rerun it
+    after a new record), and every plot it links is committed."""
+    doc = load_record(H200)
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert page == docs_page_markdown(doc, "h200"), "stale: run python3 tools/benchmarks_doc.py"
+    links = [line.split("](")[1].rstrip(")") for line in page.splitlines() if line.startswith("![")]
+    assert links and all((REPO / "docs" / link).is_file() for link in links)
+    dates = {s["provenance"]["date"] for s in doc["sections"].values()}
+    assert all(d in page for d in dates)
+
+
+# --- the bench command ---------------------------------------------------------------------------------------------
+
+
+def _one_line_error(capsys, *names: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for name in names:
+        assert name in err
+    return err
+
+
+@no_gpu
+def test_bench_without_a_gpu_is_a_one_line_error(capsys, tmp_path):
+    assert main(["bench", "--out", str(tmp_path / "out")]) == 1
+    _one_line_error(capsys, "CUDA GPU")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_from_json_renders_without_a_gpu(h200, tmp_path, capsys):
+    path, raw = h200
+    out = tmp_path / "out"
+    assert main(["bench", "--from-json", str(path), "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["out"] == str(out) and Path(report["files"][0]) == out / "results.md"
+    rows = _table((out / "results.md").read_text(), ["batch", "context"])
+    assert len(rows) == len(raw["sections"]["decode"]["results"]["rows"])
+
+
+def test_bench_from_json_section_filter(h200, tmp_path):
+    path, _ = h200
+    assert main(["bench", "--from-json", str(path), "--out", str(tmp_path), "--section", "prefill", "--no-plots"]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "## Prefill" in md and "## Decode" not in md
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--from-json", "{tmp}/absent.json"], ["--from-json", "absent.json"]),
+    (["--from-json", "{tmp}/garbage.json"], ["--from-json", "not JSON"]),
+    (["--section", "nope"], ["--section", "nope"]),
+    (["--from-json", "{h200}", "--section", "nope"], ["--section", "nope"]),
+    (["--from-json", "{h200}", "--out", "{tmp}/garbage.json"], ["--out", "not a folder"]),
+])
+def test_bench_bad_arguments_are_one_line_errors(h200, tmp_path, capsys, args, names):
+    (tmp_path / "garbage.json").write_text("{")
+    args = [a.format(tmp=tmp_path, h200=h200[0]) for a in args]
+    assert main(["bench", *args]) == 1
+    _one_line_error(capsys, *names)
+
+
+def test_bench_runs_sections_records_and_reports(tmp_path, monkeypatch, capsys):
+    """The run loop with stand-in sections (no GPU): progress lines, results.json with provenance, the merged
+    record, a failing section that costs the others nothing and makes the exit status non-zero."""
+    import kvarn_cutlass.bench as bench
+    import kvarn_cutlass.bench.record as record
+
+    raw = json.loads(H200.read_text())
+    decode = copy.deepcopy(raw["sections"]["decode"]["results"])
+    rng = random.Random()
+    for row in decode["rows"]:
+        row["graph_us"] = round(rng.uniform(5, 500), 2)
+
+    def broken(opts):
+        raise RuntimeError("boom")
+
+    fake = {"decode": Section("decode", lambda opts: decode, "stand-in"),
+            "copy": Section("copy", broken, "stand-in that fails")}
+    prov = {"gpu": "NVIDIA Test GPU", "compute_capability": "9.0", "date": "2031-01-01T00:00:00+00:00"}
+    monkeypatch.setattr(bench, "sections", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(record, "provenance", lambda: prov)
+    monkeypatch.setattr(record, "default_record_path", lambda d=None: Path(d) / "test-gpu.json")
+    out = tmp_path / "out"
+    rc = main(["bench", "--out", str(out), "--record-dir", str(tmp_path / "rec"), "--no-plots"])
+    assert rc == 1
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("bench [")]
+    assert progress[0].startswith("bench [1/2] copy: running") and progress[1].startswith("bench [1/2] copy: FAILED")
+    assert progress[2].startswith("bench [2/2] decode: running") and progress[3].startswith("bench [2/2] decode: done")
+    assert "failed sections: copy: RuntimeError: boom" in captured.err
+    results = load_record(out / "results.json")
+    assert results["sections"] == {"decode": {"provenance": prov, "results": decode}}
+    assert results["failed"] == ["copy: RuntimeError: boom"]
+    merged = load_record(tmp_path / "rec" / "test-gpu.json")
+    assert merged["sections"]["decode"]["results"] == decode
+    table = {(int(r["batch"]), int(r["context"])): r for r in _table((out / "results.md").read_text(), ["batch", "context"])}
+    assert all(float(table[(r["batch"], r["context"])]["KVarN graph µs"]) == r["graph_us"] for r in decode["rows"])
+
+
+def test_progress_on_a_terminal_refreshes_one_line():
+    import io
+    import time
+
+    from kvarn_cutlass.cli.bench import _Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = _Progress(3, stream)
+    t = progress.start(2, "gemm")
+    time.sleep(1.3)  # at least one refresh of the status line
+    progress.done(2, "gemm", t, "done")
+    text = stream.getvalue()
+    assert text.startswith("bench [2/3] gemm: 0:00")
+    assert "\rbench [2/3] gemm: 0:01" in text
+    assert text.endswith("\r\033[Kbench [2/3] gemm: done in 0:01 (total 0:01)\n")
