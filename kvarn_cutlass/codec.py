@@ -25,11 +25,23 @@ Scheme, per tile [T, D] and per KV head, for K and V separately:
 3. Exact power-of-two exchange between r and s so that max(r) and max(s) have binary exponents
    within one of each other: the stored scales then stay far inside float16 range for any fp16
    input (rotated |y| <= 65504 * 16, so each factor is about sqrt(|y|) <= 1024).
-4. K: ``row_scale = r`` (stored), ``u = y / row_scale`` and asymmetric round-to-nearest-even per
-   channel over the tile's tokens (4 bits): ``chan_min = min_t u``, ``chan_step = (max - min) / 15``
-   (both stored), ``code = clamp(rint((u - chan_min) / chan_step), 0, 15)`` computed from the
-   *stored* (rounded) scale values. V: ``col_scale = s``, ``w = y / col_scale``, per token over the
-   channels with 2 or 4 bits. A zero step gives code 0.
+4. K: ``row_scale = r`` (stored), ``u = y / row_scale``, quantized per channel over the tile's
+   tokens (4 bits) into ``chan_step``/``chan_min`` and codes. V: ``col_scale = s``, ``u = y /
+   col_scale``, quantized per token over the channels (2 or 4 bits) into ``tok_step``/``tok_min``.
+   Per axis of n values (``u + 0.0`` first: -0.0 + 0.0 == +0.0, so mixed-sign zeros compare alike),
+   by ``spec.quantizer``; codes always come from the *stored* (rounded) step/min values, and a zero
+   stored step gives code 0:
+
+   * ``uniform``, asymmetric round-to-nearest-even: ``min = min(u)``, ``step = (max(u) - min(u)) /
+     (2^bits - 1)`` (both stored), ``code = clamp(rint((u - min) / step), 0, 2^bits - 1)``.
+   * ``lloyd_max``, nearest Lloyd-Max centroid of N(0, 1) after normalizing the axis to zero mean
+     and unit RMS: ``min = tree_sum(u) / n`` (stored), ``d = u - min``, ``step =
+     float32(sqrt(float64(tree_sum(d * d) / n)))`` (stored), ``z = d / step`` and ``code = #{j : z >
+     t_j}`` with the thresholds ``t = format.lloyd_max_thresholds(bits)`` (ties go to the lower
+     code).
+
+   Reconstruction, both quantizers: ``min + step * codebook[code]`` (``format.codebook``; the
+   identity for ``uniform``), times row_scale (K) or col_scale (V), then the inverse WHT.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import TileSpec
+from .format import TileSpec, codebook, lloyd_max_thresholds
 
 TINY_RMS = 2.0**-100
 # Largest accepted input magnitude: rotated values grow by at most sqrt(256) = 16 and their squares,
@@ -137,7 +149,14 @@ def _positive_scale(x: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Ten
     return _store(torch.clamp_min(x, smallest), dtype, what)
 
 
-def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
+def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str, quantizer: str):
+    """Quantize u along ``dim`` by ``quantizer``: returns (step, min) as stored float32 and uint8 codes."""
+    if quantizer == "lloyd_max":
+        return _quantize_lloyd_max(u, bits, dim, dtype, what)
+    return _quantize_uniform(u, bits, dim, dtype, what)
+
+
+def _quantize_uniform(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
     """Asymmetric RTN of u along ``dim``: returns (step, min) as stored float32 and int codes."""
     qmax = float(2**bits - 1)
     # -0.0 + 0.0 == +0.0: min/max over mixed-sign zeros would otherwise pick either sign.
@@ -151,6 +170,24 @@ def _quantize(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: st
     codes = torch.round((u - low) / safe).clamp_(0, qmax)
     codes = torch.where(step > 0, codes, torch.zeros_like(codes))
     return step.squeeze(dim), low.squeeze(dim), codes.to(torch.uint8)
+
+
+def _quantize_lloyd_max(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
+    """Nearest Lloyd-Max centroid of u along ``dim`` after normalizing to zero mean and unit RMS:
+    returns (step = RMS, min = mean) as stored float32 and uint8 codes (see the module docstring)."""
+    n = torch.tensor(float(u.shape[dim]), dtype=torch.float32)  # a tensor divisor, as in _quantize_uniform
+    u = u + 0.0  # a sum of zeros of mixed sign is +0.0 whatever the order
+    center = _store((tree_sum(u, dim) / n).unsqueeze(dim), dtype, what + " min")
+    d = u - center
+    ms = tree_sum(d * d, dim) / n
+    # float64 sqrt rounded to float32 is correctly rounded (see _rms)
+    scale = _store(torch.sqrt(ms.double()).to(torch.float32).unsqueeze(dim), dtype, what + " step")
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    z = d / safe
+    thresholds = torch.tensor(lloyd_max_thresholds(bits), dtype=torch.float32, device=u.device)
+    codes = (z.unsqueeze(-1) > thresholds).sum(-1)  # ties (z == t_j) go to the lower code
+    codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
+    return scale.squeeze(dim), center.squeeze(dim), codes.to(torch.uint8)
 
 
 def _pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -212,11 +249,11 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, spec: TileSpec) -> torch.Tens
 
     r, _ = normalization_factors(yk, spec.sinkhorn_iters)
     row_scale = _positive_scale(r, sd, "K row_scale")
-    chan_step, chan_min, k_codes = _quantize(yk / row_scale[..., :, None], spec.k_bits, -2, sd, "K chan")
+    chan_step, chan_min, k_codes = _quantize(yk / row_scale[..., :, None], spec.k_bits, -2, sd, "K chan", spec.quantizer)
 
     _, s = normalization_factors(yv, spec.sinkhorn_iters)
     col_scale = _positive_scale(s, sd, "V col_scale")
-    tok_step, tok_min, v_codes = _quantize(yv / col_scale[..., None, :], spec.v_bits, -1, sd, "V tok")
+    tok_step, tok_min, v_codes = _quantize(yv / col_scale[..., None, :], spec.v_bits, -1, sd, "V tok", spec.quantizer)
 
     parts = [
         _pack_low_first(k_codes.transpose(-1, -2), spec.k_bits).reshape(-1, D * T * spec.k_bits // 8),
@@ -238,7 +275,8 @@ class TileFields:
     """The fields of records [...], unpacked (codes as uint8, scales as float32).
 
     k_codes: [..., D, T] channel-major; v_codes: [..., T, D]; chan_step, chan_min, col_scale: [..., D];
-    row_scale, tok_step, tok_min: [..., T].
+    row_scale, tok_step, tok_min: [..., T]. k_codebook [2^k_bits], v_codebook [2^v_bits]: float32, the
+    value of each code (``format.codebook`` of the spec's quantizer).
     """
 
     k_codes: torch.Tensor
@@ -249,6 +287,18 @@ class TileFields:
     tok_step: torch.Tensor
     tok_min: torch.Tensor
     col_scale: torch.Tensor
+    k_codebook: torch.Tensor
+    v_codebook: torch.Tensor
+
+    @property
+    def k_values(self) -> torch.Tensor:
+        """float32 [..., D, T]: the codebook value of each K code."""
+        return self.k_codebook[self.k_codes.long()]
+
+    @property
+    def v_values(self) -> torch.Tensor:
+        """float32 [..., T, D]: the codebook value of each V code."""
+        return self.v_codebook[self.v_codes.long()]
 
 
 def check_records(rec, spec: TileSpec, name: str = "rec") -> None:
@@ -287,14 +337,16 @@ def unpack_fields(rec: torch.Tensor, spec: TileSpec) -> TileFields:
         tok_step=scales("tok_step"),
         tok_min=scales("tok_min"),
         col_scale=scales("col_scale"),
+        k_codebook=torch.tensor(spec.k_codebook, dtype=torch.float32, device=rec.device),
+        v_codebook=torch.tensor(spec.v_codebook, dtype=torch.float32, device=rec.device),
     )
 
 
 def dequantize_rotated(f: TileFields, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [..., T, D] in the rotated domain, computed in ``dtype``."""
+    """K and V [..., T, D] in the rotated domain, computed in ``dtype`` (codes through the codebook)."""
     c = lambda t: t.to(dtype)  # noqa: E731
-    k = c(f.row_scale)[..., :, None] * (c(f.chan_min)[..., None, :] + c(f.chan_step)[..., None, :] * c(f.k_codes).transpose(-1, -2))
-    v = c(f.col_scale)[..., None, :] * (c(f.tok_min)[..., :, None] + c(f.tok_step)[..., :, None] * c(f.v_codes))
+    k = c(f.row_scale)[..., :, None] * (c(f.chan_min)[..., None, :] + c(f.chan_step)[..., None, :] * c(f.k_values).transpose(-1, -2))
+    v = c(f.col_scale)[..., None, :] * (c(f.tok_min)[..., :, None] + c(f.tok_step)[..., :, None] * c(f.v_values))
     return k, v
 
 

@@ -31,13 +31,23 @@ GOLDEN_SHA256 = {
 }
 
 
+GOLDEN_SHA256_LLOYD_MAX = {
+    "k4v2_g128": "0c0b1ecf23f95144300cd747f7612588d51b5f9c51f30cb5ab0af68acf0cd0ea",
+    "k4v4_g128": "dc94b9229afc42b3567361b54bcf5903a3bafc75e98bc7cb30d3ec32e8fd1263",
+    "k4v2_g64": "0f73583445b9a468ea83455f4bd7fda784bfb4e7045cb3fba11778cbe2d9cef6",
+    "k4v4_g64": "e52b3b027285f35297a408234eacc46b19ff2be4c091a67ffbef996aca79dc6b",
+}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_golden_bytes(preset):
-    spec = kc.TileSpec(preset, 64)
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_golden_bytes(preset, quantizer):
+    spec = kc.TileSpec(preset, 64, quantizer=quantizer)
     T = spec.tile_tokens
     rec = kc.encode_tiles(det_tile(T, 64, 1), det_tile(T, 64, 2), spec)
     assert rec.dtype == torch.uint8 and rec.shape == (spec.tile_nbytes,)
-    assert hashlib.sha256(rec.numpy().tobytes()).hexdigest() == GOLDEN_SHA256[preset]
+    golden = GOLDEN_SHA256 if quantizer == "uniform" else GOLDEN_SHA256_LLOYD_MAX
+    assert hashlib.sha256(rec.numpy().tobytes()).hexdigest() == golden[preset]
 
 
 def _raw_fields(rec: np.ndarray, spec: kc.TileSpec) -> dict:
@@ -205,9 +215,10 @@ def test_float16_scale_overflow_is_reported_and_float32_scales_work():
         ([[0.0]], torch.zeros(64, 64), "k must be a torch.Tensor"),
     ],
 )
-def test_encode_bad_input(k, v, match):
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_encode_bad_input(k, v, match, quantizer):
     with pytest.raises((ValueError, TypeError), match=match):
-        kc.encode_tiles(k, v, kc.TileSpec("k4v2_g64", 64))
+        kc.encode_tiles(k, v, kc.TileSpec("k4v2_g64", 64, quantizer=quantizer))
 
 
 def test_encode_rejects_magnitudes_outside_float32_range():
@@ -222,3 +233,196 @@ def test_decode_bad_records():
         kc.decode_tiles(torch.zeros(spec.tile_nbytes + 16, dtype=torch.uint8), spec)
     with pytest.raises(ValueError, match="uint8"):
         kc.decode_tiles(torch.zeros(spec.tile_nbytes, dtype=torch.int8), spec)
+
+
+# --- lloyd_max quantizer ---------------------------------------------------------------------------
+QUANTIZERS = list(kc.format.QUANTIZERS)
+# Half an ulp of the storage dtype, relative, and the smallest float16 subnormal's half (absolute).
+STORE_REL = {torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+STORE_ABS = {torch.float16: 2.0**-25, torch.float32: 2.0**-150}
+
+
+def _check_lloyd_max_axes(u: np.ndarray, step: np.ndarray, low: np.ndarray, codes: np.ndarray, bits: int, sd) -> None:
+    """Check one record's axes against an independent float64 nearest-centroid quantizer.
+
+    u: [rows, n] float64, each row one axis (a K channel over tokens or a V token over channels),
+    computed in float64 from the input and the record's stored row/col scales; step, low: [rows]
+    the stored fields; codes: [rows, n]. The codec computes u in float32 (its own WHT), so
+    ``noise`` bounds |u_codec - u| and codes may differ only where z is that close to a decision
+    midpoint, and then only by one.
+    """
+    book = np.array(kc.format.codebook("lloyd_max", bits))
+    mids = (book[1:] + book[:-1]) / 2  # exact decision points of the nearest-centroid rule
+    noise = 1e-6 * np.abs(u).max(1) + 1e-30
+    rel, tiny = STORE_REL[sd], STORE_ABS[sd]
+    mean = u.mean(1)
+    assert (np.abs(low - mean) <= rel * np.abs(mean) + noise + tiny).all()
+    rms = np.sqrt(((u - low[:, None]) ** 2).mean(1))  # about the stored centre, as the format says
+    assert (np.abs(step - rms) <= rel * rms + 2 * noise + tiny).all()
+    zero = step == 0
+    assert (codes[zero] == 0).all()
+    s = np.where(zero, 1.0, step)[:, None]
+    z = (u - low[:, None]) / s
+    ref = np.abs(z[..., None] - book).argmin(-1)
+    near_tie = np.abs(z[..., None] - mids).min(-1) <= 4 * noise[:, None] / s + 1e-6 * np.abs(z)
+    ok = (codes == ref) | (near_tie & (np.abs(codes.astype(np.int64) - ref) == 1))
+    assert ok[~zero].all(), f"{(~ok[~zero]).sum()} codes are not the nearest centroid"
+    # the per-axis reconstruction error equals the float64 quantizer's (the same up to near ties)
+    err = lambda c: ((u - low[:, None] - step[:, None] * book[c]) ** 2).mean(1)  # noqa: E731
+    e_codec, e_ref = err(codes), err(ref)
+    slack = 8 * (noise + 1e-6 * np.abs(step)) * (np.abs(u).max(1) + np.abs(step) * book[-1])
+    assert (np.abs(e_codec - e_ref) <= 1e-6 * e_ref + slack).all()
+
+
+def _assert_lloyd_max_record(k: torch.Tensor, v: torch.Tensor, spec: kc.TileSpec) -> None:
+    """Encode one tile with ``spec`` (lloyd_max) and check every axis; the normalization factors
+    must be those of the uniform quantizer (only the quantizer differs)."""
+    assert spec.quantizer == "lloyd_max"
+    D = spec.head_dim
+    rec = kc.encode_tiles(k, v, spec).numpy()
+    uni = kc.encode_tiles(k, v, kc.TileSpec(spec.preset, D, spec.scale_dtype, spec.sinkhorn_iters)).numpy()
+    for name in ("row_scale", "col_scale"):
+        off, n = spec.section(name)
+        assert (rec[off : off + n] == uni[off : off + n]).all(), name
+    f = _raw_fields(rec, spec)
+    assert f["k_codes"].max() < 2**spec.k_bits and f["v_codes"].max() < 2**spec.v_bits
+    H = hadamard64(D).numpy()
+    u_k = (k.double().numpy() @ H) / f["row_scale"][:, None]  # [T, D]; K axes are channels
+    _check_lloyd_max_axes(u_k.T, f["chan_step"], f["chan_min"], f["k_codes"], spec.k_bits, spec.scale_dtype)
+    u_v = (v.double().numpy() @ H) / f["col_scale"][None, :]  # [T, D]; V axes are tokens
+    _check_lloyd_max_axes(u_v, f["tok_step"], f["tok_min"], f["v_codes"], spec.v_bits, spec.scale_dtype)
+
+
+@pytest.mark.parametrize("preset", ["k4v2_g128", "k4v4_g128", "k4v2_g64"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_lloyd_max_codes_are_the_nearest_centroid(preset, head_dim, scale_dtype):
+    spec = kc.TileSpec(preset, head_dim, scale_dtype, quantizer="lloyd_max")
+    g = torch.Generator().manual_seed(head_dim * 7 + spec.v_bits + (scale_dtype == torch.float32))
+    T = spec.tile_tokens
+    _assert_lloyd_max_record(realistic_kv(T, head_dim, generator=g), realistic_kv(T, head_dim, generator=g), spec)
+
+
+@pytest.mark.parametrize("preset", ["k4v2_g128", "k4v4_g64"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("case", list(_adversarial_tiles(64, 64)))
+def test_lloyd_max_adversarial_tiles(preset, head_dim, case):
+    spec = kc.TileSpec(preset, head_dim, quantizer="lloyd_max")
+    x = _adversarial_tiles(spec.tile_tokens, head_dim)[case].to(torch.float16)
+    _assert_lloyd_max_record(x, x, spec)
+    k_hat, v_hat = kc.decode_tiles(kc.encode_tiles(x, x, spec), spec, torch.float64)
+    assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
+    if case == "zeros":
+        assert not k_hat.any() and not v_hat.any()
+    if case in ("constant", "max_fp16_everywhere"):
+        # one constant rotated channel (mean = the value, RMS 0) and zero channels: exact up to storage
+        assert torch.allclose(k_hat, x.double(), rtol=2e-3, atol=1e-6)
+
+
+def test_lloyd_max_float32_scales_huge_and_tiny_magnitudes():
+    spec32 = kc.TileSpec("k4v2_g64", 64, torch.float32, quantizer="lloyd_max")
+    g = torch.Generator().manual_seed(5)
+    for magnitude in (3.0e10, 2.0**-60):
+        x = torch.randn(64, 64, generator=g) * magnitude
+        _assert_lloyd_max_record(x, x, spec32)
+    spec16 = kc.TileSpec("k4v2_g64", 64, torch.float16, quantizer="lloyd_max")
+    with pytest.raises(ValueError, match="scale_dtype=torch.float32"):
+        kc.encode_tiles(torch.full((64, 64), 3.0e10), torch.zeros(64, 64), spec16)
+
+
+def _tie_axis(bits: int, n: int) -> torch.Tensor:
+    """An axis u [n] float32 whose stored centre is exactly 0 and stored RMS exactly 1, holding every
+    threshold t_j and its two float32 neighbours: z = (u - 0) / 1 = u exactly, so every threshold
+    is hit as an exact tie. The centre is an exact 0 because u[i + n/2] = -u[i] (the halving tree
+    pairs them first); fillers +-b make the RMS 1 and b is nudged by ulps until the stored RMS is
+    exactly 1.0 (checked by the caller on the codec's output)."""
+    th = np.array(kc.format.lloyd_max_thresholds(bits), np.float32)
+    pos = th[th >= 0]
+    half = np.concatenate([pos, np.nextafter(pos, np.float32(np.inf)), np.nextafter(pos, np.float32(-np.inf))])
+    fill = n // 2 - half.size
+    assert fill > 0
+    b = np.float32(np.sqrt((n - 2 * float((half.astype(np.float64) ** 2).sum())) / (2 * fill)))
+    first = np.concatenate([half, np.full(fill, b, np.float32)])
+    return torch.from_numpy(np.concatenate([first, -first]))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_lloyd_max_exact_ties_go_to_the_lower_code(bits, scale_dtype):
+    n = 128
+    u = _tie_axis(bits, n)
+    fill_at = (u.numpy() == u.numpy()[n // 2 - 1]).nonzero()[0]
+    for _ in range(200):  # nudge the fillers by ulps until the stored RMS is exactly 1
+        step, low, codes = codec._quantize(u[None], bits, -1, scale_dtype, "axis", "lloyd_max")
+        if step.item() == 1.0:
+            break
+        b = u[fill_at[0]].numpy()
+        u[fill_at] = torch.from_numpy(np.nextafter(b, np.float32(0 if step.item() > 1 else np.inf))).float()
+        u[fill_at + n // 2] = -u[fill_at]
+    assert step.item() == 1.0 and low.item() == 0.0
+    th = np.array(kc.format.lloyd_max_thresholds(bits), np.float64)
+    z = u.double().numpy()
+    want = (z[:, None] > th).sum(1)  # the format's rule, in float64 (exact for float32 z and t)
+    assert (codes[0].numpy() == want).all()
+    for j, t in enumerate(th):
+        assert (codes[0].numpy()[z == t] == j).all() and (z == t).any()  # the tie: the lower of j, j+1
+        assert (codes[0].numpy()[z == np.nextafter(np.float32(t), np.float32(np.inf))] == j + 1).all()
+
+
+def test_lloyd_max_constant_axis_has_zero_step_and_code_zero():
+    u = torch.tensor([[3.25] * 64, [-0.0] * 32 + [0.0] * 32, [1e-30] * 64], dtype=torch.float32)
+    for bits in (2, 4):
+        for sd in (torch.float16, torch.float32):
+            step, low, codes = codec._quantize(u, bits, -1, sd, "axis", "lloyd_max")
+            assert (step == 0).all() and not codes.any()
+            assert low.tolist() == [3.25, 0.0, u[2, 0].to(sd).item()]
+            assert str(low[1].item()) == "0.0"  # +0.0: mixed-sign zeros give one sign
+
+
+def test_lloyd_max_beats_uniform_on_gaussian_2bit():
+    """Lloyd-Max is MSE-optimal for a Gaussian: on Gaussian tiles (the rotated domain of
+    Gaussian data is Gaussian) the 2-bit V error is lower than the uniform quantizer's."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16, 128, 128, generator=g)
+    mse = {}
+    for q in QUANTIZERS:
+        spec = kc.TileSpec("k4v2_g128", 128, quantizer=q)
+        _, v_hat = kc.decode_tiles(kc.encode_tiles(x, x, spec), spec, torch.float64)
+        mse[q] = ((v_hat - x.double()) ** 2).mean().item()
+    # Lloyd-Max 2-bit distortion of N(0, 1) is 0.1175; uniform min/max over 128 values is far worse.
+    assert mse["lloyd_max"] < 0.8 * mse["uniform"]
+    assert 0.10 < mse["lloyd_max"] < 0.14
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_lloyd_max_round_trip_and_batching(preset):
+    spec = kc.TileSpec(preset, 128, quantizer="lloyd_max")
+    g = torch.Generator().manual_seed(77)
+    k = realistic_kv(2, 3, spec.tile_tokens, 128, generator=g)
+    v = realistic_kv(2, 3, spec.tile_tokens, 128, generator=g)
+    rec = kc.encode_tiles(k, v, spec)
+    for i, j in ((0, 0), (1, 2)):
+        assert torch.equal(rec[i, j], kc.encode_tiles(k[i, j], v[i, j], spec))
+    k_hat, v_hat = kc.decode_tiles(rec, spec)
+    rel = lambda a, b: ((a - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(k_hat, k) < ROUND_TRIP_BOUNDS[spec.k_bits]
+    assert rel(v_hat, v) < ROUND_TRIP_BOUNDS[spec.v_bits]
+    # decoding: min + step * codebook[code], times the row/col scale, inverse WHT (float64 here)
+    f = _raw_fields(rec[1, 2].numpy(), spec)
+    kb, vb = np.array(spec.k_codebook), np.array(spec.v_codebook)
+    H = hadamard64(128).numpy()
+    k_rot = f["row_scale"][:, None] * (f["chan_min"][None, :] + f["chan_step"][None, :] * kb[f["k_codes"].T])
+    v_rot = f["col_scale"][None, :] * (f["tok_min"][:, None] + f["tok_step"][:, None] * vb[f["v_codes"]])
+    k64, v64 = kc.decode_tiles(rec[1, 2], spec, torch.float64)
+    assert np.allclose(k64.numpy(), k_rot @ H, rtol=1e-12, atol=1e-12)
+    assert np.allclose(v64.numpy(), v_rot @ H, rtol=1e-12, atol=1e-12)
+
+
+def test_uniform_and_lloyd_max_share_the_layout_but_not_the_codes():
+    spec_u = kc.TileSpec("k4v2_g64", 64)
+    spec_l = kc.TileSpec("k4v2_g64", 64, quantizer="lloyd_max")
+    x = det_tile(64, 64, 1)
+    ru, rl = kc.encode_tiles(x, x, spec_u), kc.encode_tiles(x, x, spec_l)
+    assert ru.shape == rl.shape and not torch.equal(ru, rl)
+    # decoding with the wrong quantizer gives a different (wrong) tile: the quantizer is part of the format
+    assert not torch.allclose(kc.decode_tiles(rl, spec_u)[1], kc.decode_tiles(rl, spec_l)[1])
