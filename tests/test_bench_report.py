@@ -8,6 +8,7 @@ record layout's byte count written out by hand; plots as PNG files; the CLI's on
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import random
 import shutil
@@ -125,17 +126,24 @@ def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):
         assert b["tops"] == pytest.approx(2 * m * t * d * 128 / (b["time_us"] * 1e-6) / 1e12, rel=2e-3)
 
 
-def test_gemm_buckets_measured_by_the_bench_take_precedence(h200):
+def test_gemm_buckets_measured_by_the_bench_take_precedence(h200, tmp_path):
     path, _ = h200
     doc = load_record(path)
     rng = random.Random()
     measured = [{"bucket": f"M{m}_T128_D128_f16", "time_us": round(rng.uniform(10, 500), 2),
                  "tops": round(rng.uniform(10, 400), 2)} for m in rng.sample([128, 512, 2048, 8192], 3)]
-    doc["sections"]["gemm"]["results"]["buckets"] = measured
+    failed = {"bucket": "M1024_T128_D256_f16", "error": "RuntimeError: no kernel"}
+    doc["sections"]["gemm"]["results"]["buckets"] = measured + [failed]
     rows, source = gemm_bucket_rows(doc)
-    assert "this bench run" in source
+    assert "measured by the bench" in source
     assert sorted((r["bucket"], r["tops"], r["time_us"]) for r in rows) == sorted(
-        (b["bucket"], b["tops"], b["time_us"]) for b in measured)
+        [(b["bucket"], b["tops"], b["time_us"]) for b in measured] + [(failed["bucket"], None, None)])
+    table = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}
+    assert table[failed["bucket"]]["TOPS (depth D)"] == "-"
+    assert all(float(table[b["bucket"]]["TOPS (depth D)"]) == b["tops"] for b in measured)
+    if importlib.util.find_spec("matplotlib") is not None:  # the failed bucket is left out of the plot
+        written, _ = write_report(doc, tmp_path, prefix="x-")
+        assert tmp_path / "x-gemm_tops.png" in written
 
 
 def test_memory_per_token_matches_the_record_layout_by_hand():
@@ -378,3 +386,22 @@ def test_progress_on_a_terminal_refreshes_one_line():
     assert re.fullmatch(r"bench \[2/3\] gemm: \d+:\d\d \(total \d+:\d\d\)"
                         r"(\rbench \[2/3\] gemm: \d+:\d\d \(total \d+:\d\d\)\033\[K)+"
                         r"\r\033\[Kbench \[2/3\] gemm: done in \d+:\d\d \(total \d+:\d\d\)\n", text), text
+
+
+@pytest.mark.gpu
+def test_gemm_bucket_sweep_on_the_gpu():
+    """Every tuned sm90 bucket is measured, and its TOPS is 2*M*T*D*L / time with L = 128 (the tuner's definition)."""
+    from kvarn_cutlass.bench import BenchOptions
+    from kvarn_cutlass.gemm.bench import bench_gemm_buckets
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUTLASS K-score GEMM is sm_90 only")
+    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
+    tuned = sorted(k for k, b in table["buckets"].items() if b["status"] == "tuned")
+    rows = bench_gemm_buckets(BenchOptions(quick=True))
+    assert [r["bucket"] for r in rows] == tuned
+    for r in rows:
+        assert "error" not in r, r
+        m, t, d = (int(part[1:]) for part in r["bucket"].split("_")[:3])
+        assert r["time_us"] > 0
+        assert r["tops"] == pytest.approx(2 * m * t * d * 128 / (r["time_us"] * 1e-6) / 1e12, rel=2e-3)

@@ -38,7 +38,7 @@ def planned_plots(doc: dict[str, Any]) -> dict[str, list[str]]:
         plans["decode"] = [f"decode_b{b}.png" for b in batches]
     if any(p.get("kvarn_ms") is not None for p in prefill_rows(doc)):
         plans["prefill"] = ["prefill.png"]
-    if gemm_bucket_rows(doc)[0]:
+    if any(r["tops"] is not None for r in gemm_bucket_rows(doc)[0]):
         plans["gemm"] = ["gemm_tops.png"]
     plans["memory"] = ["memory_per_token.png"]
     return plans
@@ -126,7 +126,7 @@ def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
 
 
 def _gemm_plot(doc: dict[str, Any], path: Path) -> Path:
-    rows, _source = gemm_bucket_rows(doc)
+    rows = [r for r in gemm_bucket_rows(doc)[0] if r["tops"] is not None]
     series = sorted({(r["D"], r["T"], r["out"]) for r in rows})
     ms = sorted({r["M"] for r in rows})
     fig = _figure()

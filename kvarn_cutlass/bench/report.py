@@ -122,8 +122,8 @@ def _gemm_arch(doc: dict[str, Any]) -> int | None:
 def gemm_bucket_rows(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """K-score GEMM TOPS per bucket and where they come from.
 
-    A ``gemm`` section with a ``buckets`` list (rows with ``bucket``, ``time_us``, ``tops``) is used as
-    measured by the bench. Otherwise the tuned f16 entries of ``gemm_configs/sm<arch>.json`` for the
+    A ``gemm`` section with a ``buckets`` list (rows with ``bucket``, ``time_us``, ``tops``; a failed bucket
+    has ``error`` instead and shows as missing) is used as measured by the bench. Otherwise the tuned f16 entries of ``gemm_configs/sm<arch>.json`` for the
     record's GPU architecture: the tuner's own measurements (``kvarn-cutlass tune``), with its date.
 
     Returns:
@@ -139,7 +139,7 @@ def gemm_bucket_rows(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
             M, T, D, out = parse_bucket(b["bucket"])
             rows.append({"bucket": b["bucket"], "M": M, "T": T, "D": D, "out": out,
                          "time_us": b.get("time_us"), "tops": b.get("tops")})
-        source = "measured by this bench run (`gemm` section)"
+        source = "measured by the bench (`gemm` section: the tuned config of each bucket, L = 128 batches)"
     else:
         arch = _gemm_arch(doc)
         table = load_table(arch) if arch is not None else None

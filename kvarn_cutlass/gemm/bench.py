@@ -109,9 +109,41 @@ def bench_gemm(opts: Any = None, M: int = 4096, T: int = 128, n_tiles: int = 128
     }
 
 
+def bench_gemm_buckets(opts: Any = None, arch: int = 90) -> list[dict[str, Any]]:
+    """TOPS-equivalent of every tuned bucket of ``gemm_configs/sm<arch>.json`` with its tuned config, measured
+    as the tuner measures (:func:`kvarn_cutlass.gemm.tune._measure`: L = 128 batches, inputs rotating past L2).
+
+    Returns rows ``{"bucket", "config_name", "time_us", "tops"}`` (``{"bucket", "error"}`` for a bucket that
+    failed, so one bad config does not cost the others), sorted by bucket key.
+    """
+    from .config import GemmConfig
+    from .configs import load_table
+    from .tune import _measure
+
+    runs = 20 if getattr(opts, "quick", False) else 100
+    rows: list[dict[str, Any]] = []
+    for key, entry in sorted((load_table(arch) or {}).get("buckets", {}).items()):
+        if entry.get("status") != "tuned":
+            continue
+        cfg = GemmConfig.from_dict(entry["config"])
+        try:
+            r = _measure(cfg, key, runs)
+        except Exception as e:  # noqa: BLE001 - recorded per bucket
+            rows.append({"bucket": key, "error": f"{type(e).__name__}: {e}"})
+            continue
+        rows.append({"bucket": key, "config_name": cfg.name, "time_us": round(r["time_us"], 2),
+                     "tops": round(r["tops"], 2)})
+    return rows
+
+
+def _section(opts: Any) -> dict[str, Any]:
+    return {**bench_gemm(opts), "buckets": bench_gemm_buckets(opts)}
+
+
 try:  # register with the bench registry when present
     from ..bench import register_section
 
-    register_section("gemm", bench_gemm, "CUTLASS int8 K-score GEMM (EVT epilogue) + unpack/fold prep kernels")
+    register_section("gemm", _section, "CUTLASS int8 K-score GEMM (EVT epilogue) + unpack/fold prep kernels; "
+                     "TOPS per tuned bucket")
 except ImportError:  # pragma: no cover
     pass
