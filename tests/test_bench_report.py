@@ -405,3 +405,17 @@ def test_gemm_bucket_sweep_on_the_gpu():
         m, t, d = (int(part[1:]) for part in r["bucket"].split("_")[:3])
         assert r["time_us"] > 0
         assert r["tops"] == pytest.approx(2 * m * t * d * 128 / (r["time_us"] * 1e-6) / 1e12, rel=2e-3)
+
+
+@pytest.mark.gpu
+def test_bench_copy_section_end_to_end_on_the_gpu(tmp_path, capsys):
+    """The real run loop on a GPU (the quick copy section): results.json with this GPU's provenance, tables."""
+    out = tmp_path / "out"
+    assert main(["bench", "--section", "copy", "--quick", "--out", str(out), "--no-record", "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "bench [1/1] copy: done" in err
+    doc = load_record(out / "results.json")
+    assert doc["failed"] == [] and list(doc["sections"]) == ["copy"]
+    assert doc["sections"]["copy"]["provenance"]["gpu"] == torch.cuda.get_device_name()
+    rows = _table((out / "results.md").read_text(), ["MiB", "median µs"])
+    assert len(rows) == len(doc["sections"]["copy"]["results"]["sizes"]) > 0
