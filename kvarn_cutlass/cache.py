@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import codec
-from .format import DEFAULT_SINKHORN_ITERS, TileSpec
+from .format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, TileSpec
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -69,6 +69,8 @@ class KVarNCache:
         sinkhorn_iters: variance-normalization iterations of the codec.
         max_seq_len: optional capacity in tokens; preallocates the tile pool (needed to capture
             decode in CUDA graphs, since a growing pool moves). ``None`` grows the pool by doubling.
+        quantizer: ``uniform`` (default) or ``lloyd_max`` (see ``kvarn_cutlass.format.QUANTIZERS``):
+            how tile values are coded; stored in ``spec``.
     """
 
     def __init__(
@@ -85,11 +87,13 @@ class KVarNCache:
         scale_dtype: torch.dtype = torch.float16,
         sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS,
         max_seq_len: int | None = None,
+        quantizer: str = DEFAULT_QUANTIZER,
     ) -> None:
         self.num_layers = _positive_int("num_layers", num_layers)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=scale_dtype, sinkhorn_iters=sinkhorn_iters)
+        self.spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=scale_dtype, sinkhorn_iters=sinkhorn_iters,
+                             quantizer=quantizer)
         T = self.spec.tile_tokens
         if isinstance(window, bool) or not isinstance(window, int) or window < T or window % T:
             raise ValueError(f"window must be a multiple of the tile size {T} and at least {T}, got {window!r}")
@@ -126,6 +130,10 @@ class KVarNCache:
     @property
     def preset(self) -> str:
         return self.spec.preset
+
+    @property
+    def quantizer(self) -> str:
+        return self.spec.quantizer
 
     # --- queries -------------------------------------------------------------------------------
     def _layer(self, layer) -> _Layer:
@@ -329,7 +337,7 @@ class KVarNCache:
             else:
                 from .ops.compress import error_message
 
-                what = error_message(compression, self.spec.scale_dtype)
+                what = error_message(compression, self.spec.scale_dtype, self.spec.quantizer)
             raise ValueError(f"{what}, in an append of a deferred_checks block; the cache is restored to its "
                              "state at the start of the block")
 
@@ -396,6 +404,7 @@ class KVarNCache:
     def __repr__(self) -> str:
         return (
             f"KVarNCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, preset={self.preset!r}, window={self.window}, sink={self.sink_tokens}, "
+            f"head_dim={self.head_dim}, preset={self.preset!r}, quantizer={self.quantizer!r}, window={self.window}, "
+            f"sink={self.sink_tokens}, "
             f"dtype={self.dtype}, device={self.device})"
         )

@@ -10,7 +10,8 @@ Two formulations that must agree to ~1e-9 relative:
 
 * ``dense``: dequantize the tiles to float64 in the original domain, then ordinary attention;
 * ``dequant_free``: the form the kernels use. With ``q_rot = WHT(q)``, a tile token's score is
-  ``row_scale[t] * (sum_c q_rot[c]*chan_step[c]*code[c,t] + sum_c q_rot[c]*chan_min[c])``; the tile
+  ``row_scale[t] * (sum_c q_rot[c]*chan_step[c]*kbook[code[c,t]] + sum_c q_rot[c]*chan_min[c])``
+  (``kbook``/``vbook``: the codebook of the spec's quantizer, the identity for ``uniform``); the tile
   part of the output is aggregated in the rotated domain from the V codes, with tok_step and
   tok_min folded into the probabilities, and one inverse WHT is applied at the end.
 """
@@ -97,7 +98,7 @@ def attention(
         f = codec.unpack_fields(rec, spec)
         tofh = lambda x: _expand_heads(x.to(f64).transpose(1, 2), group)  # [B, nt, H, ...] -> [B, Hq, nt, ...]  # noqa: E731
         q_rot = codec.wht(q64)
-        codes = tofh(f.k_codes)  # [B, Hq, nt, D, T]
+        codes = tofh(f.k_values)  # [B, Hq, nt, D, T], the codebook value of each code
         qfold = torch.einsum("bhqd,bhnd->bhqnd", q_rot, tofh(f.chan_step))
         bias = torch.einsum("bhqd,bhnd->bhqn", q_rot, tofh(f.chan_min))
         dot = torch.einsum("bhqnd,bhndt->bhqnt", qfold, codes)
@@ -116,6 +117,6 @@ def attention(
     p_tile = p_tile.reshape(B, Hq, n_q, nt, T)
     p_step = p_tile * tofh(f.tok_step)[:, :, None]  # tok_step folded into the probabilities
     p_min = (p_tile * tofh(f.tok_min)[:, :, None]).sum(-1)  # [B, Hq, n_q, nt]
-    out_rot = torch.einsum("bhqnt,bhntd->bhqnd", p_step, tofh(f.v_codes)) + p_min[..., None]
+    out_rot = torch.einsum("bhqnt,bhntd->bhqnd", p_step, tofh(f.v_values)) + p_min[..., None]
     out_rot = (out_rot * tofh(f.col_scale)[:, :, None]).sum(3)  # [B, Hq, n_q, D]
     return out + codec.wht(out_rot)  # the deferred inverse WHT (the WHT is its own inverse)

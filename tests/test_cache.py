@@ -219,6 +219,7 @@ def test_failed_compression_leaves_cache_unchanged():
         ({"batch_size": 1.5}, ValueError, "batch_size"),
         ({"scale_dtype": torch.bfloat16}, ValueError, "scale_dtype"),
         ({"max_seq_len": -4}, ValueError, "max_seq_len"),
+        ({"quantizer": "lloydmax"}, ValueError, "quantizer"),
     ],
 )
 def test_bad_construction(kwargs, exc, match):
@@ -226,6 +227,24 @@ def test_bad_construction(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         kc.KVarNCache(**args)
+
+
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_quantizer_keyword_fixes_the_tile_bytes(quantizer):
+    cache = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, quantizer=quantizer)
+    assert cache.quantizer == quantizer and cache.spec == kc.TileSpec("k4v2_g64", 64, quantizer=quantizer)
+    assert f"quantizer={quantizer!r}" in repr(cache)
+    k, v = _stream(1, 2, 300, 64, seed=9)
+    for chunk in (k[:, :, :77], v[:, :, :77]), (k[:, :, 77:], v[:, :, 77:]):
+        cache.append(0, *chunk)
+    tb = cache.tile_bytes(0)  # [1, 4, 2, nbytes]: tiles of tokens 0..255, window 256..299
+    assert tb.shape[1] == 4
+    for i in range(4):
+        for h in range(2):
+            want = kc.encode_tiles(k[0, h, 64 * i : 64 * (i + 1)], v[0, h, 64 * i : 64 * (i + 1)], cache.spec)
+            assert torch.equal(tb[0, i, h], want)
+    other = kc.TileSpec("k4v2_g64", 64, quantizer="lloyd_max" if quantizer == "uniform" else "uniform")
+    assert not torch.equal(tb[0, 0, 0], kc.encode_tiles(k[0, 0, :64], v[0, 0, :64], other))
 
 
 def test_sizes_against_fp16():
