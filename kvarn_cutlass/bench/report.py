@@ -223,7 +223,7 @@ def _decode_md(doc: dict[str, Any], images: list[str]) -> str | None:
           _fmt(r.get("gb_per_s_graph")),
           f"{100 * r['fraction_of_copy_ceiling']:.1f}" if isinstance(r.get("fraction_of_copy_ceiling"), (int, float))
           else MISSING,
-          _mib(r.get("kvarn_bytes")), _mib(r.get("fp16_bytes"))] for r in rows]))
+          _mib(r.get("kvarn_bytes")), _mib(r.get("fp16_bytes"))] for r in rows], left=0))
     out.append("")
     out.append("Ratios above 1: KVarN is faster. Copy ceiling: "
                f"{_fmt(res.get('copy_ceiling_gb_per_s'))} GB/s (device copy bandwidth); KVarN GB/s counts the "
@@ -253,7 +253,7 @@ def _prefill_md(doc: dict[str, Any], images: list[str]) -> str | None:
          "KVarN / dequant+SDPA", "compress ms"],
         [[_fmt(p.get("P")), _fmt(p.get("C")), _fmt(p.get("head_dim")), _fmt(p.get("kvarn_ms")),
           _fmt(p.get("sdpa_fp16_ms")), _fmt(p.get("dequant_sdpa_ms")), _ratio(p.get("kvarn_ms"), p.get("sdpa_fp16_ms")),
-          _ratio(p.get("kvarn_ms"), p.get("dequant_sdpa_ms")), _fmt(p.get("compress_ms"))] for p in rows]))
+          _ratio(p.get("kvarn_ms"), p.get("dequant_sdpa_ms")), _fmt(p.get("compress_ms"))] for p in rows], left=0))
     out.append("")
     out.append("Ratios above 1: KVarN is slower than that baseline.")
     parts = sorted({k for p in rows for k in (p.get("kvarn_breakdown_ms_instrumented") or {})})
@@ -262,7 +262,7 @@ def _prefill_md(doc: dict[str, Any], images: list[str]) -> str | None:
         out.append(_table(["prompt P", "chunk C", "head_dim", *parts],
                           [[_fmt(p.get("P")), _fmt(p.get("C")), _fmt(p.get("head_dim")),
                             *(_fmt((p.get("kvarn_breakdown_ms_instrumented") or {}).get(k)) for k in parts)]
-                           for p in rows]))
+                           for p in rows], left=0))
     peak = res.get("peak_memory_32k")
     if isinstance(peak, dict):
         out += ["", f"Peak extra memory, prompt {_fmt(peak.get('P'))} in chunks of {_fmt(peak.get('C'))}: "
@@ -332,7 +332,7 @@ def _compress_md(doc: dict[str, Any]) -> str | None:
         out += ["", "Row Walsh-Hadamard rotation kernel:", ""]
         out.append(_table(["rows", "head_dim", "output", "graph µs", "GB/s"],
                           [[_fmt(r.get("rows")), _fmt(r.get("head_dim")), _fmt(r.get("out")), _fmt(r.get("graph_us")),
-                            _fmt(r.get("gb_per_s"))] for r in rot]))
+                            _fmt(r.get("gb_per_s"))] for r in rot], left=0))
     return "\n".join(out)
 
 
@@ -362,7 +362,7 @@ def _copy_launch_md(doc: dict[str, Any]) -> str | None:
         if sizes:
             out += ["", _table(["MiB", "median µs", "GB/s"],
                                [[_mib(s.get("bytes")), _fmt((s.get("timing") or {}).get("median_us")),
-                                 _fmt(s.get("gb_per_s"))] for s in sizes])]
+                                 _fmt(s.get("gb_per_s"))] for s in sizes], left=0)]
         out.append("")
     if launch is not None:
         out.append(f"Host time per launch: prepared {_fmt(launch.get('prepared_launch_us'))} µs, kernel object "
