@@ -361,7 +361,9 @@ class KVarNCache:
             if not isinstance(kv, tuple) or len(kv) != 2:
                 raise TypeError(f"contents[{layer}] must be a (k, v) tuple")
             # stage the layer: append to an empty stand-in (the same checks and encoder as append)
-            self._layers[layer] = self._new_layer(0)
+            # whose pool holds exactly the tiles that append makes (a max_seq_len pool never grows)
+            n = kv[0].shape[2] if isinstance(kv[0], torch.Tensor) and kv[0].dim() == 4 else 0
+            self._layers[layer] = self._new_layer(max(0, math.ceil((n - self.sink_tokens - self.window) / self.spec.tile_tokens)))
             try:
                 self.append(layer, *kv)
             finally:
