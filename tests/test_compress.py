@@ -1,14 +1,19 @@
 """GPU tile compression (ops.compress, csrc/compress.cu).
 
 CPU part: every kernel variant the cache can pick compiles with NVRTC for sm_90 and sm_80 with no
-GPU, the PTX holds no fused multiply-add, and the wrappers reject bad arguments with clear errors.
+GPU (the lloyd_max quantizer for every shape on sm_90), the PTX holds no fused multiply-add, the
+lloyd_max thresholds are compiled in exactly, and the wrappers reject bad arguments with clear errors.
 GPU part (``-m gpu``): records byte-identical to ``codec.encode_tiles`` for every preset x head_dim x
-scale dtype x input dtype on random and adversarial tiles, the codec's errors, every byte written,
-and a CUDA KVarNCache matching a CPU one.
+scale dtype x input dtype on random and adversarial tiles (lloyd_max: every preset x head_dim x scale
+dtype, the input dtype cycling), the codec's errors, every byte written, and a CUDA KVarNCache
+matching a CPU one.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
+import struct
 import zlib
 
 import pytest
@@ -16,7 +21,7 @@ import torch
 
 from kvarn_cutlass import codec
 from kvarn_cutlass.cache import KVarNCache
-from kvarn_cutlass.format import HEAD_DIMS, PRESETS, TileSpec
+from kvarn_cutlass.format import HEAD_DIMS, PRESETS, TileSpec, lloyd_max_thresholds
 from kvarn_cutlass.ops import compress as C
 from kvarn_cutlass.runtime.spec import build
 
@@ -51,6 +56,44 @@ def test_compress_compiles_every_shape(arch, T, D):
         assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
 
 
+# lloyd_max on sm_90 only, one V width per shape (both widths for every head_dim): the quantizer
+# changes the code decision, not the shape- or dtype-dependent parts tested above.
+LM_SHAPES = [(T, D, 2 if T == 128 else 4) for T, D in SHAPES]
+
+
+@pytest.mark.parametrize("T,D,v_bits", LM_SHAPES)
+def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
+    spec = C.compress_spec(T, D, torch.float16, torch.float16, v_bits, "lloyd_max")
+    m = build(spec, "sm_90")
+    (name,) = spec.kernel_names
+    assert name.endswith("_lm")
+    res = m.resources[name]
+    assert res.registers <= 128, res  # 512 threads per block
+    if (T, D) == (128, 128):
+        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+
+
+def test_compress_quantizer_is_part_of_the_spec():
+    uniform = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
+    assert uniform == C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform")
+    assert uniform.kernel_names == ("kvarn_compress_t128_d128_f16_s16_v2",)  # unchanged by the quantizer option
+    assert not any(k.startswith("KVARN_LM_") for k, _ in uniform.defines)
+    for v_bits in (2, 4):
+        lm = C.compress_spec(128, 128, torch.float16, torch.float16, v_bits, "lloyd_max")
+        assert lm.name != C.compress_spec(128, 128, torch.float16, torch.float16, v_bits).name
+        assert lm.kernel_names == (f"kvarn_compress_t128_d128_f16_s16_v{v_bits}_lm",)
+        defines = dict(lm.defines)
+        assert defines["KVARN_QUANT"] == "1" and dict(uniform.defines)["KVARN_QUANT"] == "0"
+        # the literals are exact: they parse back to format.lloyd_max_thresholds bit for bit
+        for bits in (4, v_bits):
+            literals = defines[f"KVARN_LM_THR{bits}"].split(",")
+            assert all(x.endswith("f") for x in literals)
+            assert tuple(float.fromhex(x[:-1]) for x in literals) == lloyd_max_thresholds(bits)
+        assert ("KVARN_LM_THR2" in defines) == (v_bits == 2)
+    with pytest.raises(KeyError):
+        C.compress_spec(128, 128, torch.float16, torch.float16, 2, "nearest")
+
+
 @pytest.mark.parametrize("in_dtype", IN_DTYPES)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("v_bits", [2, 4])
@@ -66,6 +109,7 @@ def _ptx(defines: dict) -> str:
     from kvarn_cutlass.runtime.compiler import cuda_include_dirs
 
     src = (C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path).read_text()
+    defines = dict(defines)
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"compress.cu", 0, [], [])[1]
     try:
         opts = [b"-arch=compute_90", b"--std=c++17", b"-default-device", b"--fmad=false"]
@@ -81,13 +125,22 @@ def _ptx(defines: dict) -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def test_compress_ptx_has_only_correctly_rounded_arithmetic():
-    ptx = _ptx({"KVARN_T": 128, "KVARN_D": 128, "KVARN_IN": 1, "KVARN_SC": 16, "KVARN_VB": 2})
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
+    spec = C.compress_spec(128, 128, torch.bfloat16, torch.float16, 2, quantizer)
+    ptx = _ptx(spec.defines)
     body = [ln for ln in ptx.splitlines() if not ln.strip().startswith("//")]
     text = "\n".join(body)
     assert "fma." not in text and "mad.f32" not in text
     assert ".approx" not in text and ".ftz" not in text
     assert "div.rn.f32" in text and "sqrt.rn.f32" in text
+    if quantizer == "lloyd_max":
+        # every threshold is compared as an immediate (no table in memory): setp.gt.f32 ..., 0fXXXXXXXX
+        compared = set(re.findall(r"setp\.gt\.f32\s+%p\d+, %f\d+, 0f([0-9A-F]{8});", text))
+        for bits in (4, 2):
+            want = {struct.pack(">f", t).hex().upper() for t in lloyd_max_thresholds(bits)}
+            assert want <= compared, sorted(want - compared)
+        assert ".local" not in text
 
 
 def test_compress_registered():
@@ -96,8 +149,9 @@ def test_compress_registered():
     fam = registry.families()
     assert "compress" in fam
     names = {n for s in fam["compress"] for n in s.kernel_names}
-    assert len(names) == 2 * 3 * 3 * 2 * 2  # (T, v_bits) presets x D x input dtype x scale dtype
+    assert len(names) == 2 * 3 * 3 * 2 * 2 * 2  # (T, v_bits) presets x D x input dtype x scale dtype x quantizer
     assert C.kernel_name(128, 128, torch.float16, torch.float16, 2) in names
+    assert C.kernel_name(64, 256, torch.float32, torch.float32, 4, "lloyd_max") in names
 
 
 # ================================================================ CPU: argument checks ===========
@@ -130,6 +184,16 @@ def test_error_messages_follow_codec_order():
     assert C.error_message(1 << 5, torch.float32).startswith("V tok min overflows torch.float32")
     with pytest.raises(ValueError):
         C.error_message(1 << 20, f16)
+    # lloyd_max stores the min (the mean) before the step (the RMS about it): the codec raises on the min
+    assert C.error_message(1 << 1 | 1 << 2, f16, "lloyd_max") == (
+        "K chan min overflows torch.float16: the input's magnitude needs scale_dtype=torch.float32"
+    )
+    assert C.error_message(1 << 1 | 1 << 2, f16, "uniform").startswith("K chan step")
+    assert C.error_message(1 << 4 | 1 << 5 | 1 << 1, f16, "lloyd_max").startswith("K chan step")  # K half first
+    assert C.error_message(1 << 4 | 1 << 5, f16, "lloyd_max").startswith("V tok min")
+    assert C.error_message(1 << 0 | 1 << 2, f16, "lloyd_max").startswith("K row_scale")
+    with pytest.raises(ValueError, match="quantizer"):
+        C.error_message(1 << 1, f16, "nearest")
 
 
 def test_smem_bytes_matches_kernel_formula():
@@ -186,15 +250,22 @@ def _check_identity(k: torch.Tensor, v: torch.Tensor, spec: TileSpec, poison: in
 COMBOS = [
     (p, D, sd, ind) for p in PRESETS for D in HEAD_DIMS for sd in SCALE_DTYPES for ind in IN_DTYPES
 ]
+# lloyd_max: every preset x head_dim x scale dtype, the input dtype cycling through the three (it only
+# changes the load, which the uniform combos cover in full): 24 compiled variants rather than 72.
+LM_COMBOS = [
+    (p, D, sd, IN_DTYPES[i % len(IN_DTYPES)])
+    for i, (p, D, sd) in enumerate(itertools.product(PRESETS, HEAD_DIMS, SCALE_DTYPES))
+]
+QCOMBOS = [("uniform", *c) for c in COMBOS] + [("lloyd_max", *c) for c in LM_COMBOS]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("preset,D,scale_dtype,in_dtype", COMBOS)
+@pytest.mark.parametrize("quantizer,preset,D,scale_dtype,in_dtype", QCOMBOS)
 @pytest.mark.parametrize("kind", ["randn", "outliers", "rope"])
-def test_gpu_identity_random(preset, D, scale_dtype, in_dtype, kind):
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype)
-    g = torch.Generator().manual_seed(zlib.crc32(repr((preset, D, scale_dtype, in_dtype, kind)).encode()))
+def test_gpu_identity_random(quantizer, preset, D, scale_dtype, in_dtype, kind):
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer=quantizer)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((quantizer, preset, D, scale_dtype, in_dtype, kind)).encode()))
     T = spec.tile_tokens
     for _ in range(3):
         k = _sanitize(_gen(kind, 12, T, D, g), in_dtype)
@@ -230,9 +301,9 @@ def _adversarial(T: int, D: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("preset,D,scale_dtype,in_dtype", COMBOS)
-def test_gpu_identity_adversarial(preset, D, scale_dtype, in_dtype):
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype)
+@pytest.mark.parametrize("quantizer,preset,D,scale_dtype,in_dtype", QCOMBOS)
+def test_gpu_identity_adversarial(quantizer, preset, D, scale_dtype, in_dtype):
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer=quantizer)
     T = spec.tile_tokens
     cases = _adversarial(T, D, in_dtype)
     for name, x in cases.items():
@@ -250,11 +321,80 @@ def test_gpu_identity_adversarial(preset, D, scale_dtype, in_dtype):
                 raise AssertionError(f"case {name}: {e}") from None
 
 
+def _threshold_tie_tiles(T: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 k, v [1, T, D] whose lloyd_max normalized values hit the decision thresholds exactly.
+
+    Meant for ``sinkhorn_iters=0`` and D = 64 or 256: the normalization keeps r = s = 1, so u is the
+    rotated tile y, and float32 WHT of an input with one or two nonzero channels scaled by sqrt(D) (a
+    power of two) is exact. Every axis is antisymmetric under the first halving-tree pairing (t, t + T/2
+    for K; c, c + D/2 for V, channels >= D/2 flip sign there), so its mean is exactly +0, and its RMS is
+    1 within 1e-6, which float16 scales store as 1.0: z = u exactly.
+
+    * K: channel 1 holds sqrt(D) * a_t with a = (positive thresholds of 4 and 2 bits, 0, fillers, then
+      the negation): every K axis is +-a.
+    * V: token t holds sqrt(D) * (alpha, beta) at channels D/2 + 1, D/2 + 2 with alpha + beta = t_a (a
+      threshold below sqrt(2), or 0) exactly and alpha^2 + beta^2 = 1: the token's values are
+      +-t_a and +-(alpha - beta). Thresholds for which no float32 pair has an exact sum are left out
+      (t = 0.2582: its last bit is below the spacing of floats near 1/sqrt(2)); K has them all.
+    """
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    positive = [t for t in lloyd_max_thresholds(4) + lloyd_max_thresholds(2) if t > 0]
+    first = sorted(set(positive)) + [0.0]
+    n_fill = T // 2 - len(first)
+    fill = f32(((T / 2 - sum(t * t for t in first)) / n_fill) ** 0.5)
+    a = torch.tensor(first + [fill] * n_fill, dtype=torch.float32)
+    a = torch.cat((a, -a))
+    root = D**0.5
+    k = torch.zeros(1, T, D)
+    k[0, :, 1] = a * root
+    pairs = []
+    for ta in [0.0] + sorted({t for t in positive if t * t < 2}):
+        alpha = f32((ta + (2 - ta * ta) ** 0.5) / 2)
+        beta = f32(ta - alpha)
+        if f32(alpha + beta) == ta:  # the sum the WHT forms is exact
+            pairs.append((alpha, beta))
+    v = torch.zeros(1, T, D)
+    for t in range(T):
+        v[0, t, D // 2 + 1], v[0, t, D // 2 + 2] = (x * root for x in pairs[t % len(pairs)])
+    return k, v
+
+
+@pytest.mark.parametrize("T", [64, 128])
+@pytest.mark.parametrize("D", [64, 256])
+def test_threshold_tie_tiles_hit_the_thresholds(T, D):
+    # the construction's promise, checked with the codec: stored mean 0 and RMS 1, so z = u, and u takes
+    # every threshold of the 4-bit book on the K axis and the sub-sqrt(2) ones on the V axis
+    spec = TileSpec(preset=f"k4v2_g{T}", head_dim=D, sinkhorn_iters=0, quantizer="lloyd_max")
+    k, v = _threshold_tie_tiles(T, D)
+    f = codec.unpack_fields(codec.encode_tiles(k, v, spec), spec)
+    for scales in (f.row_scale, f.col_scale, f.chan_step, f.tok_step):
+        assert bool((scales == 1).all())
+    assert bool((f.chan_min == 0).all()) and bool((f.tok_min == 0).all())
+    yk, yv = codec.wht(k), codec.wht(v)
+    thr4, thr2 = set(lloyd_max_thresholds(4)), set(lloyd_max_thresholds(2))
+    assert thr4 <= set(yk[0, :, 0].tolist())
+    assert thr2 <= set(yv.flatten().tolist()) and len(thr4 & set(yv.flatten().tolist())) >= 7
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_gpu_lloyd_max_threshold_ties(preset, D, scale_dtype):
+    # float16 scales: exact ties (z == t_j, lower code); float32 scales: z within an ulp or so of t_j
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer="lloyd_max")
+    k, v = _threshold_tie_tiles(spec.tile_tokens, D)
+    _check_identity(k, v, spec)
+    _check_identity(v, k, spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("iters", [0, 1, 2, 7])
-def test_gpu_identity_sinkhorn_iters(iters):
-    spec = TileSpec(sinkhorn_iters=iters)
+def test_gpu_identity_sinkhorn_iters(quantizer, iters):
+    spec = TileSpec(sinkhorn_iters=iters, quantizer=quantizer)
     g = torch.Generator().manual_seed(iters)
     k = _sanitize(_gen("outliers", 8, 128, 128, g), torch.float16)
     v = _sanitize(_gen("rope", 8, 128, 128, g), torch.float16)
@@ -263,8 +403,9 @@ def test_gpu_identity_sinkhorn_iters(iters):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_every_byte_written_and_lead_dims():
-    spec = TileSpec(preset="k4v4_g64", head_dim=64)
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_gpu_every_byte_written_and_lead_dims(quantizer):
+    spec = TileSpec(preset="k4v4_g64", head_dim=64, quantizer=quantizer)
     g = torch.Generator().manual_seed(3)
     k = _sanitize(torch.randn(2, 3, 64, 64, generator=g), torch.bfloat16)
     v = _sanitize(torch.randn(2, 3, 64, 64, generator=g), torch.bfloat16)
@@ -291,9 +432,13 @@ def test_gpu_mixed_input_dtypes_and_strided_input():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("preset,D", [("k4v2_g128", 128), ("k4v4_g64", 256), ("k4v2_g64", 64)])
-def test_gpu_compress_layer_into_pool_slice(preset, D):
-    spec = TileSpec(preset=preset, head_dim=D)
+@pytest.mark.parametrize(
+    "quantizer,preset,D",
+    [("uniform", "k4v2_g128", 128), ("uniform", "k4v4_g64", 256), ("uniform", "k4v2_g64", 64),
+     ("lloyd_max", "k4v2_g128", 128), ("lloyd_max", "k4v4_g64", 64)],
+)
+def test_gpu_compress_layer_into_pool_slice(quantizer, preset, D):
+    spec = TileSpec(preset=preset, head_dim=D, quantizer=quantizer)
     T = spec.tile_tokens
     B, H, n_tiles, extra = 2, 3, 2, 64
     g = torch.Generator().manual_seed(11)
@@ -311,8 +456,9 @@ def test_gpu_compress_layer_into_pool_slice(preset, D):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_errors_match_codec():
-    spec = TileSpec()
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_gpu_errors_match_codec(quantizer):
+    spec = TileSpec(quantizer=quantizer)
     g = torch.Generator().manual_seed(2)
     good = torch.randn(2, 128, 128, generator=g, dtype=torch.float32)
     nan = good.clone()
@@ -342,9 +488,13 @@ def test_gpu_errors_match_codec():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("preset,D,dtype", [("k4v2_g128", 128, torch.float16), ("k4v4_g64", 64, torch.bfloat16)])
-def test_gpu_cache_matches_cpu_cache(preset, D, dtype):
-    kw = dict(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=D, preset=preset, dtype=dtype)
+@pytest.mark.parametrize(
+    "quantizer,preset,D,dtype",
+    [("uniform", "k4v2_g128", 128, torch.float16), ("uniform", "k4v4_g64", 64, torch.bfloat16),
+     ("lloyd_max", "k4v2_g128", 128, torch.float16), ("lloyd_max", "k4v4_g64", 64, torch.bfloat16)],
+)
+def test_gpu_cache_matches_cpu_cache(quantizer, preset, D, dtype):
+    kw = dict(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=D, preset=preset, dtype=dtype, quantizer=quantizer)
     T = PRESETS[preset][2]
     cpu = KVarNCache(**kw, device="cpu", window=T, sink_tokens=T)
     gpuc = KVarNCache(**kw, device="cuda", window=T, sink_tokens=T)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from kvarn_cutlass import codec
-from kvarn_cutlass.format import TileSpec
+from kvarn_cutlass.format import TileSpec, lloyd_max_thresholds
 from kvarn_cutlass.ops.compress import _inv_sqrt
 
 from _helpers import realistic_kv
@@ -95,6 +95,15 @@ def smallest(sd: torch.dtype) -> np.float32:
     return f32(2.0**-24) if sd == torch.float16 else f32(2.0**-149)
 
 
+def lloyd_max_codes(d: np.ndarray, step: np.ndarray, bits: int) -> np.ndarray:
+    """kvc::lloyd_max_code of d / step (step broadcast to d): #{j : z > t_j}; 0 where step == 0."""
+    pos = step > 0
+    z = d / np.where(pos, step, f32(1.0))
+    thr = np.array(lloyd_max_thresholds(bits), np.float32)
+    codes = (z[..., None] > thr).sum(-1)
+    return np.where(pos, codes, 0).astype(np.uint8)
+
+
 # ---- one block -------------------------------------------------------------------------------------
 def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None = None) -> dict:
     """One block of the kernel on a float32 tile x [T, D]: the K (is_v=False) or V half's fields."""
@@ -150,7 +159,44 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
     diff = frexp_exponent(br.max()) - frexp_exponent(bs.max())
     shift = diff // 2 if diff >= 0 else -((1 - diff) // 2)
 
-    if not is_v:
+    lloyd_max = spec.quantizer == "lloyd_max"
+    if not is_v and lloyd_max:
+        rs = store(np.maximum(br[:, 0, :] * pow2f(-shift), smallest(sd)), sd)  # [W, NK]
+        u = y / rs[:, None, :, None] + f32(0.0)
+        c_idx = c_of[0, :, 0, :]  # [32, NJ]
+
+        def column_sum(a):  # in-thread tree over k (t, t + T/2), then tree<W> over the warps' partials
+            part = tree(a, 2).transpose(0, 2, 1).reshape(W, D)  # part[w, c]
+            return tree(part, 0)  # [D]
+
+        mean = store(column_sum(u) / f32(T), sd)
+        d = u - mean[c_idx][None, :, None, :]
+        step = store(sqrt_rn(column_sum(d * d) / f32(T)), sd)
+        codes = lloyd_max_codes(d, step[c_idx][None, :, None, :], spec.k_bits)
+        out = dict(
+            k_codes=codes.transpose(3, 1, 2, 0).reshape(D, T),
+            chan_step=step,
+            chan_min=mean,
+            row_scale=rs.T.reshape(T),
+        )
+    elif is_v and lloyd_max:
+        cs = store(np.maximum(bs[0] * pow2f(shift), smallest(sd)), sd)  # [32, NJ]
+        u = y / cs[None, :, None, :] + f32(0.0)
+
+        def token_sum(a):  # in-thread tree over j (c, c + D/2), then warp_tree over the lanes
+            return warp_tree(tree(a, -1))  # [W, 32, NK], equal over the lanes
+
+        mean = store(token_sum(u) / f32(D), sd)
+        d = u - mean[..., None]
+        step = store(sqrt_rn(token_sum(d * d) / f32(D)), sd)
+        codes = lloyd_max_codes(d, step[..., None], spec.v_bits)
+        out = dict(
+            v_codes=codes.transpose(2, 0, 3, 1).reshape(T, D),
+            tok_step=step[:, 0, :].T.reshape(T),
+            tok_min=mean[:, 0, :].T.reshape(T),
+            col_scale=cs.T.reshape(D),
+        )
+    elif not is_v:
         rs = store(np.maximum(br[:, 0, :] * pow2f(-shift), smallest(sd)), sd)  # [W, NK]
         u = y / rs[:, None, :, None] + f32(0.0)
         lo, hi = u.min(axis=(0, 2)), u.max(axis=(0, 2))  # [32, NJ]
@@ -278,3 +324,31 @@ def test_kernel_mirror_matches_codec_float32_scales(preset, D, scale_dtype, in_d
     spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype)
     k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, zlib.crc32(repr((preset, D, kind)).encode()))
     assert not _diff(emulate_records(k, v, spec), codec.encode_tiles(k, v, spec), spec)
+
+
+@pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", CASES)
+def test_kernel_mirror_matches_codec_lloyd_max(preset, D, scale_dtype, in_dtype, kind):
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer="lloyd_max")
+    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, zlib.crc32(repr((preset, D, kind, "lm")).encode()))
+    want = codec.encode_tiles(k, v, spec)
+    assert not _diff(emulate_records(k, v, spec), want, spec)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_kernel_mirror_lloyd_max_degenerate_axes(scale_dtype):
+    # constant axes (stored RMS 0 -> code 0), a lone nonzero channel, two-valued tiles, tiny values
+    spec = TileSpec(preset="k4v2_g64", head_dim=64, scale_dtype=scale_dtype, quantizer="lloyd_max")
+    T, D = spec.tile_tokens, spec.head_dim
+    g = torch.Generator().manual_seed(17)
+    tiles = torch.stack([
+        torch.zeros(T, D),
+        torch.randn(1, D, generator=g).expand(T, D),
+        torch.zeros(T, D).index_fill_(1, torch.tensor([5]), 1.0),
+        torch.randint(0, 2, (T, D), generator=g).float(),
+        torch.randn(T, D, generator=g) * 1e-6,
+    ])
+    k, v = tiles, tiles.flip(0)
+    want = codec.encode_tiles(k, v, spec)
+    assert not _diff(emulate_records(k, v, spec), want, spec)
+    fields = codec.unpack_fields(want, spec)
+    assert bool((fields.chan_step == 0).any()) and bool((fields.tok_step == 0).any())  # the scale-0 path ran

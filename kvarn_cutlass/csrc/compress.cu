@@ -4,7 +4,13 @@
 // K half of the record (k_codes, chan_step, chan_min, row_scale) and 1 for the V half (v_codes,
 // tok_step, tok_min, col_scale). Both halves run the whole pipeline on their own input: WHT along
 // head_dim, Sinkhorn-like variance normalization (lowest-imbalance candidate), power-of-two
-// balance, stored scales, round-to-nearest-even codes, packing.
+// balance, stored scales, codes, packing. The codes come from the quantizer compiled in
+// (KVARN_QUANT): 0 = uniform (asymmetric round-to-nearest-even: *_min = axis minimum, *_step =
+// range / (2^bits - 1)), 1 = lloyd_max (*_min = axis mean, a halving-tree sum / n; *_step = RMS about
+// the stored mean, sqrt of a halving-tree sum of squares / n; code = number of decision thresholds
+// t_j < (u - min) / step, ties to the lower code; the thresholds arrive as the defines
+// KVARN_LM_THR4 / KVARN_LM_THR2 from format.lloyd_max_thresholds). The uniform build has no
+// lloyd_max code in it.
 //
 // Exactness rules (the codec is the spec): float32 only; every +, -, *, /, sqrt is a correctly
 // rounded intrinsic (__fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn), so no FMA
@@ -27,14 +33,39 @@
 //   bit 0 K row_scale, 1 K chan step, 2 K chan min, 3 V col_scale, 4 V tok step, 5 V tok min
 //   (a stored value is not finite: the codec's _store raises), bit 6 k non-finite input,
 //   7 k input magnitude > 2^48, 8 v non-finite, 9 v magnitude > 2^48 (check_tile_input raises).
-//   A block whose input is rejected writes nothing.
+//   A block whose input is rejected writes nothing. lloyd_max stores the mean before the RMS (the
+//   codec raises on the min first), so the host reads its min bits before its step bits.
 //
-// Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32.
+// Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32,
+// with the suffix _lm for lloyd_max.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 typedef unsigned char u8;
+
+// One kernel per module: the defines pick T, D, the input dtype (KVARN_IN 0 = f16, 1 = bf16,
+// 2 = f32), the scale dtype (KVARN_SC 16 | 32), the V bits (KVARN_VB 2 | 4) and the quantizer
+// (KVARN_QUANT 0 = uniform, 1 = lloyd_max, which also needs KVARN_LM_THR4 and, for KVARN_VB 2,
+// KVARN_LM_THR2: comma-separated float literals).
+#ifndef KVARN_T
+#define KVARN_T 128
+#endif
+#ifndef KVARN_D
+#define KVARN_D 128
+#endif
+#ifndef KVARN_IN
+#define KVARN_IN 0
+#endif
+#ifndef KVARN_SC
+#define KVARN_SC 16
+#endif
+#ifndef KVARN_VB
+#define KVARN_VB 2
+#endif
+#ifndef KVARN_QUANT
+#define KVARN_QUANT 0
+#endif
 
 #define KVC_NT 512
 #define KVC_W 16
@@ -127,6 +158,35 @@ __device__ __forceinline__ float pow2f(int e) {
   return 0.0f;
 }
 
+// lloyd_max code of a normalized value z: the number of decision thresholds t_j with z > t_j (a
+// NaN-free z; ties go to the lower code). Fully unrolled: the thresholds become immediates.
+template <int BITS>
+__device__ __forceinline__ unsigned lloyd_max_code(float) {
+  static_assert(BITS < 0, "the lloyd_max thresholds are compiled in only with KVARN_QUANT=1 (KVARN_LM_THR4/2)");
+  return 0;
+}
+#if KVARN_QUANT == 1
+template <int N>
+__device__ __forceinline__ unsigned count_above(float z, const float (&thr)[N]) {
+  unsigned code = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) code += z > thr[j] ? 1u : 0u;
+  return code;
+}
+template <>
+__device__ __forceinline__ unsigned lloyd_max_code<4>(float z) {
+  const float thr[15] = {KVARN_LM_THR4};
+  return count_above(z, thr);
+}
+#if KVARN_VB == 2
+template <>
+__device__ __forceinline__ unsigned lloyd_max_code<2>(float z) {
+  const float thr[3] = {KVARN_LM_THR2};
+  return count_above(z, thr);
+}
+#endif
+#endif
+
 // Storage rounding (codec._store): round to the scale dtype, report non-finite, return float32.
 template <typename SC>
 struct Store;
@@ -172,7 +232,7 @@ struct Shape {
   static constexpr int kKPitch = T + 4;
 };
 
-template <int T, int D, typename IN, typename SC, int VB>
+template <int T, int D, typename IN, typename SC, int VB, bool LM>
 __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const IN* __restrict__ v_in,
                                               long long k_sb, long long k_sh, long long k_st,
                                               long long v_sb, long long v_sh, long long v_st,
@@ -384,7 +444,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
   int errbits = 0;
 
   if (!is_v) {
-    // ---- K: row_scale = r, u = y / row_scale, per-channel RTN over tokens, channel-major codes ----
+    // ---- K: row_scale = r, u = y / row_scale, per-channel codes over tokens, channel-major -------
     float rs[NK];
     const float p2 = pow2f(-shift);
 #pragma unroll
@@ -403,48 +463,110 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
       for (int k = 0; k < NK; ++k) {
         const int i = k * NJ + j;
         u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], rs[k]), 0.0f);  // canonical +0 (codec: u + 0.0)
-        lo[j] = k == 0 ? u[i] : nanmin(lo[j], u[i]);
-        hi[j] = k == 0 ? u[i] : nanmax(hi[j], u[i]);
+        if constexpr (!LM) {
+          lo[j] = k == 0 ? u[i] : nanmin(lo[j], u[i]);
+          hi[j] = k == 0 ? u[i] : nanmax(hi[j], u[i]);
+        }
       }
     }
-    __syncthreads();  // every thread is done with ysm: reuse it for the min/max partials
-    float* pmin = ysm;
-    float* pmax = ysm + W * D;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      pmin[w * D + lane + 32 * j] = lo[j];
-      pmax[w * D + lane + 32 * j] = hi[j];
-    }
-    __syncthreads();
-    if (tid < D) {
-      float l = pmin[tid], hh = pmax[tid];
-#pragma unroll
-      for (int q = 1; q < W; ++q) {
-        l = nanmin(l, pmin[q * D + tid]);
-        hh = nanmax(hh, pmax[q * D + tid]);
-      }
-      const float step = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), 15.0f), bits);
-      if (!is_finite(step)) errbits |= KVC_ERR_K_CHAN_STEP;
-      Store<SC>::put(dst + sec.chan_step, tid, step, bits);
-      const float low = Store<SC>::round(l, bits);
-      if (!is_finite(low)) errbits |= KVC_ERR_K_CHAN_MIN;
-      Store<SC>::put(dst + sec.chan_min, tid, low, bits);
-      cstep[tid] = step;
-      cmin[tid] = low;
-    }
-    __syncthreads();  // partials consumed; ysm now holds code bytes
     constexpr int P = S::kKPitch;
+    if constexpr (!LM) {
+      __syncthreads();  // every thread is done with ysm: reuse it for the min/max partials
+      float* pmin = ysm;
+      float* pmax = ysm + W * D;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const int c = lane + 32 * j;
-      const float step = cstep[c], low = cmin[c];
-      const bool pos = step > 0.0f;
-      const float safe = pos ? step : 1.0f;
+      for (int j = 0; j < NJ; ++j) {
+        pmin[w * D + lane + 32 * j] = lo[j];
+        pmax[w * D + lane + 32 * j] = hi[j];
+      }
+      __syncthreads();
+      if (tid < D) {
+        float l = pmin[tid], hh = pmax[tid];
 #pragma unroll
-      for (int k = 0; k < NK; ++k) {
-        float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], low), safe));
-        q = q < 0.0f ? 0.0f : (q > 15.0f ? 15.0f : q);
-        codes[c * P + w + W * k] = pos ? (u8)(int)q : (u8)0;
+        for (int q = 1; q < W; ++q) {
+          l = nanmin(l, pmin[q * D + tid]);
+          hh = nanmax(hh, pmax[q * D + tid]);
+        }
+        const float step = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), 15.0f), bits);
+        if (!is_finite(step)) errbits |= KVC_ERR_K_CHAN_STEP;
+        Store<SC>::put(dst + sec.chan_step, tid, step, bits);
+        const float low = Store<SC>::round(l, bits);
+        if (!is_finite(low)) errbits |= KVC_ERR_K_CHAN_MIN;
+        Store<SC>::put(dst + sec.chan_min, tid, low, bits);
+        cstep[tid] = step;
+        cmin[tid] = low;
+      }
+      __syncthreads();  // partials consumed; ysm now holds code bytes
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        const float step = cstep[c], low = cmin[c];
+        const bool pos = step > 0.0f;
+        const float safe = pos ? step : 1.0f;
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+          float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], low), safe));
+          q = q < 0.0f ? 0.0f : (q > 15.0f ? 15.0f : q);
+          codes[c * P + w + W * k] = pos ? (u8)(int)q : (u8)0;
+        }
+      }
+    } else {
+      // lloyd_max. A channel's sum over t = w + W*k is the codec's halving tree: in-thread over k
+      // (pairs t, t + T/2), then over the W per-warp partials (t = w) in part[].
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float t[NK];
+#pragma unroll
+        for (int k = 0; k < NK; ++k) t[k] = u[k * NJ + j];
+        tree<NK>(t);
+        part[w * D + lane + 32 * j] = t[0];
+      }
+      __syncthreads();
+      if (tid < D) {
+        float p[W];
+#pragma unroll
+        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
+        tree<W>(p);
+        const float mean = Store<SC>::round(__fdiv_rn(p[0], (float)T), bits);
+        if (!is_finite(mean)) errbits |= KVC_ERR_K_CHAN_MIN;
+        Store<SC>::put(dst + sec.chan_min, tid, mean, bits);
+        cmin[tid] = mean;
+      }
+      __syncthreads();  // stored means visible, partials consumed
+      // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const float mean = cmin[lane + 32 * j];
+        float t[NK];
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+          const int i = k * NJ + j;
+          u[i] = __fsub_rn(u[i], mean);
+          t[k] = __fmul_rn(u[i], u[i]);
+        }
+        tree<NK>(t);
+        part[w * D + lane + 32 * j] = t[0];
+      }
+      __syncthreads();
+      if (tid < D) {
+        float p[W];
+#pragma unroll
+        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
+        tree<W>(p);
+        const float rms = Store<SC>::round(__fsqrt_rn(__fdiv_rn(p[0], (float)T)), bits);
+        if (!is_finite(rms)) errbits |= KVC_ERR_K_CHAN_STEP;
+        Store<SC>::put(dst + sec.chan_step, tid, rms, bits);
+        cstep[tid] = rms;
+      }
+      __syncthreads();  // stored RMS visible; ysm (read for u before the first barrier) now holds code bytes
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        const float step = cstep[c];
+        const bool pos = step > 0.0f;
+#pragma unroll
+        for (int k = 0; k < NK; ++k)
+          codes[c * P + w + W * k] = pos ? (u8)lloyd_max_code<4>(__fdiv_rn(u[k * NJ + j], step)) : (u8)0;
       }
     }
     __syncthreads();
@@ -469,8 +591,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
       reinterpret_cast<uint4*>(dst + sec.k_codes)[q] = make_uint4(o[0], o[1], o[2], o[3]);
     }
   } else {
-    // ---- V: col_scale = s, w = y / col_scale, per-token RTN over channels, token-major codes ------
-    constexpr int QMAX = (1 << VB) - 1;
+    // ---- V: col_scale = s, w = y / col_scale, per-token codes over channels, token-major ---------
     float cs[NJ];
     const float p2 = pow2f(shift);
 #pragma unroll
@@ -482,36 +603,76 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
       if (w == 0) Store<SC>::put(dst + sec.col_scale, lane + 32 * j, cs[j], bits);
     }
     float* u = zz;
-    float tstep[NK], tlow[NK];
+    float tstep[NK];
+    if constexpr (!LM) {
+      constexpr int QMAX = (1 << VB) - 1;
+      float tlow[NK];
 #pragma unroll
-    for (int k = 0; k < NK; ++k) {
-      float l = 0.0f, hh = 0.0f;
+      for (int k = 0; k < NK; ++k) {
+        float l = 0.0f, hh = 0.0f;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int i = k * NJ + j;
-        u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
-        l = j == 0 ? u[i] : nanmin(l, u[i]);
-        hh = j == 0 ? u[i] : nanmax(hh, u[i]);
+        for (int j = 0; j < NJ; ++j) {
+          const int i = k * NJ + j;
+          u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
+          l = j == 0 ? u[i] : nanmin(l, u[i]);
+          hh = j == 0 ? u[i] : nanmax(hh, u[i]);
+        }
+        l = warp_nanmin(l);
+        hh = warp_nanmax(hh);
+        tstep[k] = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), (float)QMAX), bits);
+        if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
+        if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
+        tlow[k] = Store<SC>::round(l, bits);
+        if (!is_finite(tlow[k])) errbits |= KVC_ERR_V_TOK_MIN;
+        if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, tlow[k], bits);
       }
-      l = warp_nanmin(l);
-      hh = warp_nanmax(hh);
-      tstep[k] = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), (float)QMAX), bits);
-      if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
-      if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
-      tlow[k] = Store<SC>::round(l, bits);
-      if (!is_finite(tlow[k])) errbits |= KVC_ERR_V_TOK_MIN;
-      if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, tlow[k], bits);
-    }
-    __syncthreads();  // ysm now holds code bytes [T][D]
+      __syncthreads();  // ysm now holds code bytes [T][D]
 #pragma unroll
-    for (int k = 0; k < NK; ++k) {
-      const bool pos = tstep[k] > 0.0f;
-      const float safe = pos ? tstep[k] : 1.0f;
+      for (int k = 0; k < NK; ++k) {
+        const bool pos = tstep[k] > 0.0f;
+        const float safe = pos ? tstep[k] : 1.0f;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], tlow[k]), safe));
-        q = q < 0.0f ? 0.0f : (q > (float)QMAX ? (float)QMAX : q);
-        codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)(int)q : (u8)0;
+        for (int j = 0; j < NJ; ++j) {
+          float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], tlow[k]), safe));
+          q = q < 0.0f ? 0.0f : (q > (float)QMAX ? (float)QMAX : q);
+          codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)(int)q : (u8)0;
+        }
+      }
+    } else {
+      // lloyd_max. A token's sum over c = l + 32*j is the codec's halving tree: in-thread over j
+      // (pairs c, c + D/2), then warp_tree over the lanes; every lane holds the result.
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        float t[NJ];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int i = k * NJ + j;
+          u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
+          t[j] = u[i];
+        }
+        tree<NJ>(t);
+        const float mean = Store<SC>::round(__fdiv_rn(warp_tree(t[0]), (float)D), bits);
+        if (!is_finite(mean)) errbits |= KVC_ERR_V_TOK_MIN;
+        if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, mean, bits);
+        // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int i = k * NJ + j;
+          u[i] = __fsub_rn(u[i], mean);
+          t[j] = __fmul_rn(u[i], u[i]);
+        }
+        tree<NJ>(t);
+        tstep[k] = Store<SC>::round(__fsqrt_rn(__fdiv_rn(warp_tree(t[0]), (float)D)), bits);
+        if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
+        if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
+      }
+      __syncthreads();  // ysm now holds code bytes [T][D]
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        const bool pos = tstep[k] > 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+          codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)lloyd_max_code<VB>(__fdiv_rn(u[k * NJ + j], tstep[k])) : (u8)0;
       }
     }
     __syncthreads();
@@ -545,8 +706,9 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
 
 }  // namespace kvc
 
-#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB)                                                               \
-  extern "C" __global__ void __launch_bounds__(KVC_NT) kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB( \
+#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
+  extern "C" __global__ void __launch_bounds__(KVC_NT)                                                             \
+      kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
       long long v_sb, long long v_sh, long long v_st, u8* __restrict__ out, long long o_sb, long long o_si,        \
       long long o_sh, int n_heads, int n_tiles, int iters, int off_k_codes, int off_chan_step, int off_chan_min,   \
@@ -554,27 +716,10 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
       int* __restrict__ err) {                                                                                      \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
-    kvc::compress_impl<T, D, IN, SC, VB>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, n_heads, \
+    kvc::compress_impl<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, n_heads, \
                                          n_tiles, iters, sec, inv_sqrt_d, err);                                   \
   }
 
-// One kernel per module: the defines pick T, D, the input dtype (KVARN_IN 0 = f16, 1 = bf16,
-// 2 = f32), the scale dtype (KVARN_SC 16 | 32) and the V bits (KVARN_VB 2 | 4).
-#ifndef KVARN_T
-#define KVARN_T 128
-#endif
-#ifndef KVARN_D
-#define KVARN_D 128
-#endif
-#ifndef KVARN_IN
-#define KVARN_IN 0
-#endif
-#ifndef KVARN_SC
-#define KVARN_SC 16
-#endif
-#ifndef KVARN_VB
-#define KVARN_VB 2
-#endif
 
 #define KVC_KERNEL_X(...) KVC_KERNEL(__VA_ARGS__)  // expands the defines before token pasting
 #if KVARN_SC == 16
@@ -593,4 +738,11 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
 #else
 #error "KVARN_IN must be 0 (f16), 1 (bf16) or 2 (f32)"
 #endif
-KVC_KERNEL_X(KVARN_T, KVARN_D, KVC_IN, KVC_SC, KVARN_VB)
+#if KVARN_QUANT == 0
+#define KVC_QUANT false,
+#elif KVARN_QUANT == 1
+#define KVC_QUANT true, _lm
+#else
+#error "KVARN_QUANT must be 0 (uniform) or 1 (lloyd_max)"
+#endif
+KVC_KERNEL_X(KVARN_T, KVARN_D, KVC_IN, KVC_SC, KVARN_VB, KVC_QUANT)

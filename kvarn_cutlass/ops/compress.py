@@ -39,7 +39,7 @@ import threading
 import torch
 
 from .. import codec
-from ..format import HEAD_DIMS, PRESETS, SCALE_DTYPES, TileSpec
+from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, lloyd_max_thresholds
 from ..runtime.registry import register
 from ..runtime.spec import KernelSpec, get_kernel
 
@@ -47,6 +47,7 @@ __all__ = [
     "COMPRESS_SIGNATURE",
     "THREADS",
     "ERROR_BITS",
+    "ERROR_BITS_LLOYD_MAX",
     "compress_spec",
     "kernel_name",
     "smem_bytes",
@@ -75,7 +76,8 @@ COMPRESS_SIGNATURE = (
 _SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
 
 # Error flag bits, in the order the codec would raise (input checks of k, then of v, then the
-# stores of the K half, then of the V half): (bit, message).
+# stores of the K half, then of the V half): (bit, message). Within a half, uniform stores the step
+# before the min; lloyd_max stores the min (the mean, which the RMS needs) before the step.
 ERROR_BITS: tuple[tuple[int, str], ...] = (
     (1 << 6, "k contains NaN or Inf"),
     (1 << 7, "k has values of magnitude > 2^48, outside the codec's float32 range"),
@@ -88,39 +90,79 @@ ERROR_BITS: tuple[tuple[int, str], ...] = (
     (1 << 4, "V tok step"),
     (1 << 5, "V tok min"),
 )
+# The same bits in the lloyd_max codec's order.
+ERROR_BITS_LLOYD_MAX: tuple[tuple[int, str], ...] = (
+    *ERROR_BITS[:5],
+    (1 << 2, "K chan min"),
+    (1 << 1, "K chan step"),
+    (1 << 3, "V col_scale"),
+    (1 << 5, "V tok min"),
+    (1 << 4, "V tok step"),
+)
 _INPUT_BITS = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9)
 
 
-def kernel_name(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int) -> str:
-    return f"kvarn_compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
+_QUANT_CODE = {"uniform": 0, "lloyd_max": 1}
+_QUANT_SUFFIX = {"uniform": "", "lloyd_max": "_lm"}
+
+
+def kernel_name(
+    tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
+    quantizer: str = "uniform",
+) -> str:
+    return (
+        f"kvarn_compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
+        f"{_QUANT_SUFFIX[quantizer]}"
+    )
+
+
+def _float_literals(values) -> str:
+    """C float literals, comma-separated, exact (every value is a float32; hex keeps all bits)."""
+    return ",".join(f"{float(x).hex()}f" for x in values)
 
 
 @functools.lru_cache(maxsize=None)
-def compress_spec(tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int) -> KernelSpec:
-    """The one-kernel module for a (T, D, input dtype, scale dtype, V bits) variant."""
+def compress_spec(
+    tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
+    quantizer: str = "uniform",
+) -> KernelSpec:
+    """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
+
+    The quantizer is compiled in (``KVARN_QUANT``), with the lloyd_max decision thresholds of
+    :func:`kvarn_cutlass.format.lloyd_max_thresholds` as defines, so the kernel cache keys of the
+    two quantizers differ and the thresholds have one source. The uniform module has neither.
+    """
+    defines = {
+        "KVARN_T": tile_tokens,
+        "KVARN_D": head_dim,
+        "KVARN_IN": _IN_CODE[in_dtype],
+        "KVARN_SC": _SC_BITS[scale_dtype],
+        "KVARN_VB": v_bits,
+        "KVARN_QUANT": _QUANT_CODE[quantizer],
+    }
+    if quantizer == "lloyd_max":
+        defines["KVARN_LM_THR4"] = _float_literals(lloyd_max_thresholds(4))  # K codes are 4-bit
+        if v_bits == 2:
+            defines["KVARN_LM_THR2"] = _float_literals(lloyd_max_thresholds(2))
+    name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
     return KernelSpec(
         "compress.cu",
-        (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits),),
-        defines={
-            "KVARN_T": tile_tokens,
-            "KVARN_D": head_dim,
-            "KVARN_IN": _IN_CODE[in_dtype],
-            "KVARN_SC": _SC_BITS[scale_dtype],
-            "KVARN_VB": v_bits,
-        },
+        (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),),
+        defines=defines,
         # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
         options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),
-        name=f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}",
+        name=name + _QUANT_SUFFIX[quantizer],
     )
 
 
 def _all_specs() -> list[KernelSpec]:
     out = []
-    for t, vb in sorted({(T, vb) for (_, vb, T) in PRESETS.values()}, reverse=True):
-        for d in HEAD_DIMS:
-            for ind in _IN_CODE:
-                for sd in SCALE_DTYPES:
-                    out.append(compress_spec(t, d, ind, sd, vb))
+    for quantizer in QUANTIZERS:
+        for t, vb in sorted({(T, vb) for (_, vb, T) in PRESETS.values()}, reverse=True):
+            for d in HEAD_DIMS:
+                for ind in _IN_CODE:
+                    for sd in SCALE_DTYPES:
+                        out.append(compress_spec(t, d, ind, sd, vb, quantizer))
     return out
 
 
@@ -139,9 +181,12 @@ def _inv_sqrt(d: int) -> float:
 
 
 # --- error flags ----------------------------------------------------------------------------------
-def error_message(bits: int, scale_dtype: torch.dtype) -> str:
-    """The codec's ValueError message for the first error (in codec order) among ``bits``."""
-    for bit, what in ERROR_BITS:
+def error_message(bits: int, scale_dtype: torch.dtype, quantizer: str = "uniform") -> str:
+    """The codec's ValueError message for the first error (in the order the codec of ``quantizer``
+    checks) among ``bits``."""
+    if quantizer not in _QUANT_CODE:
+        raise ValueError(f"quantizer={quantizer!r} is not supported; choose one of {list(QUANTIZERS)}")
+    for bit, what in ERROR_BITS_LLOYD_MAX if quantizer == "lloyd_max" else ERROR_BITS:
         if bits & bit:
             if bit & _INPUT_BITS:
                 return what
@@ -156,7 +201,7 @@ def check_error_flag(flag: torch.Tensor, spec: TileSpec) -> None:
     """
     bits = int(flag.reshape(-1)[0].item())
     if bits:
-        raise ValueError(error_message(bits, spec.scale_dtype))
+        raise ValueError(error_message(bits, spec.scale_dtype, spec.quantizer))
 
 
 _flags: dict[tuple[int, int], torch.Tensor] = {}
@@ -267,7 +312,7 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     if n_records > 2**31 - 1:
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
-    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits)
+    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer)
     kernel = _kernel(k.device.index, kspec)
     smem = smem_bytes(T, D)
     limit = _smem_limit(k.device.index)
@@ -284,7 +329,7 @@ def _finish(flag: torch.Tensor, sync_check: bool, spec: TileSpec) -> None:
     bits = int(flag.item())
     if bits:
         flag.zero_()
-        raise ValueError(error_message(bits, spec.scale_dtype))
+        raise ValueError(error_message(bits, spec.scale_dtype, spec.quantizer))
 
 
 def compress_tiles(
@@ -301,7 +346,7 @@ def compress_tiles(
         k, v: [..., tile_tokens, head_dim] float16/bfloat16/float32 CUDA tensors of one shape and
             device (different dtypes are read as float32, which is exact). Any strides with a
             contiguous last dim that flatten to [records, T, D] without a copy; others are copied.
-        spec: the :class:`TileSpec` (preset, head_dim, scale dtype, sinkhorn_iters).
+        spec: the :class:`TileSpec` (preset, head_dim, scale dtype, sinkhorn_iters, quantizer).
         out: optional uint8 [..., tile_nbytes] on the same device: contiguous records at 16-byte
             aligned addresses and strides.
         error_flag: optional zeroed int32 CUDA tensor; when given, errors are OR-ed into it and
