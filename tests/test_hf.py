@@ -10,6 +10,8 @@ tokens agree (checked here over 32 tokens).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,8 +75,8 @@ def test_quantized_tiles_formula():
         assert cache.num_tiles(0) == quantized_tiles(n, ss)
 
 
-@pytest.mark.parametrize("sink", [0, 64])
-def test_simulation_equals_token_by_token_decode(sink):
+@pytest.mark.parametrize("sink, quantizer", [(0, "uniform"), (64, "uniform"), (64, "lloyd_max")])
+def test_simulation_equals_token_by_token_decode(sink, quantizer):
     """One-pass masked simulation == appending one token at a time to kc.KVarNCache and running
     kc.reference.attention for the newest query (300 tokens, window 128, 64-token tiles)."""
     g = torch.Generator().manual_seed(1)
@@ -82,20 +84,24 @@ def test_simulation_equals_token_by_token_decode(sink):
     q = torch.randn(B, Hq, N, D, generator=g)
     k = (torch.randn(B, Hkv, N, D, generator=g) * 3 + torch.linspace(-1, 1, D)).to(torch.float32)
     v = torch.randn(B, Hkv, N, D, generator=g)
-    cache = kc.KVarNCache(1, B, Hkv, D, preset="k4v2_g64", window=128, sink_tokens=sink)
+    cache = kc.KVarNCache(1, B, Hkv, D, preset="k4v2_g64", window=128, sink_tokens=sink, quantizer=quantizer)
     ref = torch.empty(B, Hq, N, D, dtype=torch.float64)
     for p in range(N):
         cache.append(0, k[:, :, p : p + 1], v[:, :, p : p + 1])
         ref[:, :, p : p + 1] = kc.reference.attention(q[:, :, p : p + 1], cache, 0)
     assert cache.num_tiles(0) == (3 if sink == 0 else 2)
-    sim64 = kh.simulated_attention(q, k, v, kh.SimSpec("k4v2_g64", 128, sink, compute_dtype=torch.float64, block=128))
+    spec = kh.SimSpec("k4v2_g64", 128, sink, compute_dtype=torch.float64, block=128, quantizer=quantizer)
+    sim64 = kh.simulated_attention(q, k, v, spec)
     assert (sim64 - ref).abs().max().item() < 1e-9
-    sim32 = kh.simulated_attention(q, k, v, kh.SimSpec("k4v2_g64", 128, sink))
+    sim32 = kh.simulated_attention(q, k, v, replace(spec, compute_dtype=torch.float32, block=512))
     assert (sim32.double() - ref).abs().max().item() < 2e-5
     # 'prefill' view: every query sees the full cache == one reference call with all queries
     full = kc.reference.attention(q, cache, 0)
-    simp = kh.simulated_attention(q, k, v, kh.SimSpec("k4v2_g64", 128, sink, compute_dtype=torch.float64, view="prefill"))
+    simp = kh.simulated_attention(q, k, v, replace(spec, view="prefill"))
     assert (simp - full).abs().max().item() < 1e-9
+    # the other quantizer codes the tiles differently: the simulation follows spec.quantizer
+    other = "uniform" if quantizer == "lloyd_max" else "lloyd_max"
+    assert (kh.simulated_attention(q, k, v, replace(spec, quantizer=other)) - ref).abs().max().item() > 1e-4
 
 
 # --- the HF cache --------------------------------------------------------------------------
@@ -230,6 +236,25 @@ def test_bad_configs_raise_at_construction():
         kh.KVarNCache(cfg)
     with pytest.raises(ValueError):
         kh.SimSpec("k4v2_g128", window=100)
+    with pytest.raises(ValueError, match="quantizer"):
+        kh.KVarNCache(_qwen3_config(), quantizer="nf4")
+    with pytest.raises(ValueError, match="quantizer"):
+        kh.SimSpec("k4v2_g128", quantizer="nf4")
+
+
+def test_hf_cache_quantizer_keyword():
+    cache = kh.KVarNCache(_qwen3_config(), preset="k4v4_g64", window=64, quantizer="lloyd_max")
+    assert cache.quantizer == "lloyd_max" and cache.spec == kc.TileSpec("k4v4_g64", 128, quantizer="lloyd_max")
+    assert "quantizer='lloyd_max'" in repr(cache)
+    k, v = torch.randn(1, 1, 200, 128), torch.randn(1, 1, 200, 128)
+    cache.update(k, v, 0)
+    lib = cache.library
+    assert lib.quantizer == "lloyd_max" and lib.num_tiles(0) == 3
+    assert torch.equal(lib.tile_bytes(0)[0, 1, 0], kc.encode_tiles(k[0, 0, 64:128].half(), v[0, 0, 64:128].half(), cache.spec))
+    assert kh.KVarNCache(_qwen3_config()).quantizer == "uniform"
+    # the perplexity methods that run through a real cache build it with the SimSpec's quantizer
+    model = SimpleNamespace(config=_qwen3_config())
+    assert P._make_cache(model, kh.SimSpec("k4v2_g64", 64, quantizer="lloyd_max")).quantizer == "lloyd_max"
 
 
 @needs_model
@@ -277,6 +302,17 @@ def test_cli_perplexity_and_generate_smoke(capsys):
     assert res["tokens_scored"] == 255 and res["method"] == "sim"
     assert [b["positions"] for b in res["buckets"]] == [[0, 64], [64, 255]]
     assert 1 < res["ppl_baseline"] < 100 and abs(res["ppl_rel_increase"]) < 0.2
+    assert res["quantizer"] == "uniform"
+    rc = main(["perplexity", "--model", str(MODEL_DIR), "--text", str(TEXT), "--ctx", "256", "--windows", "1",
+               "--window", "64", "--preset", "k4v2_g64", "--device", "cpu", "--no-progress", "--json",
+               "--quantizer", "lloyd_max"])
+    assert rc == 0
+    lm = json.loads(capsys.readouterr().out)
+    assert lm["quantizer"] == "lloyd_max" and lm["ppl_baseline"] == res["ppl_baseline"] and lm["ppl"] != res["ppl"]
+    assert abs(lm["ppl_rel_increase"]) < 0.2
+    with pytest.raises(SystemExit):
+        main(["perplexity", "--model", str(MODEL_DIR), "--text", str(TEXT), "--quantizer", "nf4"])
+    assert "--quantizer" in capsys.readouterr().err
     rc = main(["generate", "--model", str(MODEL_DIR), "--prompt", "def main(argv):\n    ", "--max-new-tokens", "6",
                "--preset", "k4v4_g64", "--window", "64", "--device", "cpu", "--json"])
     assert rc == 0

@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from ..format import QUANTIZERS
+
 NAME = "perplexity"
 
 
@@ -23,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--windows", type=int, default=None, help="first K windows (default: all complete windows)")
     p.add_argument("--preset", default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default="uniform",
+                   help="how tile values are coded: uniform (asymmetric round-to-nearest, default) or lloyd_max "
+                        "(nearest Lloyd-Max centroid of N(0,1) after per-axis mean/RMS normalization)")
     p.add_argument("--window", type=int, default=256, help="fp16 window in tokens; 0 = no window (default 256)")
     p.add_argument("--sink", type=int, default=0, help="leading tokens kept unquantized (default 0)")
     p.add_argument("--view", choices=("decode", "prefill"), default="decode",
@@ -59,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ctx < 2:
         raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
     cache_dtype = getattr(torch, args.cache_dtype)
-    spec = SimSpec(args.preset, args.window, args.sink, dtype=cache_dtype, view=args.view, block=args.chunk)
+    spec = SimSpec(args.preset, args.window, args.sink, dtype=cache_dtype, view=args.view, block=args.chunk,
+                   quantizer=args.quantizer)
     model, tok = load_model(args.model, device, args.dtype)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "text": args.text, "ctx": args.ctx, "windows": len(windows),
         "tokens_scored": res["tokens_scored"], "device": device, "method": method,
         "model_dtype": str(model.dtype).replace("torch.", ""), "cache_dtype": args.cache_dtype,
-        "preset": args.preset, "window": args.window, "sink_tokens": args.sink, "view": args.view,
+        "preset": args.preset, "quantizer": args.quantizer, "window": args.window, "sink_tokens": args.sink, "view": args.view,
         "ppl": q["ppl"], "nll": q["nll"], "buckets": q["buckets"], "seconds": round(res["seconds"], 2),
     }
     if res["baseline"] is not None:
@@ -83,13 +89,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.model}: {len(windows)} windows x {args.ctx} tokens ({res['tokens_scored']} scored), "
           f"{device}/{method}, {res['seconds']:.1f}s")
-    label = f"{args.preset} window={args.window or 'none'}" + (f" sink={args.sink}" if args.sink else "")
+    label = f"{args.preset} {args.quantizer} window={args.window or 'none'}" + (f" sink={args.sink}" if args.sink else "")
     heads = ["ppl"] + [f"[{a},{b})" for a, b in (bk["positions"] for bk in q["buckets"])]
-    print(f"{'':28s}" + "".join(f"{h:>14s}" for h in heads))
+    print(f"{'':36s}" + "".join(f"{h:>14s}" for h in heads))
     if res["baseline"] is not None:
         vals = [q["ppl_baseline"]] + [bk["ppl_baseline"] for bk in q["buckets"]]
-        print(f"{'unquantized':28s}" + "".join(f"{v:14.4f}" for v in vals))
+        print(f"{'unquantized':36s}" + "".join(f"{v:14.4f}" for v in vals))
     vals = [q["ppl"]] + [bk["ppl"] for bk in q["buckets"]]
     extra = f"  ({100 * q['ppl_rel_increase']:+.2f}%)" if res["baseline"] is not None else ""
-    print(f"{label:28s}" + "".join(f"{v:14.4f}" for v in vals) + extra)
+    print(f"{label:36s}" + "".join(f"{v:14.4f}" for v in vals) + extra)
     return 0

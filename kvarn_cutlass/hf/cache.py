@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import KVarNCache as LibraryCache
-from ..format import DEFAULT_PRESET, DEFAULT_SINKHORN_ITERS, HEAD_DIMS
+from ..format import DEFAULT_PRESET, DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, HEAD_DIMS
 from ._compat import text_config
 
 ATTN_IMPLEMENTATION = "kvarn"
@@ -219,6 +219,8 @@ class KVarNCache(Cache):
         dtype: float16 (default) or bfloat16, the dtype of the window and sink; incoming k/v are
             rounded to it (so a float32 model on CPU sees fp16-rounded keys and values).
         scale_dtype, sinkhorn_iters, max_seq_len: passed to the library cache.
+        quantizer: ``uniform`` (default) or ``lloyd_max``, passed to the library cache (how tile
+            values are coded, see ``kvarn_cutlass.format.QUANTIZERS``).
         device: where the cache lives; default: the device of the first k/v it receives.
         cpu_attention: on CPU, ``"reference"`` (default: :func:`kvarn_cutlass.reference.attention`,
             float64) or ``"dequant"`` (tiles decoded once, float32 SDPA; for long CPU generation).
@@ -239,6 +241,7 @@ class KVarNCache(Cache):
         max_seq_len: int | None = None,
         device: str | torch.device | None = None,
         cpu_attention: str = "reference",
+        quantizer: str = DEFAULT_QUANTIZER,
     ) -> None:
         self.shape = check_model_config(config)
         if cpu_attention not in ("reference", "dequant"):
@@ -256,6 +259,7 @@ class KVarNCache(Cache):
             scale_dtype=scale_dtype,
             sinkhorn_iters=sinkhorn_iters,
             max_seq_len=max_seq_len,
+            quantizer=quantizer,
         )
         # Validate every library argument now (a tiny probe cache on the CPU), not at the first forward.
         LibraryCache(batch_size=1, device="cpu", **{**self._lib_kwargs, "num_layers": 1, "max_seq_len": None})
@@ -324,11 +328,15 @@ class KVarNCache(Cache):
         return self._lib_kwargs["window"]
 
     @property
+    def quantizer(self) -> str:
+        return self._lib_kwargs["quantizer"]
+
+    @property
     def spec(self):
         from ..format import TileSpec
 
         k = self._lib_kwargs
-        return TileSpec(k["preset"], k["head_dim"], k["scale_dtype"], k["sinkhorn_iters"])
+        return TileSpec(k["preset"], k["head_dim"], k["scale_dtype"], k["sinkhorn_iters"], k["quantizer"])
 
     def nbytes(self) -> int:
         return 0 if self.library is None else self.library.nbytes()
@@ -342,6 +350,7 @@ class KVarNCache(Cache):
     def __repr__(self) -> str:
         k = self._lib_kwargs
         return (
-            f"kvarn_cutlass.hf.KVarNCache(layers={k['num_layers']}, preset={k['preset']!r}, window={k['window']}, "
+            f"kvarn_cutlass.hf.KVarNCache(layers={k['num_layers']}, preset={k['preset']!r}, "
+            f"quantizer={k['quantizer']!r}, window={k['window']}, "
             f"sink={k['sink_tokens']}, seq_len={self.get_seq_length()})"
         )

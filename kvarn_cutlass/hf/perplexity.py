@@ -71,7 +71,8 @@ def _make_cache(model, spec: SimSpec) -> KVarNCache:
     if spec.window == 0:
         raise ValueError("window=0 (no window) exists only in the simulation; use method 'sim'")
     return KVarNCache(model.config, preset=spec.preset, window=spec.window, sink_tokens=spec.sink_tokens,
-                      dtype=spec.dtype, scale_dtype=spec.scale_dtype, sinkhorn_iters=spec.sinkhorn_iters)
+                      dtype=spec.dtype, scale_dtype=spec.scale_dtype, sinkhorn_iters=spec.sinkhorn_iters,
+                      quantizer=spec.quantizer)
 
 
 @torch.no_grad()
@@ -202,7 +203,8 @@ def evaluate(
                 rows.append(nll_prefill(model, w, spec, chunk)[None])
                 tick(1)
         res = _summary(torch.cat(rows), bucket_edges(ctx, spec.window, spec.tile_tokens), base)
-        res.update(config=spec.describe(), preset=spec.preset, window=spec.window, sink_tokens=spec.sink_tokens)
+        res.update(config=spec.describe(), preset=spec.preset, quantizer=spec.quantizer, window=spec.window,
+                   sink_tokens=spec.sink_tokens)
         out["results"].append(res)
     if bar is not None:
         bar.close()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import decode_tiles, encode_tiles
-from ..format import DEFAULT_SINKHORN_ITERS, PRESETS, TileSpec
+from ..format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, PRESETS, QUANTIZERS, TileSpec
 
 VIEWS = ("decode", "prefill")
 
@@ -45,6 +45,7 @@ class SimSpec:
     view: "decode" (query p sees the cache holding p+1 tokens) or "prefill" (every query sees the
         cache holding the whole sequence); see the module docstring.
     block: query rows per block (bounds memory at O(block * seq_len) per head).
+    quantizer: ``uniform`` (default) or ``lloyd_max``: how tile values are coded (``TileSpec``).
     """
 
     preset: str | None = "k4v2_g128"
@@ -56,6 +57,7 @@ class SimSpec:
     compute_dtype: torch.dtype = torch.float32
     view: str = "decode"
     block: int = 512
+    quantizer: str = DEFAULT_QUANTIZER
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -72,19 +74,22 @@ class SimSpec:
             raise ValueError(f"view must be one of {VIEWS}, got {self.view!r}")
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"block must be a positive int, got {self.block!r}")
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer={self.quantizer!r} is not supported; choose one of {list(QUANTIZERS)}")
 
     @property
     def tile_tokens(self) -> int:
         return PRESETS[self.preset][2] if self.preset is not None else 1
 
     def tile_spec(self, head_dim: int) -> TileSpec:
-        return TileSpec(self.preset, head_dim, self.scale_dtype, self.sinkhorn_iters)
+        return TileSpec(self.preset, head_dim, self.scale_dtype, self.sinkhorn_iters, self.quantizer)
 
     def describe(self) -> str:
         if self.preset is None:
             return "unquantized"
         view = "" if self.view == "decode" else f" view={self.view}"
-        return f"{self.preset} window={self.window or 'none'} sink={self.sink_tokens}{view}"
+        quantizer = "" if self.quantizer == DEFAULT_QUANTIZER else f" quantizer={self.quantizer}"
+        return f"{self.preset}{quantizer} window={self.window or 'none'} sink={self.sink_tokens}{view}"
 
 
 def quantized_tiles(n_tokens: torch.Tensor | int, spec: SimSpec) -> torch.Tensor | int:
