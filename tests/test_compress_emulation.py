@@ -6,17 +6,20 @@ c = l + 32*j (j < NJ = D/32); arrays below are indexed ``[w, l, k, j]`` like the
 in-thread halving tree, ``__shfl_xor`` butterfly (WHT stages h < 32, ``warp_tree``) and the
 cross-warp shared-memory tree is written out in the kernel's order; ``sqrt`` is correctly rounded
 like ``__fsqrt_rn``. Min/max reductions are order-free (finite input, canonical +0 after ``+ 0.0``).
+Both quantizers: lloyd_max's per-axis mean and sum of squares go through the kernel's column sum
+(in-thread tree over k, then tree<W> over the warps) or row sum (tree over j, then warp_tree).
 
 What the tests establish (no GPU needed):
 
 * the kernel's order of operations is the codec's: with a correctly rounded sqrt in ``codec._rms``
   the mirror reproduces ``codec.encode_tiles`` byte for byte, for float16 and float32 scales;
-* the codec itself is not: on torch builds with MKL (x86 wheels), ``torch.sqrt`` of float32 runs
+* the codec's own sqrt: on torch builds with MKL (x86 wheels), ``torch.sqrt`` of float32 runs
   through MKL VML in ``VML_HA`` mode (ATen ``cpu/vml.h``: ``IMPLEMENT_VML_MKL(sqrt, Sqrt)``), which
-  is *not* correctly rounded (about 0.6% of random inputs come out 1 ulp low). That 1-ulp change of
-  a column/row RMS propagates to r, s, row_scale, u and the steps; float16 scales usually round it
-  away, float32 scales expose it. This is the float32-scale failure of
-  ``test_compress.py::test_gpu_identity_random`` on the H200 and is marked xfail here.
+  is *not* correctly rounded (about 0.6% of random inputs come out 1 ulp low); float32 scales
+  exposed it on the H200. ``codec._rms`` (and the lloyd_max RMS) now take the sqrt in float64, and
+  the float32-scale test below (an xfail only while that is not so) holds the codec to it;
+* the lloyd_max path (per-axis mean and RMS) reproduces the codec on random, realistic and
+  degenerate tiles (constant axes: stored RMS 0, code 0).
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ Entry points:
 * :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
   fine) -> records [B, n_tiles, H, tile_nbytes], optionally written straight into a pool slice.
 
+Quantizers. ``spec.quantizer`` is compiled into the kernel (``KVARN_QUANT``; lloyd_max modules
+carry the decision thresholds of :func:`kvarn_cutlass.format.lloyd_max_thresholds` as exact float
+literals and their kernel names end in ``_lm``), so each quantizer has its own cached module and the
+uniform module is the same binary as before the option existed. Both follow the codec's order of
+operations: lloyd_max takes each axis's mean and sum of squares as the codec's halving trees, the
+RMS with a correctly rounded float32 sqrt.
+
 Errors. The codec raises ValueError for non-finite input, for input magnitudes above 2^48 and when a
 stored scale is not finite in ``scale_dtype`` (float16 overflow). The kernel reports these as bits
 of an int32 error flag (see the table in ``compress.cu``). By default the wrapper reads the flag
