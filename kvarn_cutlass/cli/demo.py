@@ -1,10 +1,29 @@
 """``kvarn-cutlass demo``: the main job on a fresh machine, with no arguments.
 
-Builds a KVarN cache from realistic K/V (outlier channels and RoPE structure, or captured from a
-model given with ``--model DIR``), prefills it in chunks, decodes a few tokens, and reports accuracy
-against float64 attention over the unquantized K/V, memory against fp16 and, on a CUDA GPU, speed
-against torch SDPA on an fp16 cache. On a CPU-only machine the same pipeline runs through the float64
-reference path, and the CUTLASS K-score GEMM is emitted and compiled for sm_90 when nvcc is present.
+Builds a KVarN cache from realistic K/V, prefills it in chunks and decodes a few tokens, then
+reports:
+
+* accuracy: the attention outputs against float64 attention over the unquantized fp16 K/V (the
+  quantization error), and the kernels against ``kvarn_cutlass.reference`` (float64) over the same
+  quantized cache (the kernels' own error), with the share of attention that falls on quantized
+  tokens (the rest reads the exact fp16 window);
+* memory: the cache's bytes against an fp16 cache of the same tokens;
+* speed (CUDA): decode step (CUDA-graph replay, the product path, and eager) and the whole chunked
+  prefill against torch SDPA over an fp16 cache; CUDA events, warm-up, median.
+
+K/V/Q come from a built-in generator (post-RoPE keys with outlier channels, a positional component
+that RoPE turns into recency bias, queries that retrieve recent and distant keys by content; its
+attention statistics are close to those of a trained model's: ~80% of the mass on the newest 256
+tokens, top key ~0.3) or, with ``--model DIR``, from every attention layer of a transformers model
+run over a text (default: this package's own Python sources).
+
+On CUDA the cache compresses on the GPU, prefill runs ``kvarn_cutlass.prefill_attention`` (CUTLASS
+int8 K-score GEMM) and decode ``kvarn_cutlass.DecodeGraph`` (split-tile kernels in a CUDA graph).
+On a CPU-only machine the same pipeline runs through the CPU paths (prefill's torch pipeline,
+float64 reference decode), and the CUTLASS K-score GEMM is emitted and compiled for sm_90 with nvcc
+(when present) in a background process meanwhile; a cold compile takes about a minute on 2 cores,
+so by default the demo stops waiting at ``--budget`` seconds (a later run finds it in the kernel
+cache; ``--budget 0`` waits for it).
 """
 
 from __future__ import annotations
@@ -12,46 +31,152 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+from ..format import PRESETS
+from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int
 
 NAME = "demo"
+DEFAULT_BUDGET_S = 52.0
+CPU_TOKENS, GPU_TOKENS = 2048, 32768
+CPU_HEADS, GPU_HEADS = (8, 2), (32, 8)  # (q, KV): kvarn-ref-lm's on CPU (fast), Qwen3-8B's on CUDA
+HEAD_DIM = 128
+ROPE_THETA = 1e6
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="end-to-end demo: quantized cache, prefill, decode, accuracy, memory, speed",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
-    p.add_argument("--model", default=None, help="take K/V/Q from this Hugging Face model's first layer instead")
-    p.add_argument("--tokens", type=int, default=None, help="context length (default 2048 on CPU, 32768 on CUDA)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
-    p.add_argument("--preset", default="k4v2_g128", help="tile preset (default k4v2_g128)")
-    p.add_argument("--window", type=int, default=256, help="fp16 window in tokens (default 256)")
+    p.add_argument("--model", type=existing_dir, default=None, metavar="DIR",
+                   help="take Q/K/V from every attention layer of this transformers model instead of the generator")
+    p.add_argument("--text", type=existing_file, default=None, metavar="FILE",
+                   help="with --model: UTF-8 text to run through it (default: this package's Python sources)")
+    p.add_argument("--tokens", type=int_at_least(2), default=None,
+                   help=f"context length (default {CPU_TOKENS} on CPU, {GPU_TOKENS} on CUDA; with --model at most "
+                        "its max_position_embeddings)")
+    p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size (default 512)")
+    p.add_argument("--decode-steps", type=positive_int, default=4, help="tokens decoded after the prefill (default 4)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--window", type=positive_int, default=256,
+                   help="fp16 window in tokens, a multiple of the tile size (default 256)")
     p.add_argument("--no-compile", action="store_true", help="CPU: skip compiling the CUTLASS GEMM for sm_90")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--budget", type=non_negative_float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                   help=f"CPU: stop waiting for the CUTLASS compile when the demo has run this long "
+                        f"(default {DEFAULT_BUDGET_S:g}; 0 = wait until it finishes)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON document")
     return p
 
 
-def realistic_kv(batch: int, heads: int, n: int, dim: int, generator, device="cpu"):
-    """Post-RoPE-like K and V [batch, heads, n, dim] float32: a few outlier channels in K, rotary
-    phases along the sequence, and a slowly drifting V."""
+# --- inputs ---------------------------------------------------------------------------------------
+def rope(x, positions, theta: float = ROPE_THETA):
+    """Rotary embedding of x [..., n, D] (float32) at integer ``positions`` [n], pairs (2i, 2i+1)."""
     import torch
 
-    pos = torch.arange(n, dtype=torch.float64)[:, None]
-    inv_freq = 1e6 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    ang = pos * inv_freq  # [n, dim/2]
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = positions.to(torch.float64)[:, None] * inv_freq
     cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
-    base = torch.randn(batch, heads, n, dim, generator=generator)
-    chan = torch.ones(dim)
-    chan[torch.randperm(dim, generator=generator)[: max(1, dim // 16)]] = 6.0  # outlier channels
-    k = base * chan + 2.0 * torch.randn(batch, heads, 1, dim, generator=generator)  # per-head offset
-    k1, k2 = k[..., 0::2], k[..., 1::2]
-    k = torch.stack((k1 * cos - k2 * sin, k1 * sin + k2 * cos), -1).flatten(-2)
-    v = torch.randn(batch, heads, n, dim, generator=generator) + torch.linspace(-1, 1, n)[:, None]
-    return k.to(device), v.to(device)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
 
 
-def _exact_attention(q, k, v, scale):
-    """Float64 causal attention of the newest n_q queries over full K/V [B, H, L, D] (GQA)."""
+def realistic_qkv(num_q_heads: int, num_kv_heads: int, n: int, head_dim: int, generator):
+    """Post-RoPE q [1, Hq, n, D], k, v [1, Hkv, n, D] float32 with a trained model's attention structure.
+
+    Pre-RoPE keys are a per-head positional vector (in the high- and mid-frequency rotary pairs) plus
+    per-token content (with 1/16 of the channels 4x larger: outlier channels). Queries carry the same
+    positional vector, which RoPE turns into a score that is largest at distance 0 and decays with
+    distance (recency bias), plus the content of a target key in the low-frequency pairs, which RoPE
+    hardly rotates over the context (content retrieval): 70% of the targets are among the 63 previous
+    tokens, 30% anywhere before. Values: Gaussian with a small per-head offset. Constants chosen so
+    that, at n = 2048, the newest 256 tokens get ~0.8 of the attention and the top key ~0.3, |q| and
+    |k| ~ 12-15, as in kvarn-ref-lm's layers 1-5 over code (layer 0 is flatter).
+    """
+    import torch
+
+    g, D, P = generator, head_dim, head_dim // 2
+    group = num_q_heads // num_kv_heads
+    content_pairs = torch.arange(P) >= int(0.6 * P)  # the 40% lowest-frequency pairs
+    content_chan = content_pairs.repeat_interleave(2)
+    chan_scale = torch.ones(D)
+    chan_scale[torch.randperm(D, generator=g)[: max(1, D // 16)]] = 4.0
+    content = 0.5 * torch.randn(1, num_kv_heads, n, D, generator=g) * chan_scale
+    positional = 1.2 * torch.randn(1, num_kv_heads, 1, D, generator=g) * ~content_chan
+    pos = torch.arange(n)
+    recent = (pos - torch.randint(1, 64, (n,), generator=g)).clamp_min(0)
+    anywhere = (torch.rand(n, generator=g) * (pos + 1)).long()
+    target = torch.where(torch.rand(n, generator=g) < 0.3, anywhere, recent)
+    q_pre = (positional + 2.0 * content[:, :, target] * content_chan).repeat_interleave(group, 1)
+    q_pre = q_pre + 0.5 * torch.randn(1, num_q_heads, n, D, generator=g)
+    k = rope(positional + content, pos)
+    q = rope(q_pre, pos)
+    v = torch.randn(1, num_kv_heads, n, D, generator=g) + 0.3 * torch.randn(1, num_kv_heads, 1, D, generator=g)
+    return q, k, v
+
+
+def _package_text() -> str:
+    """This package's Python sources, concatenated in a fixed order (real code, always installed)."""
+    root = Path(__file__).resolve().parents[1]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py")))
+
+
+def model_qkv(model_dir: str, n: int | None, text: str | None, device: str):
+    """Q/K/V of every attention layer of a transformers model over ``text``'s first n tokens.
+
+    Returns (layers, n, info): layers is a list of (q [1, Hq, n, D], k, v [1, Hkv, n, D] float32 on
+    the CPU, post-RoPE, softmax scale), captured through a registered attention function.
+    """
+    import torch
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = AutoConfig.from_pretrained(model_dir)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if n is None:
+        n = min(CPU_TOKENS if device == "cpu" else GPU_TOKENS, max_pos or GPU_TOKENS)
+    elif max_pos and n > max_pos:
+        raise ValueError(f"--tokens {n} exceeds the model's max_position_embeddings {max_pos}")
+    captured: dict[int, tuple] = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        scale = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        captured[module.layer_idx] = (query.detach().float().cpu(), key.detach().float().cpu(),
+                                      value.detach().float().cpu(), float(scale))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvarn_demo_capture", capture)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="kvarn_demo_capture")
+    model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):  # no tokenizer files: random ids still give the model's K/V statistics
+        tokenizer = None
+    if tokenizer is not None:
+        source = "the kvarn_cutlass package's Python sources" if text is None else text
+        body = _package_text() if text is None else Path(text).read_text(encoding="utf-8")
+        ids = tokenizer(body, add_special_tokens=False, return_tensors="pt").input_ids[:, :n]
+        if ids.shape[1] < n:
+            raise ValueError(f"the text gives {ids.shape[1]} tokens, fewer than --tokens {n}")
+    else:
+        source = "random token ids (the model directory has no tokenizer)"
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids.to(device), use_cache=False, logits_to_keep=1)
+    layers = [captured[i] for i in sorted(captured)]
+    return layers, n, {"model": model_dir, "text": source, "layers": len(layers)}
+
+
+# --- accuracy ---------------------------------------------------------------------------------------
+def exact_attention(q, k, v, scale: float):
+    """Float64 causal attention of the newest n_q queries q [B, Hq, n_q, D] over k, v [B, Hkv, L, D]
+    (GQA), on q's device. Returns (out [B, Hq, n_q, D], probabilities [B, Hq, n_q, L]) in float64."""
     import torch
 
     group = q.shape[1] // k.shape[1]
@@ -59,65 +184,336 @@ def _exact_attention(q, k, v, scale):
     v = v.double().repeat_interleave(group, 1)
     n_q, L = q.shape[2], k.shape[2]
     s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale
-    mask = torch.arange(L, device=k.device)[None, :] > torch.arange(L - n_q, L, device=k.device)[:, None]
-    return torch.softmax(s.masked_fill(mask, -math.inf), -1) @ v
+    future = torch.arange(L, device=k.device)[None, :] > torch.arange(L - n_q, L, device=k.device)[:, None]
+    p = torch.softmax(s.masked_fill(future, -math.inf), -1)
+    return p @ v, p
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def rel_error(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.to(a.device).double()
+    return float((a - b).norm() / b.norm())
 
 
-def _model_qkv(model_dir: str, n: int):
-    """Post-RoPE q, k, v [1, heads, n, head_dim] of the model's first attention layer, for the first
-    n tokens of random ids, captured through a transformers attention function."""
-    import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    captured = {}
-
-    def capture(module, query, key, value, attention_mask, **kwargs):
-        if module.layer_idx == 0:
-            captured.update(q=query.detach(), k=key.detach(), v=value.detach())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("kvarn_demo_capture", capture)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="kvarn_demo_capture")
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(ids, use_cache=False, logits_to_keep=1)
-    return captured["q"], captured["k"], captured["v"]
+def _quantized_mass(p, cache, layer: int) -> float:
+    """Mean share of attention probability p [..., L] on the tokens ``cache`` holds as tiles."""
+    lo, hi = cache.positions(layer)["tiles"]
+    return float(p[..., lo:hi].sum(-1).mean())
 
 
-def _compile_gemm_for_sm90() -> dict:
-    from ..gemm.compile import build_gemm, nvcc_path
+# --- the CUTLASS compile in a child process (CPU machines) ---------------------------------------------
+_CHILD = "import sys; from kvarn_cutlass.cli.demo import _child_main; _child_main(sys.argv[1])"
 
-    try:
-        nvcc_path()
-    except Exception:
-        return {"status": "skipped: nvcc not found (a GPU machine compiles it on first use)"}
-    from ..gemm.configs import select_config
+
+def demo_gemm_config(chunk: int, group: int):
+    """The K-score GEMM config prefill would use on sm_90 for a ``chunk``-token chunk and GQA ``group``
+    (rows M = chunk x group per KV head, tiles of 128 tokens, head_dim 128, f16 scores)."""
     import warnings
 
-    from ..gemm.sass import disassemble, summarize
+    from ..gemm.configs import select_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an untuned bucket falls back to the default config
-        cfg = select_config(90, M=4096, N=128, head_dim=128, L=128, out_dtype="f16")
+        return select_config(90, M=chunk * group, N=128, head_dim=HEAD_DIM, L=1, out_dtype="f16")
+
+
+def _child_main(config_json: str) -> None:
+    """Entry of the child process: SIGTERM (the budget ran out) unwinds through the compile's cleanup
+    of its temporary directory instead of killing the interpreter on the spot."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    _compile_child(config_json)
+
+
+def _compile_child(config_json: str) -> None:
+    """Build (or fetch from the kernel cache) one GEMM config for sm_90; print a JSON summary on stdout."""
+    from ..gemm.compile import build_gemm
+    from ..gemm.config import GemmConfig
+
     t0 = time.perf_counter()
-    binary = build_gemm(cfg, 90)
-    out = {"status": "compiled", "config": cfg.name, "seconds": round(time.perf_counter() - t0, 1)}
+    binary = build_gemm(GemmConfig.from_dict(json.loads(config_json)), 90)
+    out = {"status": "cached" if binary.cached else "compiled", "seconds": round(time.perf_counter() - t0, 1),
+           "nvcc_seconds": binary.meta.get("seconds"), "cubin_bytes": len(binary.cubin)}
     try:
-        out.update(summarize(disassemble(binary.cubin), binary.ptxas_log).to_dict())
-    except Exception as e:  # no disassembler here: the compile itself is the check
+        from ..gemm.sass import disassemble, summarize
+
+        out["sass"] = summarize(disassemble(binary.cubin), binary.ptxas_log).to_dict()
+    except Exception as e:  # no cuobjdump/nvdisasm here: the compile itself is the check
         out["sass"] = f"not summarized ({type(e).__name__}: {e})"
-    return out
+    print(json.dumps(out))
 
 
-def run(args: argparse.Namespace) -> int:
+class GemmCompile:
+    """The sm_90 K-score GEMM build running in a child process (its own session, so that stopping it
+    also stops nvcc and the compilers nvcc started)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.t0 = time.perf_counter()
+        env = dict(os.environ)
+        # the child must import this same package even when it is not installed (a source checkout)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # files, not pipes: nobody reads while the pipeline runs, and a full pipe would block the child
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config.to_dict())], env=env,
+                                     stdout=self.out, stderr=self.err, start_new_session=True)
+
+    def _output(self) -> tuple[str, str]:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return texts[0], texts[1]
+
+    def finish(self, deadline: float | None, progress) -> dict:
+        """Wait for the child until ``deadline`` (a ``time.perf_counter()`` value, None = forever), calling
+        ``progress(elapsed_s)`` about once a second; stop it at the deadline. Returns the summary."""
+        while self.proc.poll() is None:
+            now = time.perf_counter()
+            if deadline is not None and now >= deadline:
+                self.stop()
+                return {"status": "not finished", "config": self.config.name,
+                        "seconds": round(now - self.t0, 1)}
+            progress(now - self.t0)
+            try:
+                self.proc.wait(timeout=1.0 if deadline is None else max(0.05, min(1.0, deadline - now)))
+            except subprocess.TimeoutExpired:
+                pass
+        stdout, stderr = self._output()
+        elapsed = round(time.perf_counter() - self.t0, 1)
+        if self.proc.returncode != 0:
+            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            return {"status": "failed", "config": self.config.name, "seconds": elapsed,
+                    "error": lines[-1] if lines else f"exit status {self.proc.returncode}"}
+        out = json.loads(stdout.strip().splitlines()[-1])
+        out.update(config=self.config.name, seconds=elapsed)
+        return out
+
+    def stop(self) -> None:
+        """Stop the child's process group (SIGTERM, then SIGKILL after 5 s) and reap the child."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.proc.pid, sig)  # the child leads its own session: pgid == pid
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc.wait()
+        self._output()
+
+
+def _progress_printer(config_name: str):
+    """Progress of the compile on stderr: a refreshing line on a terminal, else nothing (the start line
+    was printed already)."""
+    tty = sys.stderr.isatty()
+
+    def show(elapsed: float) -> None:
+        if tty:
+            print(f"\r  compiling the CUTLASS K-score GEMM for sm_90 ({config_name}): {elapsed:4.0f} s",
+                  end="", file=sys.stderr, flush=True)
+
+    def done() -> None:
+        if tty:
+            print("\r" + " " * 110 + "\r", end="", file=sys.stderr, flush=True)
+
+    return show, done
+
+
+# --- the pipeline ---------------------------------------------------------------------------------------
+def _run_pipeline(layers, n: int, args, device: str) -> tuple[dict, object, list]:
+    """Chunked prefill then ``args.decode_steps`` decode steps of every layer through one KVarNCache.
+
+    layers: [(q [1, Hq, n, D], k [1, Hkv, n, D], v, scale)] float32 on the CPU. Returns (accuracy
+    record, the cache, fp16 copies on ``device`` [(q16, k16, v16, scale)]).
+    """
     import torch
 
     import kvarn_cutlass as kc
+
+    on_gpu = device == "cuda"
+    n_decode = args.decode_steps
+    n_prefill = n - n_decode
+    _, Hkv, _, D = layers[0][1].shape
+    Hq = layers[0][0].shape[1]
+    dev16 = [(q.to(device, torch.float16), k.to(device, torch.float16), v.to(device, torch.float16), s)
+             for q, k, v, s in layers]
+    cache = kc.KVarNCache(len(layers), 1, Hkv, D, preset=args.preset, window=args.window, device=device,
+                          max_seq_len=n)
+    last = [None] * len(layers)
+    for start in range(0, n_prefill, args.chunk):
+        stop = min(start + args.chunk, n_prefill)
+        for i, (q16, k16, v16, scale) in enumerate(dev16):
+            cache.append(i, k16[:, :, start:stop], v16[:, :, start:stop])
+            # CPU: prefill's torch pipeline (fold, int8 K scores, softmax/V) only where it is checked
+            if on_gpu or stop == n_prefill:
+                last[i] = (start, kc.prefill_attention(q16[:, :, start:stop], cache, i, scale))
+    acc: dict = {"prefill": [], "decode": []}
+    for i, (q16, k16, v16, scale) in enumerate(dev16):
+        start, out = last[i]
+        q_chunk = q16[:, :, start:n_prefill]
+        exact, p = exact_attention(q_chunk, k16[:, :, :n_prefill], v16[:, :, :n_prefill], scale)
+        ref = kc.reference.attention(q_chunk, cache, i, scale)
+        acc["prefill"].append({"vs_exact": rel_error(out, exact), "vs_reference": rel_error(out, ref),
+                               "reference_vs_exact": rel_error(ref, exact),
+                               "quantized_attention_share": _quantized_mass(p, cache, i)})
+        del exact, p, ref
+    graphs = ([kc.DecodeGraph(cache, i, Hq, torch.float16, scale) for i, (_, _, _, scale) in enumerate(dev16)]
+              if on_gpu else None)
+    steps = [[] for _ in dev16]
+    for t in range(n_prefill, n):
+        for i, (q16, k16, v16, scale) in enumerate(dev16):
+            cache.append(i, k16[:, :, t : t + 1], v16[:, :, t : t + 1])
+            q_tok = q16[:, :, t : t + 1]
+            ref = kc.reference.attention(q_tok, cache, i, scale)
+            out = graphs[i].replay(q_tok).clone() if on_gpu else ref
+            exact, p = exact_attention(q_tok, k16[:, :, : t + 1], v16[:, :, : t + 1], scale)
+            steps[i].append({"vs_exact": rel_error(out, exact), "vs_reference": rel_error(out, ref) if on_gpu else None,
+                             "quantized_attention_share": _quantized_mass(p, cache, i)})
+    for layer_steps in steps:
+        acc["decode"].append({
+            "vs_exact": max(s["vs_exact"] for s in layer_steps),
+            "vs_reference": max(s["vs_reference"] for s in layer_steps) if on_gpu else None,
+            "quantized_attention_share": sum(s["quantized_attention_share"] for s in layer_steps) / len(layer_steps),
+        })
+    return acc, cache, dev16
+
+
+def _summarize(per_layer: list[dict]) -> dict:
+    """Worst layer of each error, mean quantized share; per-layer values kept when several layers."""
+    out = {}
+    for key in ("vs_exact", "vs_reference", "reference_vs_exact"):
+        if key in per_layer[0]:  # None where there is nothing to compare (the CPU decode is the reference)
+            vals = [r[key] for r in per_layer if r[key] is not None]
+            out[f"{key}_max"] = max(vals) if vals else None
+    out["quantized_attention_share"] = sum(r["quantized_attention_share"] for r in per_layer) / len(per_layer)
+    if len(per_layer) > 1:
+        out["per_layer"] = per_layer
+    return out
+
+
+# --- speed (CUDA) -----------------------------------------------------------------------------------------
+def _gpu_speed(args, q16, k16, v16, scale: float) -> dict:
+    """Layer-0 timings, CUDA events, median after warm-up.
+
+    decode: one step at the full context, CUDA-graph replay (the product path) and eager, against
+    ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over the fp16 K/V. Inputs rotate (KVarN:
+    layers holding the same K/V; SDPA: copies of the K/V) so that L2 does not serve repeated reads.
+    prefill: the whole prompt's attention (``prefill_attention`` per chunk; compression, which runs in
+    ``cache.append``, timed apart) against flash SDPA with a causal lower-right mask per chunk.
+    """
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    import kvarn_cutlass as kc
+
+    from ..bench.timing import rotation_count, time_cuda
+    from ..decode import get_plan
+
+    n, Hq, Hkv = k16.shape[2], q16.shape[1], k16.shape[1]
+    group = Hq // Hkv
+    q1 = q16[:, :, n - 1 : n].contiguous()
+    kv_bytes = 2 * k16.numel() * k16.element_size()
+    spec = kc.TileSpec(args.preset, k16.shape[3])
+    tile_bytes = Hkv * max(1, math.ceil((n - args.window) / spec.tile_tokens)) * spec.tile_nbytes
+    rot = min(8, rotation_count(tile_bytes))
+    cache = kc.KVarNCache(rot, 1, Hkv, k16.shape[3], preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
+    for layer in range(rot):
+        for s in range(0, n, 8192):
+            cache.append(layer, k16[:, :, s : s + 8192], v16[:, :, s : s + 8192])
+    plan = get_plan(cache)
+    plan.refresh()
+    outs = [torch.empty_like(q1) for _ in range(rot)]
+    graph = time_cuda(lambda i: plan.launch(q1, i, outs[i], scale), inputs=range(rot), graph=True, warmup=20, runs=200)
+    turn = [0]
+
+    def eager():
+        turn[0] = (turn[0] + 1) % rot
+        kc.decode_attention(q1, cache, turn[0], scale, out=outs[turn[0]])
+
+    eager_t = time_cuda(eager, warmup=20, runs=200)
+    del cache, outs
+    sets = [(k16, v16)] + [(k16.clone(), v16.clone()) for _ in range(min(8, rotation_count(kv_bytes)) - 1)]
+    sdpa = time_cuda(lambda kv: F.scaled_dot_product_attention(q1, kv[0], kv[1], scale=scale, enable_gqa=True),
+                     inputs=sets, warmup=20, runs=200)
+    del sets
+    decode = {"kvarn_graph_us": round(graph.median_us, 2), "kvarn_eager_us": round(eager_t.median_us, 2),
+              "sdpa_fp16_us": round(sdpa.median_us, 2),
+              "sdpa_over_kvarn_graph": round(sdpa.median_us / graph.median_us, 2), "rotated_sets": rot}
+
+    chunks = [(s, min(args.chunk, n - s)) for s in range(0, n, args.chunk)]
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    def kvarn_prompt() -> tuple[float, float]:
+        c = kc.KVarNCache(1, 1, Hkv, k16.shape[3], preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
+        attn_ms = comp_ms = 0.0
+        for s, m in chunks:
+            a, b, e = event(), event(), event()
+            a.record()
+            c.append(0, k16[:, :, s : s + m], v16[:, :, s : s + m])
+            b.record()
+            kc.prefill_attention(q16[:, :, s : s + m], c, 0, scale)
+            e.record()
+            e.synchronize()
+            comp_ms += a.elapsed_time(b)
+            attn_ms += b.elapsed_time(e)
+        return attn_ms, comp_ms
+
+    def sdpa_prompt() -> float:
+        total = 0.0
+        for s, m in chunks:
+            kk = k16[:, :, : s + m].repeat_interleave(group, 1)  # expansion not timed: flash reads GQA natively
+            vv = v16[:, :, : s + m].repeat_interleave(group, 1)
+            a, b = event(), event()
+            a.record()
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(q16[:, :, s : s + m], kk, vv, attn_mask=causal_lower_right(m, s + m),
+                                               scale=scale)
+            b.record()
+            b.synchronize()
+            total += a.elapsed_time(b)
+        return total
+
+    kvarn_prompt(), sdpa_prompt()  # warm-up: kernel builds, GEMM params, workspaces
+    runs = [kvarn_prompt() for _ in range(3)]
+    sdpa_runs = [sdpa_prompt() for _ in range(3)]
+    attn = statistics.median(r[0] for r in runs)
+    sdpa_ms = statistics.median(sdpa_runs)
+    prefill = {"kvarn_attention_ms": round(attn, 3), "kvarn_compress_ms": round(statistics.median(r[1] for r in runs), 3),
+               "sdpa_flash_fp16_ms": round(sdpa_ms, 3), "kvarn_over_sdpa": round(attn / sdpa_ms, 2),
+               "chunks": len(chunks)}
+    return {"decode": decode, "prefill": prefill, "method": "CUDA events, warm-up, median (decode 200 runs, prefill 3 prompts)"}
+
+
+# --- the command ------------------------------------------------------------------------------------------
+def _validate(args, device: str, n: int | None) -> None:
+    T = PRESETS[args.preset][2]
+    if args.window % T:
+        raise ValueError(f"--window must be a multiple of the tile size {T} of {args.preset}, got {args.window}")
+    if n is not None and n <= args.decode_steps:
+        raise ValueError(f"--tokens ({n}) must exceed --decode-steps ({args.decode_steps})")
+    if args.text and not args.model:
+        raise ValueError("--text needs --model")
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    import torch
 
     device = args.device
     if device == "auto":
@@ -125,104 +521,127 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
     on_gpu = device == "cuda"
-    n = args.tokens or (32768 if on_gpu else 2048)
-    if n < 2 or args.chunk < 1:
-        raise ValueError(f"--tokens must be >= 2 and --chunk >= 1, got {n} and {args.chunk}")
-    spec = kc.TileSpec(args.preset, 128)
-    g = torch.Generator().manual_seed(1234)
-    t_start = time.perf_counter()
-    if args.model:
-        q_all, k, v = _model_qkv(args.model, n)
-        B, Hkv, D = k.shape[0], k.shape[1], k.shape[3]
-        Hq = q_all.shape[1]
-    else:
-        B, Hkv, Hq, D = 1, (8 if on_gpu else 2), (32 if on_gpu else 8), 128
-        k, v = realistic_kv(B, Hkv, n, D, g)
-        # Queries that look for earlier keys, so that attention is peaked as in trained models.
-        targets = torch.randint(0, n, (n,), generator=g)
-        q_all = 0.2 * k.repeat_interleave(Hq // Hkv, 1)[:, :, targets] + 0.5 * torch.randn(B, Hq, n, D, generator=g)
-    scale = D**-0.5
-    k16, v16, q16 = (x.to(device, torch.float16) for x in (k, v, q_all))
-    n_decode = 4
-    n_prefill = n - n_decode
-    cache = kc.KVarNCache(1, B, Hkv, D, preset=args.preset, window=args.window, device=device, max_seq_len=n)
-    result = {"device": device, "tokens": n, "preset": args.preset, "window": args.window,
-              "shape": {"batch": B, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D}}
+    _validate(args, device, args.tokens)
+    Hq, Hkv = GPU_HEADS if on_gpu else CPU_HEADS
 
-    attend_prefill = kc.prefill_attention if on_gpu else (lambda q, c, l: kc.reference.attention(q, c, l))
-    attend_decode = kc.decode_attention if on_gpu else (lambda q, c, l: kc.reference.attention(q, c, l))
-    last_chunk = None
-    for start in range(0, n_prefill, args.chunk):
-        stop = min(start + args.chunk, n_prefill)
-        cache.append(0, k16[:, :, start:stop], v16[:, :, start:stop])
-        if stop == n_prefill or on_gpu:
-            last_chunk = (start, attend_prefill(q16[:, :, start:stop], cache, 0))
-    start, out = last_chunk
-    ref = _exact_attention(q16[:, :, start:n_prefill].cpu(), k16[:, :, :n_prefill].cpu(), v16[:, :, :n_prefill].cpu(), scale)
-    result["prefill_rel_error_vs_fp16_exact"] = _rel(out.cpu(), ref)
-    errs = []
-    for i in range(n_prefill, n):
-        cache.append(0, k16[:, :, i : i + 1], v16[:, :, i : i + 1])
-        out = attend_decode(q16[:, :, i : i + 1], cache, 0)
-        errs.append(_rel(out.cpu(), _exact_attention(q16[:, :, i : i + 1].cpu(), k16[:, :, : i + 1].cpu(), v16[:, :, : i + 1].cpu(), scale)))
-    result["decode_rel_error_vs_fp16_exact"] = max(errs)
-    if on_gpu:
-        q_last = q16[:, :, n - 1 : n]
-        result["decode_rel_error_vs_float64_reference"] = _rel(kc.decode_attention(q_last, cache, 0).cpu(),
-                                                               kc.reference.attention(q_last, cache, 0).cpu())
-    fp16_bytes = 2 * B * Hkv * n * D * 2
-    result["memory"] = {"kvarn_bytes": cache.nbytes(), "fp16_bytes": fp16_bytes,
-                        "ratio": round(fp16_bytes / cache.nbytes(), 2),
-                        "tiles_ratio": round(spec.compression_vs_fp16, 2)}
-    if on_gpu:
-        result["speed_us"] = _gpu_speed(kc, cache, q16, k16, v16, n)
-        result["gpu_kernels"] = "prefill: CUTLASS int8 K-score GEMM + softmax/V kernel; decode: split-tile + combine"
-    else:
-        result["gpu_kernels"] = ("not run: no CUDA device. The prefill GEMM, the decode kernels and the GPU "
-                                 "compression need an NVIDIA GPU (sm_80+; the CUTLASS GEMM needs sm_90).")
-        result["cutlass_gemm_sm90"] = {"status": "skipped (--no-compile)"} if args.no_compile else _compile_gemm_for_sm90()
+    compile_job = None
+    if not on_gpu and not args.no_compile:
+        from ..gemm.compile import nvcc_path
+
+        try:
+            nvcc = nvcc_path()
+        except FileNotFoundError:
+            nvcc = None
+        if nvcc is not None:  # started first: it runs on the other core while the pipeline runs
+            compile_job = GemmCompile(demo_gemm_config(args.chunk, GPU_HEADS[0] // GPU_HEADS[1]))
+            wait = "until it finishes" if args.budget == 0 else f"until the demo has run {args.budget:g} s"
+            print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({compile_job.config.name}) with {nvcc} in the "
+                  f"background (about 50 s cold on 2 cores; a kernel-cache hit takes seconds); waiting {wait}",
+                  file=sys.stderr, flush=True)
+    try:
+        if args.model:
+            layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
+            _validate(args, device, n)
+        else:
+            n = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
+            q, k, v = realistic_qkv(Hq, Hkv, n, HEAD_DIM, torch.Generator().manual_seed(1234))
+            layers = [(q, k, v, HEAD_DIM**-0.5)]
+            source = {"generator": "built-in (RoPE recency + content retrieval, outlier channels)", "layers": 1}
+        q0, k0 = layers[0][0], layers[0][1]
+        result: dict = {"device": device, "tokens": n, "preset": args.preset, "window": args.window, "chunk": args.chunk,
+                        "decode_steps": args.decode_steps, "source": source,
+                        "shape": {"layers": len(layers), "batch": 1, "q_heads": q0.shape[1], "kv_heads": k0.shape[1],
+                                  "head_dim": k0.shape[3]}}
+        if on_gpu:
+            result["gpu"] = torch.cuda.get_device_name()
+        acc, cache, dev16 = _run_pipeline(layers, n, args, device)
+        result["accuracy"] = {"prefill_last_chunk": _summarize(acc["prefill"]), "decode": _summarize(acc["decode"])}
+        fp16_bytes = 2 * len(layers) * k0.shape[1] * n * k0.shape[3] * 2
+        result["memory"] = {"kvarn_bytes": cache.nbytes(), "fp16_bytes": fp16_bytes,
+                            "fp16_over_kvarn": round(fp16_bytes / cache.nbytes(), 2),
+                            "tiles_fp16_over_kvarn": round(cache.spec.compression_vs_fp16, 2)}
+        if on_gpu:
+            q16, k16, v16, scale = dev16[0]
+            del cache
+            result["speed"] = _gpu_speed(args, q16, k16, v16, scale)
+            result["gpu_kernels"] = ("prefill: CUTLASS int8 K-score GEMM + softmax/V kernel; decode: split-tile "
+                                     "partials + LSE combine in a CUDA graph; compression: GPU kernel in cache.append")
+        else:
+            result["gpu_kernels"] = ("not run: no CUDA device. The GPU compression, the decode kernels and the "
+                                     "prefill kernels need an NVIDIA GPU (sm_80+; the CUTLASS K-score GEMM sm_90)")
+            if args.no_compile:
+                result["cutlass_gemm_sm90"] = {"status": "skipped (--no-compile)"}
+            elif compile_job is None:
+                result["cutlass_gemm_sm90"] = {"status": "skipped: nvcc not found (a GPU machine with the CUDA "
+                                                         "toolkit compiles it on first use)"}
+            else:
+                show, done = _progress_printer(compile_job.config.name)
+                deadline = None if args.budget == 0 else t_start + args.budget
+                try:
+                    result["cutlass_gemm_sm90"] = compile_job.finish(deadline, show)
+                finally:
+                    done()
+                compile_job = None
+    finally:
+        if compile_job is not None:  # an error or ^C in the pipeline: do not leave nvcc running
+            compile_job.stop()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-    _report(result, args.json)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        _report(result, args)
     return 0
 
 
-def _gpu_speed(kc, cache, q16, k16, v16, n) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from ..bench.timing import time_cuda
-
-    q1 = q16[:, :, n - 1 : n].contiguous()
-    kvarn = time_cuda(lambda: kc.decode_attention(q1, cache, 0), warmup=20, runs=200).median_us
-    sdpa = time_cuda(lambda: F.scaled_dot_product_attention(q1, k16, v16, enable_gqa=True), warmup=20, runs=200).median_us
-    torch.cuda.synchronize()
-    return {"decode_kvarn_eager": round(kvarn, 1), "decode_sdpa_fp16": round(sdpa, 1), "ratio_sdpa_over_kvarn": round(sdpa / kvarn, 2)}
+def _fmt_err(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
-def _report(r: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(r, indent=1))
-        return
-    s = r["shape"]
-    print(f"kvarn-cutlass demo on {r['device']}: {r['tokens']} tokens, {s['q_heads']} q / {s['kv_heads']} KV heads, "
-          f"head_dim {s['head_dim']}, preset {r['preset']}, window {r['window']}")
-    print("  quantization error of the attention output vs exact attention over the fp16 K/V")
-    print("  (synthetic Gaussian V is the worst case for 2-bit V; docs/accuracy.md has perplexity on a real model):")
-    print(f"    prefill, last chunk: {r['prefill_rel_error_vs_fp16_exact']:.2e}   decode, max of 4 steps: "
-          f"{r['decode_rel_error_vs_fp16_exact']:.2e}")
-    if "decode_rel_error_vs_float64_reference" in r:
-        print(f"  decode kernel vs float64 reference over the same cache: {r['decode_rel_error_vs_float64_reference']:.2e}")
+def _report(r: dict, args) -> None:
+    s, on_gpu = r["shape"], r["device"] == "cuda"
+    src = r["source"]
+    what = (f"{src['model']} ({src['layers']} layers) over {src['text']}" if "model" in src
+            else "built-in generator K/V/Q (RoPE recency + content retrieval, outlier channels)")
+    print(f"kvarn-cutlass demo on {r.get('gpu', r['device'])}: {r['tokens']} tokens, {s['q_heads']} q / {s['kv_heads']} "
+          f"KV heads, head_dim {s['head_dim']}, preset {r['preset']}, window {r['window']}, chunk {r['chunk']}")
+    print(f"  inputs: {what}")
+    a = r["accuracy"]
+    pf, dc = a["prefill_last_chunk"], a["decode"]
+    worst = " (worst layer)" if s["layers"] > 1 else ""
+    print(f"  accuracy, relative error of the attention output{worst}:")
+    print(f"    vs exact float64 attention over the unquantized fp16 K/V (quantization error):")
+    print(f"      decode, max of {r['decode_steps']} steps: {_fmt_err(dc['vs_exact_max'])}   "
+          f"({100 * dc['quantized_attention_share']:.0f}% of the attention on quantized tokens)")
+    own = (f"; the chunk's first {r['chunk'] - r['window']} queries see their own recent tokens quantized, "
+           f"--chunk {r['window']} keeps them exact" if r["chunk"] > r["window"] else "")
+    print(f"      prefill, last chunk:    {_fmt_err(pf['vs_exact_max'])}   "
+          f"({100 * pf['quantized_attention_share']:.0f}% on quantized tokens{own})")
+    kernels = "GPU kernels" if on_gpu else "CPU prefill pipeline"
+    print(f"    {kernels} vs the float64 reference over the same quantized cache: prefill {_fmt_err(pf.get('vs_reference_max'))}"
+          f", decode {_fmt_err(dc.get('vs_reference_max')) if on_gpu else '- (the CPU decode is the reference)'}")
     m = r["memory"]
-    print(f"  memory: {m['kvarn_bytes'] / 2**20:.2f} MiB vs {m['fp16_bytes'] / 2**20:.2f} MiB fp16 ({m['ratio']}x smaller; "
-          f"tiles alone {m['tiles_ratio']}x, the rest is the fp16 window)")
-    if "speed_us" in r:
-        sp = r["speed_us"]
-        print(f"  decode step: {sp['decode_kvarn_eager']} us vs SDPA fp16 {sp['decode_sdpa_fp16']} us "
-              f"({sp['ratio_sdpa_over_kvarn']}x)")
+    print(f"  memory: {m['kvarn_bytes'] / 2**20:.2f} MiB vs {m['fp16_bytes'] / 2**20:.2f} MiB fp16 "
+          f"({m['fp16_over_kvarn']}x smaller; tiles alone {m['tiles_fp16_over_kvarn']}x, the rest is the fp16 window)")
+    if on_gpu:
+        d, p = r["speed"]["decode"], r["speed"]["prefill"]
+        print(f"  decode step at {r['tokens']} tokens: {d['kvarn_graph_us']} us (CUDA graph; eager {d['kvarn_eager_us']} us)"
+              f" vs SDPA fp16 {d['sdpa_fp16_us']} us ({d['sdpa_over_kvarn_graph']}x)")
+        print(f"  prefill attention, {p['chunks']} chunks: {p['kvarn_attention_ms']} ms (+{p['kvarn_compress_ms']} ms "
+              f"compression) vs SDPA flash fp16 {p['sdpa_flash_fp16_ms']} ms ({p['kvarn_over_sdpa']}x the SDPA time)")
     else:
         print(f"  GPU: {r['gpu_kernels']}")
         c = r["cutlass_gemm_sm90"]
-        print(f"  CUTLASS K-score GEMM for sm_90: {c['status']}"
-              + (f" ({c['config']}, {c['seconds']} s" + (f", {c['igmma']} IGMMA" if "igmma" in c else "") + ")"
-                 if c["status"] == "compiled" else ""))
+        line = f"  CUTLASS K-score GEMM for sm_90: {c['status']}"
+        if c["status"] in ("compiled", "cached"):
+            sass = c.get("sass")
+            igmma = f", {sass['igmma']} IGMMA" if isinstance(sass, dict) and "igmma" in sass else ""
+            how = (f"nvcc took {c['nvcc_seconds']} s" if c["status"] == "compiled"
+                   else f"from the kernel cache, compiled earlier in {c['nvcc_seconds']} s")
+            line += f" ({c['config']}, {c['seconds']} s; {how}{igmma})"
+        elif c["status"] == "not finished":
+            line += (f" after {c['seconds']} s (stopped at the --budget of {args.budget:g} s). "
+                     "`kvarn-cutlass demo --budget 0` waits for it; once built it is cached")
+        elif c["status"] == "failed":
+            line += f" ({c['config']}: {c['error']})"
+        print(line)
     print(f"  done in {r['seconds']} s")

@@ -1,0 +1,57 @@
+"""argparse ``type=`` converters shared by the subcommands.
+
+A bad value becomes argparse's one-line usage error (exit status 2) naming the option, before any
+heavy import or work: ``kvarn-cutlass demo: error: argument --tokens: must be an integer >= 2, got '-5'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """Converter to an int >= ``low``."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    convert.__name__ = f"int>={low}"  # argparse names the type in some messages
+    return convert
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def non_negative_float(text: str) -> float:
+    """Converter to a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def existing_file(text: str) -> str:
+    """A path that names an existing regular file (returned unchanged)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path that names an existing directory (returned unchanged)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text

@@ -1,0 +1,233 @@
+"""``kvarn-cutlass demo``: its generator, its accuracy and memory figures against independent
+computations, its CUTLASS compile child (budget, cleanup, cached vs compiled), and the GPU path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvarn_cutlass.cli import main
+from kvarn_cutlass.cli import demo
+from kvarn_cutlass.format import PRESETS, TileSpec
+
+from _helpers import SHARED
+
+MODEL = SHARED / "models" / "kvarn-ref-lm"
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["demo", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --- inputs ----------------------------------------------------------------------------------------------
+def test_rope_scores_depend_only_on_relative_position():
+    g = torch.Generator().manual_seed(int(time.time()))
+    q, k = torch.randn(1, 1, 1, 64, generator=g), torch.randn(1, 1, 1, 64, generator=g)
+    at = lambda x, p: demo.rope(x, torch.tensor([p]))  # noqa: E731
+    s1 = float((at(q, 9) * at(k, 4)).sum())
+    s2 = float((at(q, 1005) * at(k, 1000)).sum())
+    assert s1 == pytest.approx(s2, rel=1e-4, abs=1e-4)
+    assert float(at(q, 77).norm()) == pytest.approx(float(q.norm()), rel=1e-5)  # rotations keep norms
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generator_attention_is_local_and_peaked_like_a_trained_model(seed):
+    """The docstring's claims at n = 2048: most attention on the newest 256 tokens, top key ~0.3,
+    |q|, |k| ~ 12-15 (kvarn-ref-lm layers 1-5: 0.79-0.89, 0.24-0.34, 12-14)."""
+    n = 2048
+    q, k, v = demo.realistic_qkv(8, 2, n, 128, torch.Generator().manual_seed(seed))
+    assert q.shape == (1, 8, n, 128) and k.shape == v.shape == (1, 2, n, 128) and q.dtype == torch.float32
+    _, p = demo.exact_attention(q[:, :, -16:], k, v, 128**-0.5)
+    window_share = float(p[..., -256:].sum(-1).mean())
+    top = float(p.max(-1).values.mean())
+    assert 0.6 < window_share < 0.95, window_share
+    assert 0.1 < top < 0.6, top
+    assert 8 < float(k.norm(dim=-1).mean()) < 20 and 8 < float(q.norm(dim=-1).mean()) < 20
+    # keys have outlier channels: the largest per-channel spread is several times the median one
+    spread = k.std(dim=2).mean(dim=(0, 1))
+    assert float(spread.max() / spread.median()) > 2.5
+
+
+def test_exact_attention_matches_sdpa_in_float64():
+    g = torch.Generator().manual_seed(int(time.time()) % 10_000)
+    q = torch.randn(1, 8, 5, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 40, 32, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 40, 32, generator=g, dtype=torch.float64)
+    out, p = demo.exact_attention(q, k, v, 0.3)
+    allowed = torch.arange(40)[None, :] <= torch.arange(35, 40)[:, None]  # query i at position 35 + i
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3, enable_gqa=True)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(p.sum(-1), torch.ones_like(p.sum(-1)))
+    assert float(p[..., 0, 36:].abs().max()) == 0.0  # the first query sees nothing after position 35
+
+
+# --- the CPU pipeline ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset,tokens,chunk,window", [("k4v2_g128", 700, 256, 128), ("k4v4_g64", 530, 100, 192)])
+def test_cpu_demo_figures(capsys, preset, tokens, chunk, window):
+    r = run_json(capsys, "--device", "cpu", "--no-compile", "--preset", preset, "--tokens", str(tokens),
+                 "--chunk", str(chunk), "--window", str(window))
+    assert r["device"] == "cpu" and r["tokens"] == tokens and r["shape"]["layers"] == 1
+    Hkv, D = r["shape"]["kv_heads"], r["shape"]["head_dim"]
+    # memory from the cache's documented layout: ceil((n - W) / T) tiles, the rest in the fp16 window
+    T = PRESETS[preset][2]
+    tiles = max(0, math.ceil((tokens - window) / T))
+    want = tiles * Hkv * TileSpec(preset, D).tile_nbytes + (tokens - tiles * T) * Hkv * D * 2 * 2
+    assert r["memory"]["kvarn_bytes"] == want
+    assert r["memory"]["fp16_bytes"] == 2 * Hkv * tokens * D * 2
+    pf, dc = r["accuracy"]["prefill_last_chunk"], r["accuracy"]["decode"]
+    # the CPU prefill pipeline (int8 K scores) reproduces the float64 reference over the same cache
+    assert pf["vs_reference_max"] < 5e-3
+    # quantization error: present (tiles exist and get attention) but bounded
+    assert 0 < pf["quantized_attention_share"] < 1 and 0 < dc["quantized_attention_share"] < 1
+    assert 1e-4 < dc["vs_exact_max"] < 0.2 and 1e-4 < pf["vs_exact_max"] < 0.6
+    # triangle inequality between the three errors of the prefill chunk
+    assert abs(pf["vs_exact_max"] - pf["reference_vs_exact_max"]) <= pf["vs_reference_max"] + 1e-12
+    assert dc["vs_reference_max"] is None  # the CPU decode is the reference itself: nothing to compare
+    assert r["cutlass_gemm_sm90"]["status"] == "skipped (--no-compile)"
+
+
+def test_cpu_demo_text_report(capsys):
+    assert main(["demo", "--device", "cpu", "--no-compile", "--tokens", "400", "--chunk", "256", "--window", "128"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("quantization error", "float64 reference", "memory:", "fp16", "not run: no CUDA device",
+                   "CUTLASS K-score GEMM for sm_90: skipped", "the chunk's first 128 queries"):
+        assert needle in out, needle
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="shared reference model not present")
+def test_cpu_demo_with_a_model_uses_every_layer(capsys):
+    pytest.importorskip("transformers")
+    r = run_json(capsys, "--device", "cpu", "--no-compile", "--model", str(MODEL), "--tokens", "300",
+                 "--chunk", "128", "--window", "128")
+    assert r["shape"] == {"layers": 6, "batch": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 128}
+    assert "package" in r["source"]["text"]
+    for phase in ("prefill_last_chunk", "decode"):
+        per_layer = r["accuracy"][phase]["per_layer"]
+        assert len(per_layer) == 6
+        assert r["accuracy"][phase]["vs_exact_max"] == max(x["vs_exact"] for x in per_layer)
+    assert r["accuracy"]["prefill_last_chunk"]["vs_reference_max"] < 5e-3
+    assert r["memory"]["fp16_bytes"] == 6 * 2 * 2 * 300 * 128 * 2
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--window", "100"], "--window"),
+    (["--tokens", "4", "--decode-steps", "4"], "--tokens"),
+    (["--text", __file__], "--text needs --model"),
+])
+def test_bad_combinations_fail_with_one_line(capsys, argv, fragment):
+    assert main(["demo", "--device", "cpu", "--no-compile", *argv]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+# --- the compile child ------------------------------------------------------------------------------------
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_compile_child_is_stopped_at_the_deadline_with_its_children(monkeypatch):
+    """A compile past the budget is reported 'not finished' and its whole process group (nvcc and the
+    compilers it starts) is gone afterwards."""
+    sleeper = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+               " time.sleep(120)")
+    monkeypatch.setattr(demo, "_CHILD", sleeper)
+    cfg = demo.demo_gemm_config(512, 4)
+    job = demo.GemmCompile(cfg)
+    ticks = []
+    t0 = time.perf_counter()
+    res = job.finish(time.perf_counter() + 1.5, ticks.append)
+    assert res["status"] == "not finished" and res["config"] == cfg.name
+    assert time.perf_counter() - t0 < 10
+    assert ticks and all(t >= 0 for t in ticks)
+    deadline = time.time() + 5
+    while _group_alive(job.proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(job.proc.pid)
+
+
+def test_compile_child_failure_is_reported_with_its_last_line(monkeypatch):
+    monkeypatch.setattr(demo, "_CHILD", "import sys; print('noise', file=sys.stderr); sys.exit('nvcc exploded')")
+    res = demo.GemmCompile(demo.demo_gemm_config(512, 4)).finish(None, lambda s: None)
+    assert res["status"] == "failed" and res["error"] == "nvcc exploded"
+
+
+def test_compile_child_reports_compiled_then_cached(monkeypatch, tmp_path, capsys):
+    """In-process run of the child body with nvcc replaced: the first build runs the compiler once, the
+    second is served by the disk cache (GemmBinary.cached)."""
+    pytest.importorskip("cutlass_library")
+    from kvarn_cutlass.gemm import compile as gemm_compile
+
+    try:
+        gemm_compile.nvcc_version()
+    except (FileNotFoundError, OSError):
+        pytest.skip("no nvcc (its version is part of the cache key)")
+    calls = []
+
+    def fake_compile(src, entry, arch, flags):
+        calls.append(entry)
+        return b"\x7fELF-not-a-real-cubin", b"\x7fELF-not-a-real-so", "ptxas info: fake", 0.25
+
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm_compile, "_compile", fake_compile)
+    cfg_json = json.dumps(demo.demo_gemm_config(512, 4).to_dict())
+    demo._compile_child(cfg_json)
+    first = json.loads(capsys.readouterr().out)
+    demo._compile_child(cfg_json)
+    second = json.loads(capsys.readouterr().out)
+    assert (first["status"], second["status"]) == ("compiled", "cached")
+    assert len(calls) == 1
+    assert first["nvcc_seconds"] == second["nvcc_seconds"] == 0.25
+    assert first["cubin_bytes"] == len(b"\x7fELF-not-a-real-cubin")
+    assert isinstance(first["sass"], (str, dict))
+    assert any(tmp_path.rglob("*.bin"))
+
+
+def test_demo_config_is_what_prefill_selects():
+    from kvarn_cutlass.gemm.configs import select_config
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = select_config(90, M=2048, N=128, head_dim=128, L=1, out_dtype="f16")
+    assert demo.demo_gemm_config(512, 4) == want
+
+
+# --- GPU ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_demo_json(capsys):
+    r = run_json(capsys, "--device", "cuda", "--tokens", "4096", "--chunk", "512")
+    assert r["device"] == "cuda" and r["shape"]["q_heads"] == 32 and r["shape"]["kv_heads"] == 8
+    pf, dc = r["accuracy"]["prefill_last_chunk"], r["accuracy"]["decode"]
+    assert pf["vs_reference_max"] < 5e-3, pf  # the prefill kernels vs float64 over the same cache
+    assert dc["vs_reference_max"] < 2e-3, dc  # the graph-replayed decode kernels
+    assert dc["vs_exact_max"] < 0.2 and pf["vs_exact_max"] < 0.6
+    d, p = r["speed"]["decode"], r["speed"]["prefill"]
+    for key in ("kvarn_graph_us", "kvarn_eager_us", "sdpa_fp16_us", "sdpa_over_kvarn_graph"):
+        assert d[key] > 0, key
+    for key in ("kvarn_attention_ms", "kvarn_compress_ms", "sdpa_flash_fp16_ms", "kvarn_over_sdpa"):
+        assert p[key] > 0, key
+    assert p["chunks"] == 8
+    assert r["memory"]["fp16_bytes"] == 2 * 8 * 4096 * 128 * 2 and r["memory"]["fp16_over_kvarn"] > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="shared reference model not present")
+def test_gpu_demo_with_a_model(capsys):
+    pytest.importorskip("transformers")
+    r = run_json(capsys, "--device", "cuda", "--model", str(MODEL), "--tokens", "2048")
+    assert r["shape"]["layers"] == 6
+    assert r["accuracy"]["decode"]["vs_reference_max"] < 2e-3
+    assert r["accuracy"]["prefill_last_chunk"]["vs_reference_max"] < 5e-3
+    assert r["speed"]["decode"]["kvarn_graph_us"] > 0
