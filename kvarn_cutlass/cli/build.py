@@ -17,6 +17,8 @@ import json
 import sys
 from typing import Any
 
+from .argtypes import positive_int
+
 __all__ = ["add_parser", "run"]
 
 
@@ -30,7 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="target, e.g. sm90, sm_90a, sm80; repeatable (default: the current GPU's)")
     p.add_argument("--family", action="append", metavar="NAME", help="only these kernel families (repeatable)")
     p.add_argument("--backend", choices=("nvrtc", "nvcc"), help="compiler (default: $KVARN_CUTLASS_COMPILER or nvrtc)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
+    p.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                    help="compile N modules at once in worker processes (default 1; the disk cache is process-safe)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return p
@@ -101,8 +103,6 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(f"unknown kernel family {unknown}; registered: {sorted(families)}")
     jobs = [(family, spec, arch) for family, specs in families.items() if not args.family or family in args.family
             for spec in specs for arch in arches]
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     work = [(spec, arch, args.backend) for _, spec, arch in jobs]
     gemm_jobs = []
     if not args.family or GEMM_FAMILY in args.family:

@@ -3,13 +3,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
+
+_BUCKET = re.compile(r"M(\d+)_T(\d+)_D(\d+)(?:_(f16|f32))?")
+
+
+def bucket_arg(text: str) -> str:
+    """argparse type of --bucket: ``M<rows>_T<tile tokens>_D<head_dim>[_f16|_f32]``."""
+    if not _BUCKET.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected M<rows>_T<tokens>_D<head_dim>[_f16|_f32], e.g. M4096_T128_D128_f16, "
+                                         f"got {text!r}")
+    return text
+
+
+def config_arg(text: str) -> dict:
+    """argparse type of --config: a JSON object of GemmConfig fields."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of GemmConfig fields, got {text!r}")
+    return value
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="sm90", help="target architecture (only sm90)")
-    p.add_argument("--bucket", help="shape bucket, e.g. M4096_T128_D128_f16 (config from gemm_configs/)")
-    p.add_argument("--config", help="GemmConfig as JSON (overrides --bucket)")
+    p.add_argument("--bucket", type=bucket_arg, help="shape bucket, e.g. M4096_T128_D128_f16 (config from gemm_configs/)")
+    p.add_argument("--config", type=config_arg, help="GemmConfig as JSON (overrides --bucket)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -21,13 +43,12 @@ def config_from_args(args: argparse.Namespace):
 
     cc = normalize_arch(args.arch)
     if args.config:
-        return GemmConfig.from_dict(json.loads(args.config))
+        return GemmConfig.from_dict(args.config)
     if args.bucket:
-        parts = dict((p[0], p[1:]) for p in args.bucket.split("_")[:3])
-        out = args.bucket.split("_")[3] if args.bucket.count("_") >= 3 else "f16"
+        m, t, d, out = _BUCKET.fullmatch(args.bucket).groups()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UntunedConfigWarning)
-            return select_config(cc, int(parts["M"]), int(parts["T"]), int(parts["D"]), 1, out)
+            return select_config(cc, int(m), int(t), int(d), 1, out or "f16")
     return GemmConfig()
 
 

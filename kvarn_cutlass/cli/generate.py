@@ -8,24 +8,27 @@ import argparse
 import json
 import sys
 
+from ..format import PRESETS
+from .argtypes import existing_dir, existing_file, non_negative_int, positive_int
+
 NAME = "generate"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="greedy generation with a KVarN cache and agreement vs unquantized",
                               description=__doc__)
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", required=True, type=existing_dir, metavar="DIR", help="Hugging Face model directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompts-from", metavar="FILE",
+    src.add_argument("--prompts-from", metavar="FILE", type=existing_file,
                      help="take --num-prompts prompts of --prompt-tokens tokens at evenly spaced offsets of FILE")
-    p.add_argument("--num-prompts", type=int, default=8, help="with --prompts-from (default 8)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="with --prompts-from (default 1024)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--preset", default="k4v2_g128", help="tile preset (default k4v2_g128)")
-    p.add_argument("--window", type=int, default=256, help="fp16 window in tokens (default 256)")
-    p.add_argument("--sink", type=int, default=0, help="leading tokens kept unquantized (default 0)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="with --prompts-from (default 8)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="with --prompts-from (default 1024)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--window", type=positive_int, default=256, help="fp16 window in tokens (default 256)")
+    p.add_argument("--sink", type=non_negative_int, default=0, help="leading tokens kept unquantized (default 0)")
+    p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size (default 512)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
     p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from ..hf.generate import agreement, kvarn_cache_factory, prompts_from_text
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch sees no CUDA device")
     model, tok = load_model(args.model, device, args.dtype)
     factory = kvarn_cache_factory(model, preset=args.preset, window=args.window, sink_tokens=args.sink,
                                   dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)

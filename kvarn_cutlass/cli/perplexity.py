@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from ..format import QUANTIZERS
+from ..format import PRESETS, QUANTIZERS
+from .argtypes import existing_dir, existing_file, int_at_least, non_negative_int, positive_int
 
 NAME = "perplexity"
 
@@ -20,16 +21,16 @@ NAME = "perplexity"
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="teacher-forced perplexity of a HF model with a KVarN cache vs unquantized",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face model directory (Llama/Qwen-style decoder)")
-    p.add_argument("--text", required=True, help="UTF-8 text file; tokenized whole, split into ctx-token windows")
-    p.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--windows", type=int, default=None, help="first K windows (default: all complete windows)")
-    p.add_argument("--preset", default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--model", required=True, type=existing_dir, metavar="DIR", help="Hugging Face model directory (Llama/Qwen-style decoder)")
+    p.add_argument("--text", required=True, type=existing_file, metavar="FILE", help="UTF-8 text file; tokenized whole, split into ctx-token windows")
+    p.add_argument("--ctx", type=int_at_least(2), default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--windows", type=positive_int, default=None, help="first K windows (default: all complete windows)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="k4v2_g128", help="tile preset (default k4v2_g128)")
     p.add_argument("--quantizer", choices=QUANTIZERS, default="uniform",
                    help="how tile values are coded: uniform (asymmetric round-to-nearest, default) or lloyd_max "
                         "(nearest Lloyd-Max centroid of N(0,1) after per-axis mean/RMS normalization)")
-    p.add_argument("--window", type=int, default=256, help="fp16 window in tokens; 0 = no window (default 256)")
-    p.add_argument("--sink", type=int, default=0, help="leading tokens kept unquantized (default 0)")
+    p.add_argument("--window", type=non_negative_int, default=256, help="fp16 window in tokens; 0 = no window (default 256)")
+    p.add_argument("--sink", type=non_negative_int, default=0, help="leading tokens kept unquantized (default 0)")
     p.add_argument("--view", choices=("decode", "prefill"), default="decode",
                    help="decode: position p sees the cache holding p+1 tokens (default); prefill: every position "
                         "sees the cache holding the whole window (quantize-everything evaluation)")
@@ -37,9 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("auto", "sim", "decode", "prefill"), default="auto",
                    help="sim: one-pass simulation (default on CPU); decode: token by token through the cache "
                         "(default on CUDA, GPU decode kernel); prefill: chunked prefill semantics")
-    p.add_argument("--chunk", type=int, default=512,
+    p.add_argument("--chunk", type=positive_int, default=512,
                    help="chunk size of --method prefill, query block of --method sim (default 512)")
-    p.add_argument("--batch", type=int, default=2, help="windows per forward pass (simulation) or per decode batch (default 2)")
+    p.add_argument("--batch", type=positive_int, default=2, help="windows per forward pass (simulation) or per decode batch (default 2)")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
     p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized baseline")
@@ -61,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
     method = args.method
     if method == "auto":
         method = "sim" if device == "cpu" or args.window == 0 or args.view == "prefill" else "decode"
-    if args.ctx < 2:
-        raise ValueError(f"--ctx must be at least 2, got {args.ctx}")
     cache_dtype = getattr(torch, args.cache_dtype)
     spec = SimSpec(args.preset, args.window, args.sink, dtype=cache_dtype, view=args.view, block=args.chunk,
                    quantizer=args.quantizer)

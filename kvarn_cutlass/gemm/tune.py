@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli.argtypes import positive_int
 from .config import GemmConfig, validate_for_problem
 from .configs import D_BUCKETS, M_BUCKETS, OUT_BUCKETS, T_BUCKETS, config_dir, gemm_depth, untuned_table
 
@@ -112,8 +113,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--filter", default=None, metavar="REGEX",
                    help="only candidates whose config name matches REGEX (re.search), e.g. a shortlist")
     p.add_argument("--dry-run", action="store_true", help="list the sweep, no compile, no GPU")
-    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel nvcc compiles")
-    p.add_argument("--runs", type=int, default=50, help="timed runs per candidate")
+    p.add_argument("--jobs", type=positive_int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel nvcc compiles")
+    p.add_argument("--runs", type=positive_int, default=50, help="timed runs per candidate")
     p.add_argument("--state", default=None, help="state file (default: <cache root>/tune_sm90_state.jsonl)")
     p.add_argument("--output", default=None, help="output JSON (default: gemm_configs/sm90.json)")
     return p
