@@ -70,7 +70,8 @@ def _gemm_configs(arch: int) -> list:
 
 
 def _build_gemm_one(job: tuple) -> tuple:
-    """Worker: build one CUTLASS GEMM config; returns ((cubin resources, meta), None) or (None, failure)."""
+    """Worker: build one CUTLASS GEMM config; returns ((cubin resources, ptxas log fields, meta, cached), None)
+    or (None, failure)."""
     from ..gemm.compile import build_gemm
     from ..runtime.compiler import cubin_resources, parse_ptxas_log
     from ..runtime.errors import CompileError
@@ -82,7 +83,7 @@ def _build_gemm_one(job: tuple) -> tuple:
         return None, (str(e).splitlines()[0], e.log)
     res = cubin_resources(binary.cubin)
     logged = parse_ptxas_log(binary.ptxas_log)
-    return (res, logged, binary.meta), None
+    return (res, logged, binary.meta, binary.cached), None
 
 
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -140,7 +141,7 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
         if failure is not None:
             records.append({**base, "error": failure[0], "log": failure[1]})
             continue
-        res, logged, meta = built
+        res, logged, meta, cached = built
         kernel_res = next(iter(res.values()), None)
         extra = next(iter(logged.values()), None)
         fields = dict(vars(kernel_res)) if kernel_res is not None else {}
@@ -152,7 +153,7 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
             "kernel": cfg.name,
             **fields,
             "module_compile_s": float(meta.get("seconds", 0.0)),
-            "cached": None,
+            "cached": cached,
             "compiler": f"nvcc {meta.get('nvcc', '?')}",
         })
     return records
@@ -172,7 +173,7 @@ def _table(records: list[dict[str, Any]]) -> str:
             r["family"], r["kernel"], r["target"], show(r.get("registers")), show(r.get("shared_bytes")),
             show(r.get("stack_bytes")), f"{show(r.get('spill_store_bytes'))}/{show(r.get('spill_load_bytes'))}",
             show(r.get("ptxas_ms"), "{:.1f}"), f"{r['module_compile_s']:.3f}",
-            "?" if r["cached"] is None else "yes" if r["cached"] else "no",
+            "yes" if r["cached"] else "no",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
