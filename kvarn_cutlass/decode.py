@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .cache import KVarNCache
-from .format import PRESETS, HEAD_DIMS, SCALE_DTYPES, TileSpec
+from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from .runtime import KernelSpec, get_module, register
 
 __all__ = [
@@ -72,27 +72,47 @@ _COMBINE_SIG = ("ptr po", "ptr pm", "ptr pl", "ptr out", "i32 Hkv", "i32 G", "i3
 
 # --- kernel specs ------------------------------------------------------------------------------
 def _suffix(spec: TileSpec) -> str:
-    return f"d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}_s{spec.scale_bytes}"
+    lm = "_lm" if spec.quantizer == "lloyd_max" else ""
+    return f"d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}_s{spec.scale_bytes}{lm}"
+
+
+def codebook_planes(values) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(lo-byte words, hi-byte words) of the f16 codebook ``values``: 4 uint32 each, entry i at byte i % 4
+    of word i // 4 (unused entries 0). The f16 values are ``float32 -> float16`` round-to-nearest-even."""
+    bits = (torch.tensor(values, dtype=torch.float32).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    bits = bits + [0] * (16 - len(bits))
+    lo = tuple(sum((bits[4 * w + j] & 0xFF) << (8 * j) for j in range(4)) for w in range(4))
+    hi = tuple(sum((bits[4 * w + j] >> 8) << (8 * j) for j in range(4)) for w in range(4))
+    return lo, hi
 
 
 def decode_spec(spec: TileSpec) -> KernelSpec:
-    """The :class:`KernelSpec` of the decode kernels for one record layout."""
+    """The :class:`KernelSpec` of the decode kernels for one record layout (quantizer included)."""
     sfx = _suffix(spec)
+    defines = {"KVD_D": spec.head_dim, "KVD_T": spec.tile_tokens, "KVD_VB": spec.v_bits, "KVD_SB": spec.scale_bytes}
+    if spec.quantizer == "lloyd_max":
+        defines["KVD_QZ"] = 1
+        for tag, book in (("K", spec.k_codebook), ("V", spec.v_codebook)):
+            lo, hi = codebook_planes(book)
+            for w in range(4):
+                defines[f"KVD_{tag}L{w}"] = f"0x{lo[w]:08x}u"
+                defines[f"KVD_{tag}H{w}"] = f"0x{hi[w]:08x}u"
     return KernelSpec(
         "decode.cu",
         (f"kvarn_decode_partials_{sfx}", f"kvarn_decode_combine_{sfx}"),
-        defines={"KVD_D": spec.head_dim, "KVD_T": spec.tile_tokens, "KVD_VB": spec.v_bits, "KVD_SB": spec.scale_bytes},
+        defines=defines,
         name=f"decode_{sfx}",
     )
 
 
 def decode_specs() -> list[KernelSpec]:
-    """Every shipped variant: presets x head dims x scale dtypes (24 modules)."""
+    """Every shipped variant: presets x head dims x scale dtypes x quantizers (48 modules)."""
     out = []
-    for preset in PRESETS:
-        for d in HEAD_DIMS:
-            for sd in SCALE_DTYPES:
-                out.append(decode_spec(TileSpec(preset=preset, head_dim=d, scale_dtype=sd)))
+    for quantizer in QUANTIZERS:
+        for preset in PRESETS:
+            for d in HEAD_DIMS:
+                for sd in SCALE_DTYPES:
+                    out.append(decode_spec(TileSpec(preset=preset, head_dim=d, scale_dtype=sd, quantizer=quantizer)))
     return out
 
 
@@ -269,7 +289,7 @@ _kernel_cache: dict = {}
 
 
 def _kernels(spec: TileSpec, device: torch.device):
-    key = (spec.preset, spec.head_dim, spec.scale_dtype, device.index)
+    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, device.index)
     ks = _kernel_cache.get(key)
     if ks is None:
         ks_spec = decode_spec(spec)
@@ -506,7 +526,7 @@ def decode_attention(q: torch.Tensor, cache: KVarNCache, layer: int, scale: floa
     Args:
         q: [batch, num_q_heads, 1, head_dim] float16/bfloat16 on the cache's CUDA device; num_q_heads
             is num_kv_heads x G with G in 1..8 (query head h reads KV head h // G).
-        cache: a KVarNCache on a CUDA device (any preset, head_dim, scale dtype; sink tokens allowed).
+        cache: a KVarNCache on a CUDA device (any preset, head_dim, scale dtype, quantizer; sink tokens allowed).
         layer: layer index.
         scale: softmax scale, default 1/sqrt(head_dim).
         out: optional output tensor like q.

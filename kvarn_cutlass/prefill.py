@@ -18,6 +18,9 @@ Pipeline (unfused; one pass per tile group, online softmax state carried across 
                 x centered codes (code - 2^(v_bits-1), exact in f16), f32 accumulation, plus
                 sum p*(tok_min + 2^(v_bits-1)*tok_step) in f32, times col_scale
                 (csrc/prefill_sv.cu mma.sync kernel, or torch.bmm on f16 codes)
+        lloyd_max caches: the K operand rows come from the int8 centroid tables of gemm.prep
+                (a = ... / S, no centering offset in bias) and the V codes from the f16 codebook
+                (P' x codebook[code], plus sum p*tok_min): the codebooks are already centred
     tile part: one inverse WHT of acc at the end
     exact part (sink + window, causal): f32 torch matmuls, slabbed to the budget
     log-sum-exp merge of the two parts, / total sum -> q.dtype
@@ -185,10 +188,12 @@ def workspace_bytes() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # stage implementations
-def sv_kernel_name(D: int, T: int, v_bits: int, scale_dtype: torch.dtype, score_dtype: torch.dtype) -> str:
+def sv_kernel_name(D: int, T: int, v_bits: int, scale_dtype: torch.dtype, score_dtype: torch.dtype,
+                   quantizer: str = "uniform") -> str:
     sc = "f16" if scale_dtype == torch.float16 else "f32"
     st = "f16" if score_dtype == torch.float16 else "f32"
-    return f"kvarn_prefill_sv_d{D}_t{T}_v{v_bits}_{sc}_{st}"
+    vq = f"v{v_bits}lm" if quantizer == "lloyd_max" else f"v{v_bits}"
+    return f"kvarn_prefill_sv_d{D}_t{T}_{vq}_{sc}_{st}"
 
 
 _SV_SIG = ("ptr S", "ptr pool", "ptr tile_index", "i64 record_stride", "i32 v_codes_off", "i32 tok_step_off",
@@ -196,19 +201,30 @@ _SV_SIG = ("ptr S", "ptr pool", "ptr tile_index", "i64 record_stride", "i32 v_co
            "ptr acc", "ptr m", "ptr l")
 
 
+def _f16_bits(values) -> str:
+    """A C initializer of the f16 bit patterns of ``values`` (round to nearest even, as torch does)."""
+    bits = torch.tensor(values, dtype=torch.float32).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return "{" + ", ".join(f"0x{int(b):04x}" for b in bits) + "}"
+
+
 def sv_spec():
+    """The module of the sv kernels: both quantizers (lloyd_max names carry ``lm`` after the V bits)."""
+    from .format import codebook
     from .runtime.spec import KernelSpec
 
     names = tuple(
-        f"kvarn_prefill_sv_d{D}_t{T}_v{vb}_{sc}_{st}"
-        for D in (64, 128, 256) for T in (64, 128) for vb in (2, 4) for sc in ("f16", "f32") for st in ("f16", "f32")
+        f"kvarn_prefill_sv_d{D}_t{T}_v{vq}_{sc}_{st}"
+        for D in (64, 128, 256) for T in (64, 128) for vq in ("2", "4", "2lm", "4lm") for sc in ("f16", "f32")
+        for st in ("f16", "f32")
     )
-    return KernelSpec("prefill_sv.cu", names, options=("-lineinfo",), name="prefill_sv")
+    defines = {"SV_LM_CB2": _f16_bits(codebook("lloyd_max", 2)), "SV_LM_CB4": _f16_bits(codebook("lloyd_max", 4))}
+    return KernelSpec("prefill_sv.cu", names, defines=defines, options=("-lineinfo",), name="prefill_sv")
 
 
-def sv_smem_bytes(D: int, T: int) -> int:
-    """Dynamic smem of the sv kernel: codes f16 [T][D + 8], tok_step and offsets f32 [T], col_scale f32 [D]."""
-    return T * (D + 8) * 2 + (2 * T + D) * 4
+def sv_smem_bytes(D: int, T: int, quantizer: str = "uniform") -> int:
+    """Dynamic smem of the sv kernel: codes f16 [T][D + 8], tok_step and offsets f32 [T], col_scale f32 [D]
+    (lloyd_max: and the f16 codebook, 16 entries)."""
+    return T * (D + 8) * 2 + (2 * T + D) * 4 + (32 if quantizer == "lloyd_max" else 0)
 
 
 try:  # make `kvarn-cutlass build` see the family; harmless when the registry is absent
@@ -257,7 +273,7 @@ class _TorchStages:
         codes.copy_(c), rs.copy_(r)
 
     def kscore(self, ctx, ws, qi8, codes, a, bias, rs, S):
-        # exact: integer partial sums, |acc| <= D * (127*128 + 8*8) < 2^23
+        # exact: integer partial sums, |acc| <= D * (127*128 + 8*8) < 2^23 (lloyd_max: D * (127*122 + 8*8))
         acc = torch.bmm(qi8.to(torch.float32), codes.to(torch.float32).transpose(1, 2))
         S.copy_((ctx.scale * rs)[:, None, :] * (a[..., None] * acc + bias[..., None]))
 
@@ -277,11 +293,17 @@ class _GpuStages:
         ws.gemm(ctx.Mp, qi8.shape[0]).run(qi8, codes, a, bias, rs, ctx.scale, S)
 
 
-def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
-    """(centered v codes f16 [L, T, D], tok_step, tok_min [L, T], col_scale [L, D]) in f32.
+def _v_code_offset(spec) -> int:
+    """h: the centering offset of the V code values (2^(v_bits-1) for uniform, 0 for the centred lloyd_max codebook)."""
+    return 0 if spec.quantizer == "lloyd_max" else 1 << (spec.v_bits - 1)
 
-    Codes are returned as ``code - 2^(v_bits-1)`` ([-2, 1] or [-8, 7], exact in f16); the caller adds
-    ``2^(v_bits-1) * tok_step`` to tok_min (see :func:`_sv_torch`).
+
+def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
+    """(centered v code values f16 [L, T, D], tok_step, tok_min [L, T], col_scale [L, D]) in f32.
+
+    Code values are ``code - 2^(v_bits-1)`` for uniform ([-2, 1] or [-8, 7], exact in f16) and the codebook
+    value ``codebook[code]`` rounded to f16 for lloyd_max (already centred); the caller adds
+    ``h * tok_step`` to tok_min, h = :func:`_v_code_offset` (see :func:`_sv_torch`).
     """
     T, D, vb = spec.tile_tokens, spec.head_dim, spec.v_bits
     recs = pool.reshape(-1, spec.tile_nbytes).index_select(0, tile_index.to(torch.int64))
@@ -295,7 +317,12 @@ def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
     per = 8 // vb
     shifts = torch.arange(per, dtype=torch.int32, device=pool.device) * vb
     codes = ((raw[..., None] >> shifts) & (2**vb - 1)).reshape(-1, T, D)
-    return (codes - (1 << (vb - 1))).to(torch.float16), scales("tok_step", T), scales("tok_min", T), scales("col_scale", D)
+    if spec.quantizer == "lloyd_max":
+        book = torch.tensor(spec.v_codebook, dtype=torch.float32, device=pool.device).to(torch.float16)
+        values = book[codes.to(torch.int64)]
+    else:
+        values = (codes - _v_code_offset(spec)).to(torch.float16)
+    return values, scales("tok_step", T), scales("tok_min", T), scales("col_scale", D)
 
 
 def _tile_mask(ctx: _Ctx, g0: int, Gt: int, Mp: int):
@@ -324,9 +351,10 @@ def _pv_f16(pp: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 def _sv_torch(ctx: _Ctx, S, tile_index, Hg, Gt, g0, acc, m, l):
     """Online softmax + V (torch; tensor cores via torch.bmm on f16 on CUDA). State [Hg, Mp(, D)] in place.
 
-    Per tile: V[t, d] = col_scale[d] * (tok_min[t] + tok_step[t] * code[t, d]) is summed as
-    col_scale[d] * (smax * sum_t P'[t] * (code[t, d] - h) + sum_t p[t] * (tok_min[t] + h * tok_step[t]))
-    with h = 2^(v_bits-1) and P' = p * tok_step / smax rounded to f16. Centered codes (exact in f16) keep
+    Per tile: V[t, d] = col_scale[d] * (tok_min[t] + tok_step[t] * value[t, d]) is summed as
+    col_scale[d] * (smax * sum_t P'[t] * (value[t, d] - h) + sum_t p[t] * (tok_min[t] + h * tok_step[t]))
+    with P' = p * tok_step / smax rounded to f16; value = code and h = 2^(v_bits-1) for uniform, value =
+    codebook[code] (f16) and h = 0 for lloyd_max. Centered codes (exact in f16) keep
     the f16 product small: uncentered codes carry their mean, so P' x codes and sum p*tok_min cancel
     and the f16 rounding of P' is amplified by that cancellation.
     """
@@ -343,7 +371,7 @@ def _sv_torch(ctx: _Ctx, S, tile_index, Hg, Gt, g0, acc, m, l):
     p = torch.exp(s - m_use[:, None, :, None])  # [Hg, Gt, Mp, T]
     codes, tok_step, tok_min, col_scale = _v_fields(ctx.pool, tile_index, spec)
     tok_step, tok_min, col_scale = (x.view(Hg, Gt, -1) for x in (tok_step, tok_min, col_scale))
-    tok_off = tok_min + float(1 << (spec.v_bits - 1)) * tok_step  # the centering offset, f32
+    tok_off = tok_min + float(_v_code_offset(spec)) * tok_step  # the centering offset, f32
     smax = tok_step.amax(-1)  # [Hg, Gt]; P' in [0, 1] (p <= 1), so f16 keeps its relative precision
     inv = torch.where(smax > 0, 1.0 / torch.where(smax > 0, smax, torch.ones_like(smax)), torch.zeros_like(smax))
     pp = (p * (tok_step * inv[..., None])[:, :, None, :]).to(torch.float16).view(Hg * Gt, Mp, T)
@@ -359,13 +387,13 @@ def _sv_kernel_launch(ctx: _Ctx, S, tile_index, Hg, Gt, g0, acc, m, l):
     spec = ctx.cache.spec
     T, D = spec.tile_tokens, spec.head_dim
     Mp = S.shape[1]
-    name = sv_kernel_name(D, T, spec.v_bits, spec.scale_dtype, S.dtype)
+    name = sv_kernel_name(D, T, spec.v_bits, spec.scale_dtype, S.dtype, spec.quantizer)
     k = _sv_kernel(ctx.pool.device, name)
     k.launch((Mp // _SV_ROWS, Hg, 1), _SV_THREADS,
              (S, ctx.pool, tile_index, spec.tile_nbytes, spec.offset("v_codes"), spec.offset("tok_step"),
               spec.offset("tok_min"), spec.offset("col_scale"), Mp, Gt, ctx.n_new, ctx.qpos0,
               ctx.tile_pos0 + g0 * T, acc, m, l),
-             shared_mem=sv_smem_bytes(D, T))
+             shared_mem=sv_smem_bytes(D, T, spec.quantizer))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,11 +30,11 @@ def _kv(gen, B, H, n, D, dtype):
 
 
 def make_cache(B=2, Hkv=2, D=128, preset="k4v2_g128", scale_dtype=torch.float16, n=1000, sink=0, window=None,
-               dtype=torch.float16, max_seq_len=None, chunk=8192, seed=0, layers=1):
+               dtype=torch.float16, max_seq_len=None, chunk=8192, seed=0, layers=1, quantizer="uniform"):
     spec = kc.TileSpec(preset=preset, head_dim=D)
     T = spec.tile_tokens
     c = kc.KVarNCache(layers, B, Hkv, D, preset=preset, window=window or 2 * T, sink_tokens=sink, dtype=dtype,
-                      device="cuda", scale_dtype=scale_dtype, max_seq_len=max_seq_len)
+                      device="cuda", scale_dtype=scale_dtype, max_seq_len=max_seq_len, quantizer=quantizer)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for layer in range(layers):
         done = 0
@@ -78,10 +78,13 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("preset,D,sd,G,qdt,sink,n", CONFIGS)
-def test_matches_reference(preset, D, sd, G, qdt, sink, n):
+def test_matches_reference(preset, D, sd, G, qdt, sink, n, quantizer):
+    """lloyd_max: the kernel looks codes up in the f16-rounded codebook (relative rounding <= 2.8e-4 per
+    centroid) while the reference uses the float32 one; the same 1e-3 bar holds."""
     B, Hkv = 3, 2
-    c = make_cache(B, Hkv, D, preset, sd, n, sink=sink, seed=n)
+    c = make_cache(B, Hkv, D, preset, sd, n, sink=sink, seed=n, quantizer=quantizer)
     assert c.num_tiles(0) > 0
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = (torch.randn(B, Hkv * G, 1, D, generator=gen, device="cuda") * 2).to(qdt)
@@ -108,9 +111,10 @@ def test_length_one():
     assert rel(out, reference.attention(q, c, 0)) < TOL
 
 
-def test_large_logits():
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_large_logits(quantizer):
     """Peaked attention (large q) still within tolerance: scores need the hi/lo fp16 split."""
-    c = make_cache(1, 2, 128, n=3000, seed=5)
+    c = make_cache(1, 2, 128, n=3000, seed=5, quantizer=quantizer)
     q = (torch.randn(1, 8, 1, 128, device="cuda") * 12).to(torch.float16)
     out = run_decode(q, c)
     assert rel(out, reference.attention(q, c, 0)) < TOL
@@ -125,12 +129,13 @@ def test_error_does_not_grow_with_depth(n):
     assert err < TOL, err
 
 
-def test_ragged_lengths():
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_ragged_lengths(quantizer):
     """Per-sequence lengths on the device: inside the window, exactly at a tile boundary, length 1, long."""
     D, Hkv, G, T, W = 128, 2, 4, 128, 256
-    spec = kc.TileSpec("k4v2_g128", D)
+    spec = kc.TileSpec("k4v2_g128", D, quantizer=quantizer)
     lengths = [200, 5 * T + W, 1, 3000, 3 * T + W + 1]
-    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=i) for i, n in enumerate(lengths)]
+    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=i, quantizer=quantizer) for i, n in enumerate(lengths)]
     B = len(lengths)
     cap = max(cc.num_tiles(0) for cc in caches) + 3
     tiles = torch.zeros(B, cap, Hkv, spec.tile_nbytes, dtype=torch.uint8, device="cuda")
@@ -159,6 +164,22 @@ def test_ragged_lengths():
         assert rel(out[b : b + 1], ref) < TOL, (b, lengths[b])
 
 
+def test_lloyd_max_records_read_as_uniform_are_wrong():
+    """The same bytes decoded with the uniform kernel are far from the lloyd_max reference: the lloyd_max
+    module really looks the codes up (guards against a quantizer that silently selects the uniform kernel)."""
+    c = make_cache(1, 2, 128, n=2000, seed=21, quantizer="lloyd_max")
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16)
+    ref = reference.attention(q, c, 0)
+    assert rel(run_decode(q, c), ref) < TOL
+    buf, pos = c.buffers(0), c.positions(0)
+    i32 = lambda x: torch.tensor([x], dtype=torch.int32, device="cuda")  # noqa: E731
+    lens = (i32(c.num_tiles(0)), i32(pos["window"][1] - pos["window"][0]), i32(0))
+    wrong = decode.decode_attention_ragged(q, c.tile_pool(0), buf["window_k"], buf["window_v"], buf["sink_k"],
+                                           buf["sink_v"], *lens, kc.TileSpec("k4v2_g128", 128))
+    torch.cuda.synchronize()
+    assert rel(wrong, ref) > 20 * TOL
+
+
 def test_empty_sequence_gives_zeros():
     spec = kc.TileSpec("k4v2_g64", 64)
     tiles = torch.zeros(2, 4, 1, spec.tile_nbytes, dtype=torch.uint8, device="cuda")
@@ -171,10 +192,11 @@ def test_empty_sequence_gives_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_graph_replay_matches_eager_over_1000_steps():
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_graph_replay_matches_eager_over_1000_steps(quantizer):
     """1000 steps through many tile boundaries (T=64, window 64): graph replay == eager, bit for bit."""
     B, Hkv, G, D = 2, 2, 4, 128
-    c = make_cache(B, Hkv, D, preset="k4v2_g64", n=300, window=64, max_seq_len=2048, seed=3)
+    c = make_cache(B, Hkv, D, preset="k4v2_g64", n=300, window=64, max_seq_len=2048, seed=3, quantizer=quantizer)
     g = decode.DecodeGraph(c, 0, Hkv * G, torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(11)
     tiles_seen = set()
@@ -192,8 +214,9 @@ def test_graph_replay_matches_eager_over_1000_steps():
 
 
 def test_two_caches_with_their_own_graphs():
+    """Two caches, one of each quantizer (two kernel modules), each with its own graph."""
     c1 = make_cache(2, 2, 128, n=500, max_seq_len=4096, seed=1)
-    c2 = make_cache(3, 1, 64, preset="k4v4_g64", n=700, max_seq_len=4096, seed=2, window=128)
+    c2 = make_cache(3, 1, 64, preset="k4v4_g64", n=700, max_seq_len=4096, seed=2, window=128, quantizer="lloyd_max")
     g1 = decode.DecodeGraph(c1, 0, 8, torch.float16)
     g2 = decode.DecodeGraph(c2, 0, 2, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -237,10 +260,11 @@ def test_q_on_other_device_or_noncontiguous():
     assert rel(out, reference.attention(q, c, 0)) < TOL
 
 
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("splits,min_tps", [(1, 1), (3, 2), (7, 1), (40, 4)])
-def test_split_knobs_agree(splits, min_tps):
+def test_split_knobs_agree(splits, min_tps, quantizer):
     """Any split count / min tiles per split gives the same result (summation order only)."""
-    c = make_cache(2, 2, 128, n=3000, sink=128, seed=12)
+    c = make_cache(2, 2, 128, n=3000, sink=128, seed=12, quantizer=quantizer)
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.float16)
     ref = reference.attention(q, c, 0)
     plan = decode.DecodePlan(c, splits=splits, min_tps=min_tps)

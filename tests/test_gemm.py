@@ -328,6 +328,128 @@ def test_kscore_formula_matches_dequantized_dot():
 
 
 # ---------------------------------------------------------------------------------------------
+# lloyd_max: the int8 centroid tables of the codes operand
+def test_lm_tables_and_documented_error():
+    """The tables fit int8, lo = round(S c / 16), and the documented errors are what they are (recomputed
+    here in float64 from format.codebook with independently computed cell probabilities); S is the
+    least-squares scale of its table, and a 5x finer independent search finds no table with a smaller
+    weighted RMS error by more than 0.5%."""
+    import math
+    from kvarn_cutlass.format import codebook
+    from kvarn_cutlass.gemm import prep
+
+    c = codebook("lloyd_max", 4)
+    S, hi = prep.LM_SCALE, prep.LM_TABLE_HI
+    assert prep.LM_TABLE_LO == tuple(int(round(x * S / 16)) for x in c)
+    assert max(map(abs, hi)) <= 127 and max(map(abs, prep.LM_TABLE_LO)) <= 8
+    assert hi == tuple(-h for h in reversed(hi)) and list(hi) == sorted(set(hi))  # symmetric, increasing
+    assert all(abs(h - x * S) <= 1.0 for h, x in zip(hi, c))  # a rounding of S c (within one level)
+    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(c[:-1], c[1:])] + [math.inf]
+    cdf = lambda z: 0.5 * math.erfc(-z / math.sqrt(2))  # noqa: E731
+    prob = [cdf(b) - cdf(a) for a, b in zip(edges[:-1], edges[1:])]
+    assert sum(prob) == pytest.approx(1.0)
+    err = [h / S - x for h, x in zip(hi, c)]
+    rms = math.sqrt(sum(p * e * e for p, e in zip(prob, err)))
+    assert max(map(abs, err)) == pytest.approx(prep.LM_TABLE_MAX_ERR, rel=1e-9)
+    assert rms == pytest.approx(prep.LM_TABLE_RMS_ERR, rel=1e-6)
+    # the documented numbers (module docstring, report): RMS 0.00318, max 0.0111, S = 38.2137
+    assert rms < 0.0032 and prep.LM_TABLE_MAX_ERR < 0.0111 and S == pytest.approx(38.2137, abs=1e-4)
+    # S is (to f32) the weighted least-squares scale of the table: d/dS sum p (h/S - c)^2 = 0
+    assert S == pytest.approx(sum(p * h * h for p, h in zip(prob, hi)) / sum(p * h * x for p, h, x in zip(prob, hi, c)),
+                              rel=1e-6)
+    top = 127 / max(c)
+    best = math.inf
+    for i in range(20480):
+        h = [round(x * (32 + (top - 32) * i / 20479)) for x in c]
+        s_ls = sum(p * v * v for p, v in zip(prob, h)) / sum(p * v * x for p, v, x in zip(prob, h, c))
+        best = min(best, math.sqrt(sum(p * (v / s_ls - x) ** 2 for p, v, x in zip(prob, h, c))))
+    assert rms <= best * 1.005
+
+
+def test_lm_unpack_reference_matches_codec_fields():
+    from kvarn_cutlass.codec import unpack_fields
+    from kvarn_cutlass.gemm import prep
+
+    gen = torch.Generator().manual_seed(21)
+    spec = TileSpec(preset="k4v4_g64", head_dim=64, quantizer="lloyd_max")
+    pool = encoded_pool(spec, 5, gen)
+    f = unpack_fields(pool, spec)
+    offs = TileOffsets.from_spec(spec)
+    assert offs.quantizer == "lloyd_max" and offs.kernel_tag == "lm_f16"
+    codes, rs = unpack_reference(pool, torch.tensor([4, 1, 4], dtype=torch.int32), offs)
+    k = f.k_codes[[4, 1, 4]].transpose(1, 2).long()  # [L, T, D]
+    hi = torch.tensor(prep.LM_TABLE_HI)[k]
+    lo = torch.tensor(prep.LM_TABLE_LO)[k]
+    assert torch.equal(codes.long(), torch.cat((hi, lo), dim=-1))
+    assert torch.equal(rs, f.row_scale[[4, 1, 4]])
+    assert len(set(k.flatten().tolist())) == 16  # every code (and so every table entry) was exercised
+
+
+@pytest.mark.parametrize("D,preset,sdt", [(128, "k4v2_g128", torch.float16), (64, "k4v4_g64", torch.float32),
+                                          (256, "k4v2_g128", torch.float16)])
+def test_lm_kscore_error_within_documented_bound(D, preset, sdt):
+    """lloyd_max scores from the int8 operands vs float64 q_rot . K_dequant: every score is within the bound
+    the tables and the two-level fold imply, per channel |hi| * LM_TABLE_MAX_ERR + |lo/16| * E_lo + |c|/32
+    (E_lo = max|16 round(S c / 16)/S - c|, |lo/16| <= 1/2) in units of max|qfold|/127; and norm-wise
+    the scores are within the 5e-3 bar."""
+    from kvarn_cutlass.codec import unpack_fields, wht
+    from kvarn_cutlass.format import codebook
+    from kvarn_cutlass.gemm import prep
+    from _helpers import realistic_kv
+
+    gen = torch.Generator().manual_seed(D + 1)
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=sdt, quantizer="lloyd_max")
+    L = 3
+    pool = encoded_pool(spec, L, gen)
+    offs = TileOffsets.from_spec(spec)
+    tile_index = torch.arange(L, dtype=torch.int32)
+    q_rot = wht(realistic_kv(1, 48, D, generator=gen).float())
+    codes, rs = unpack_reference(pool, tile_index, offs)
+    qi8, a, bias = fold_reference(q_rot, pool, tile_index, offs, L)
+    acc, S = kscore_reference(qi8, codes, a, bias, rs, scale=0.125)
+    assert int(acc.abs().max()) < 2 ** 23
+    f = unpack_fields(pool, spec)
+    book = torch.tensor(codebook("lloyd_max", 4), dtype=torch.float64)
+    vals = book[f.k_codes.long()]  # [L, D, T]
+    Kdq = f.row_scale.double()[:, :, None] * (f.chan_min.double()[:, None, :] + f.chan_step.double()[:, None, :] * vals.transpose(1, 2))
+    exact = 0.125 * torch.einsum("md,ltd->lmt", q_rot[0].double(), Kdq)
+    assert ((S - exact).norm() / exact.norm()).item() < 5e-3
+    e_lo = max(abs(16 * l / prep.LM_SCALE - x) for l, x in zip(prep.LM_TABLE_LO, book.tolist()))
+    hi, lo = qi8[..., :D].double(), qi8[..., D:].double()  # [L, M, D]
+    step = f.chan_step.double()
+    amax = (q_rot[0].double()[None] * step[:, None, :]).abs().amax(-1)  # [L, M]
+    # per (l, m, t): sum_c of the channel bound (the code's |c| term uses the actual code of (c, t))
+    per_ch = hi.abs() * prep.LM_TABLE_MAX_ERR + lo.abs() / 16 * e_lo  # [L, M, D]
+    bound_units = per_ch.sum(-1)[..., None] + torch.einsum("lmd,ldt->lmt", torch.ones_like(hi) / 32, vals.abs())
+    bound = 0.125 * rs.double()[:, None, :].abs() * (amax / 127)[..., None] * bound_units
+    slack = 1e-5 * exact.abs().amax()  # f32 rounding of a, bias and the epilogue
+    assert bool(((S - exact).abs() <= bound + slack).all())
+    # the bound is not vacuous: the largest error is within 20x of its bound
+    assert float(((S - exact).abs() / (bound + slack)).max()) > 1 / 20
+
+
+def test_lm_fold_reference_scale_and_bias():
+    """lloyd_max fold: qi8 identical to the uniform fold (same hi/lo), a = max|qfold|/127 * f32(1/S),
+    bias = sum_c q * chanMin (no centering offset: the codebook is centred)."""
+    from kvarn_cutlass.gemm import prep
+
+    gen = torch.Generator().manual_seed(13)
+    spec_u = TileSpec(preset="k4v2_g128", head_dim=128)
+    spec_l = TileSpec(preset="k4v2_g128", head_dim=128, quantizer="lloyd_max")
+    pool = make_pool(spec_u, 6, gen)  # the K sections are laid out identically in both modes
+    ti = torch.tensor([5, 2, 0, 1], dtype=torch.int32)
+    q = (torch.randn(2, 30, 128, generator=gen) * 2).half()
+    qu, au, bu = fold_reference(q, pool, ti, TileOffsets.from_spec(spec_u), 2)
+    ql, al, bl = fold_reference(q, pool, ti, TileOffsets.from_spec(spec_l), 2)
+    assert torch.equal(qu, ql)
+    assert torch.equal(al, (au / 0.0625) * prep.LM_INV_SCALE)  # au / 0.0625 is exact (a power of two)
+    cmin = torch.stack([pool[r, spec_u.offset("chan_min"):spec_u.offset("chan_min") + 256].view(torch.float16)
+                        for r in ti.tolist()]).double()
+    want = torch.einsum("lmd,ld->lm", q.double().repeat_interleave(2, 0), cmin)
+    assert torch.allclose(bl.double(), want, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
 # config table
 def test_committed_table_is_valid_and_tuned_entries_have_provenance():
     table = load_table(90)

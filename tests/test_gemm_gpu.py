@@ -37,10 +37,11 @@ def prep():
 
 
 @needs_gpu
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("D,preset,sdt", [(128, "k4v2_g128", torch.float16), (64, "k4v2_g64", torch.float32),
                                           (256, "k4v4_g128", torch.float16)])
-def test_unpack_kernel_exact(prep, D, preset, sdt):
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=sdt)
+def test_unpack_kernel_exact(prep, D, preset, sdt, quantizer):
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=sdt, quantizer=quantizer)
     pool = _pool(spec, 9, seed=D)
     offs = TileOffsets.from_spec(spec)
     ti = torch.randperm(9)[:6].to(torch.int32).cuda()
@@ -54,10 +55,11 @@ def test_unpack_kernel_exact(prep, D, preset, sdt):
 
 
 @needs_gpu
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_fold_kernel(prep, qdt, D):
-    spec = TileSpec(preset="k4v2_g128", head_dim=D)
+def test_fold_kernel(prep, qdt, D, quantizer):
+    spec = TileSpec(preset="k4v2_g128", head_dim=D, quantizer=quantizer)
     pool = _pool(spec, 8, seed=3)
     offs = TileOffsets.from_spec(spec)
     H, n_tiles, M = 2, 3, 77
@@ -78,7 +80,9 @@ def test_fold_kernel(prep, qdt, D):
     from kvarn_cutlass.gemm.prep import _records, _scales
 
     recs = _records(pool.cpu(), ti.cpu(), offs)
-    cm8 = (_scales(recs, offs.chan_min, D, offs.scale_dtype) + 8.0 * _scales(recs, offs.chan_step, D, offs.scale_dtype)).double()
+    # the centering offset of uniform codes; lloyd_max centroids are centred (bias = sum_c q * chanMin)
+    centre = 0.0 if quantizer == "lloyd_max" else 8.0
+    cm8 = (_scales(recs, offs.chan_min, D, offs.scale_dtype) + centre * _scales(recs, offs.chan_step, D, offs.scale_dtype)).double()
     absum = (q.cpu().double().abs().repeat_interleave(n_tiles, 0) * cm8.abs()[:, None, :]).sum(-1)
     assert bool(((bias.cpu().double() - rb.double()).abs() <= 4e-6 * absum + 1e-6).all())
 

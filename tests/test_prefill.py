@@ -54,9 +54,10 @@ def outliers(gen, D):
 
 
 def run_chunks(chunks, B=1, Hkv=2, group=4, D=128, window=256, sink=0, dtype=torch.float16, device="cpu",
-               impl="torch", q_scale=0.2, seed=0, check_every=True, preset="k4v2_g128", **kw):
+               impl="torch", q_scale=0.2, seed=0, check_every=True, preset="k4v2_g128", quantizer="uniform", **kw):
     gen = torch.Generator().manual_seed(seed)
-    cache = kc.KVarNCache(1, B, Hkv, D, preset=preset, window=window, sink_tokens=sink, dtype=dtype, device=device)
+    cache = kc.KVarNCache(1, B, Hkv, D, preset=preset, window=window, sink_tokens=sink, dtype=dtype, device=device,
+                          quantizer=quantizer)
     oc = outliers(gen, D)
     errs = []
     for n in chunks:
@@ -139,6 +140,44 @@ def test_cpu_torch_path(chunks, kw):
         assert e < tol, (n, nt, e)
 
 
+# lloyd_max records: the K operand from the int8 centroid tables (gemm.prep.LM_*), V from the f16 codebook.
+# Measured on these inputs (CPU): 0.9e-3..1.1e-3 (bf16 2.0e-3), of which the int8 tables cost ~7e-4 (an exact
+# f32 K operand gives 3.2e-4..3.6e-4); held to the same target as uniform records.
+@pytest.mark.parametrize(
+    "chunks,kw",
+    [
+        ([256, 128, 128], dict()),
+        ([300, 1, 44], dict(scratch_bytes=1 << 20)),
+        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
+        ([260, 260], dict(dtype=torch.bfloat16)),
+        ([400, 5], dict(D=256, Hkv=1, group=1)),
+        ([384, 100], dict(preset="k4v4_g64", window=128)),
+        ([500], dict(group=8, Hkv=1, score_dtype="f32")),
+    ],
+)
+def test_cpu_torch_path_lloyd_max(chunks, kw):
+    errs = run_chunks(chunks, quantizer="lloyd_max", **kw)
+    for n, nt, e in errs:
+        assert e < TOL, (n, nt, e)
+    assert any(nt > 0 for _, nt, _ in errs)  # tiles were attended to (not only the exact window)
+
+
+def test_cpu_lloyd_max_differs_from_uniform_reading():
+    """A lloyd_max cache read as if its codes were uniform integers is far off: the path really maps codes
+    through the codebook (guards against a silently ignored quantizer)."""
+    gen = torch.Generator().manual_seed(17)
+    cache = kc.KVarNCache(1, 1, 2, 128, window=128, dtype=torch.float16, quantizer="lloyd_max")
+    k, v = make_kv(gen, 1, 2, 512, 128, torch.float16, outliers(gen, 128))
+    cache.append(0, k, v)
+    q = (torch.randn(1, 4, 128, 128, generator=gen) * 0.3).half()
+    ref = kc.reference.attention(q, cache, 0)
+    assert rel(prefill_attention(q, cache, 0, impl="torch"), ref) < TOL
+    wrong = kc.KVarNCache(1, 1, 2, 128, window=128, dtype=torch.float16)  # same bytes, uniform meaning
+    wrong.append(0, k, v)
+    wrong.tile_pool(0).copy_(cache.tile_pool(0))
+    assert rel(prefill_attention(q, wrong, 0, impl="torch"), ref) > 20 * TOL
+
+
 @pytest.fixture
 def exact_fold(monkeypatch):
     """Replace the int8 fold + GEMM of the torch stages by exact f32 folded scores."""
@@ -192,12 +231,14 @@ def test_cpu_poisoned_out():
     assert rel(out, kc.reference.attention(q, c, 0)) < TOL_INT8
 
 
-def test_cpu_sv_centered_codes_match_dequantized_v():
-    """The torch sv stage (f16 P' x centered codes + f32 offset term) against p @ dequantized V in f64,
-    one tile group, both V widths: the product error stays near f16 rounding of P', not amplified."""
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_cpu_sv_centered_codes_match_dequantized_v(quantizer):
+    """The torch sv stage (f16 P' x centered codes or f16 codebook values + f32 offset term) against
+    p @ dequantized V in f64, one tile group, both V widths: the product error stays near f16 rounding of
+    P' (and, for lloyd_max, of the codebook values), not amplified."""
     for preset in ("k4v2_g128", "k4v4_g64"):
         gen = torch.Generator().manual_seed(7)
-        cache = kc.KVarNCache(1, 1, 1, 128, preset=preset, window=128, dtype=torch.float16)
+        cache = kc.KVarNCache(1, 1, 1, 128, preset=preset, window=128, dtype=torch.float16, quantizer=quantizer)
         k, v = make_kv(gen, 1, 1, 512, 128, torch.float16, outliers(gen, 128))
         cache.append(0, k, v)
         spec, nt, T = cache.spec, cache.num_tiles(0), cache.spec.tile_tokens
@@ -318,6 +359,48 @@ def test_gpu(chunks, kw, impl):
     tol = tol_for(kw)
     for n, nt, e in run_chunks(chunks, device="cuda", impl=impl, **kw):
         assert e < tol, (n, nt, e)
+
+
+@gpu
+@pytest.mark.parametrize("impl", ["gpu", "gpu-torch-sv"])
+@pytest.mark.parametrize(
+    "chunks,kw",
+    [
+        ([256, 128, 128], dict()),
+        ([300, 1, 44], dict(scratch_bytes=1 << 20)),
+        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
+        ([260, 260], dict(dtype=torch.bfloat16)),
+        ([1000, 24], dict(D=256, Hkv=2, group=2)),
+        ([384, 384], dict(preset="k4v4_g64", window=128, score_dtype="f32")),
+        ([2048, 2048], dict(Hkv=2, group=4)),
+    ],
+)
+def test_gpu_lloyd_max(chunks, kw, impl):
+    """lloyd_max caches: prep kernels with the int8 centroid tables, the CUTLASS GEMM, the sv kernel with
+    the f16 codebook (or the torch sv stage), against the float64 reference."""
+    _gpu_skip()
+    for n, nt, e in run_chunks(chunks, device="cuda", impl=impl, quantizer="lloyd_max", **kw):
+        assert e < TOL, (n, nt, e)
+
+
+@gpu
+def test_gpu_lloyd_max_matches_torch_path():
+    """The GPU path and the torch path on one lloyd_max cache: same int8 operands (bit-exact prep), so the
+    two outputs agree far more closely than either agrees with the reference."""
+    _gpu_skip()
+    gen = torch.Generator().manual_seed(9)
+    c = kc.KVarNCache(1, 1, 2, 128, window=256, dtype=torch.float16, device="cuda", quantizer="lloyd_max")
+    k, v = make_kv(gen, 1, 2, 1500, 128, torch.float16, outliers(gen, 128))
+    c.append(0, k.cuda(), v.cuda())
+    q = (torch.randn(1, 8, 1500, 128, generator=gen) * 0.35).half().cuda()
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, c, 0, out=out)
+    assert torch.isfinite(out).all()
+    ref = kc.reference.attention(q, c, 0)
+    assert rel(out, ref) < TOL
+    o3 = prefill_attention(q, c, 0, impl="torch", score_dtype="f32")
+    o1 = prefill_attention(q, c, 0, impl="gpu", score_dtype="f32")
+    assert rel(o1, o3.double()) < 1e-3
 
 
 @gpu

@@ -17,7 +17,17 @@
 //   WHT of the merged rotated tile output, LSE merge of the E exact partials, merge, normalize, store.
 //
 // Compile-time parameters (one module per record layout): KVD_D (head_dim), KVD_T (tile tokens),
-// KVD_VB (V bits), KVD_SB (scale bytes: 2 = f16, 4 = f32).
+// KVD_VB (V bits), KVD_SB (scale bytes: 2 = f16, 4 = f32), KVD_QZ (quantizer: 0 = uniform, 1 = lloyd_max).
+//
+// lloyd_max (KVD_QZ = 1, kernel names end in _lm): a code stands for the codebook value c[code] (the
+// N(0,1) Lloyd-Max centroids), so the MMA operands are c[code] in f16 instead of the code itself; all
+// the affine algebra (q*chan_step, q.chan_min, p*tok_step, p*tok_min, row/col scales) is the same. The
+// lookup is done with byte permutes (PRMT) from the f16 table held in registers as lo-byte words
+// KVD_KL0..3 / hi-byte words KVD_KH0..3 (entry i at byte i % 4 of word i / 4; V: KVD_VL*, KVD_VH*):
+// 4 codes (nibbles of a selector) cost 2 PRMTs per byte plane and a LOP3 select for 16 entries
+// (lut16), or 1 PRMT per byte plane for the 4-entry 2-bit book (lut4), plus 2 PRMTs to interleave
+// the planes into two half2. A shared-memory table would cost one LDS per code plus the index
+// arithmetic (two per half2 before the pack), more issue slots in a kernel that is issue-bound.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -34,11 +44,22 @@
 #ifndef KVD_SB
 #define KVD_SB 2
 #endif
+#ifndef KVD_QZ
+#define KVD_QZ 0
+#endif
+#if KVD_QZ
+#define KVD_QTAG _lm
+#if !defined(KVD_KL0) || !defined(KVD_VL0)
+#error "lloyd_max decode needs the codebook tables KVD_KL0..3, KVD_KH0..3, KVD_VL0..3, KVD_VH0..3 (decode.py)"
+#endif
+#else
+#define KVD_QTAG
+#endif
 
-#define KVD_STR2(a, b, c, d, e) a##_d##b##_t##c##_v##d##_s##e
-#define KVD_STR(a, b, c, d, e) KVD_STR2(a, b, c, d, e)
-#define KVD_PARTIALS KVD_STR(kvarn_decode_partials, KVD_D, KVD_T, KVD_VB, KVD_SB)
-#define KVD_COMBINE KVD_STR(kvarn_decode_combine, KVD_D, KVD_T, KVD_VB, KVD_SB)
+#define KVD_STR2(a, b, c, d, e, q) a##_d##b##_t##c##_v##d##_s##e##q
+#define KVD_STR(a, b, c, d, e, q) KVD_STR2(a, b, c, d, e, q)
+#define KVD_PARTIALS KVD_STR(kvarn_decode_partials, KVD_D, KVD_T, KVD_VB, KVD_SB, KVD_QTAG)
+#define KVD_COMBINE KVD_STR(kvarn_decode_combine, KVD_D, KVD_T, KVD_VB, KVD_SB, KVD_QTAG)
 
 namespace kvd {
 
@@ -140,6 +161,28 @@ __device__ __forceinline__ unsigned codes2(unsigned x) {
     __half2 r = __hfma2(*reinterpret_cast<__half2*>(&v), s, o);
     return *reinterpret_cast<unsigned*>(&r);
 }
+
+#if KVD_QZ
+// Codebook lookup of the 4 codes in nibbles 0..3 of sel (higher bits ignored) from a 16-entry f16 table
+// (byte planes L, H): r0 = (c[n0], c[n2]), r1 = (c[n1], c[n3]) as half2 (low half first), i.e. the same
+// pairing as codes2<0,4> / codes2<4,4> of bytes 0 and 1 of sel.
+__device__ __forceinline__ void lut16(unsigned sel, const unsigned (&L)[4], const unsigned (&H)[4], unsigned& r0,
+                                      unsigned& r1) {
+    const unsigned s7 = sel & 0x7777u;                                        // index within a half table
+    const unsigned m = __byte_perm(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);  // byte k = 0xFF iff code k >= 8
+    const unsigned la = __byte_perm(L[0], L[1], s7), lb = __byte_perm(L[2], L[3], s7);
+    const unsigned ha = __byte_perm(H[0], H[1], s7), hb = __byte_perm(H[2], H[3], s7);
+    const unsigned lo = (la & ~m) | (lb & m), hi = (ha & ~m) | (hb & m);   // one LOP3 each
+    r0 = __byte_perm(lo, hi, 0x6240u);
+    r1 = __byte_perm(lo, hi, 0x7351u);
+}
+// The same for the 4-entry (2-bit) table: codes in nibbles 0..3 of sel, each nibble < 4.
+__device__ __forceinline__ void lut4(unsigned sel, unsigned L, unsigned H, unsigned& r0, unsigned& r1) {
+    const unsigned lo = __byte_perm(L, 0u, sel), hi = __byte_perm(H, 0u, sel);
+    r0 = __byte_perm(lo, hi, 0x6240u);
+    r1 = __byte_perm(lo, hi, 0x7351u);
+}
+#endif
 
 __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -444,6 +487,10 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
 #pragma unroll
         for (int j = 0; j < 4; ++j) kaddr[sp][j] = kswz((16 * sp + 4 * qq + j) * KROW + w * (TPW / 2) + g * MB);
 
+#if KVD_QZ
+    const unsigned kbook_lo[4] = {KVD_KL0, KVD_KL1, KVD_KL2, KVD_KL3}, kbook_hi[4] = {KVD_KH0, KVD_KH1, KVD_KH2, KVD_KH3};
+    const unsigned vbook_lo[4] = {KVD_VL0, KVD_VL1, KVD_VL2, KVD_VL3}, vbook_hi[4] = {KVD_VH0, KVD_VH1, KVD_VH2, KVD_VH3};
+#endif
     for (int i = 0; i < nloc; ++i) {
         cp_async_wait<NS - 2>();
         __syncthreads();  // tile i landed for every thread; everyone is done with tile i-1
@@ -494,10 +541,18 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
             }
 #pragma unroll
             for (int m = 0; m < MB; ++m) {
+#if KVD_QZ
+                // bytes 0, 1 = byte m of channel rows 0, 1 (resp. 2, 3): nibbles = the four codes
+                const unsigned sel = (unsigned)m | ((4u + m) << 4);
+                unsigned a0, a1, a2, a3;
+                lut16(__byte_perm(x[0], x[1], sel), kbook_lo, kbook_hi, a0, a1);
+                lut16(__byte_perm(x[2], x[3], sel), kbook_lo, kbook_hi, a2, a3);
+#else
                 const unsigned sel = (unsigned)m | ((4u + m) << 8);
                 const unsigned z01 = __byte_perm(x[0], x[1], sel), z23 = __byte_perm(x[2], x[3], sel);
                 const unsigned a0 = codes2<0, 4>(z01), a1 = codes2<4, 4>(z01);
                 const unsigned a2 = codes2<0, 4>(z23), a3 = codes2<4, 4>(z23);
+#endif
                 mma16816(sacc[m], a0, a1, a2, a3, f.x, f.y);
                 mma16816(sacc[m], a0, a1, a2, a3, f.z, f.w);
             }
@@ -596,6 +651,32 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
                 }
 #pragma unroll
                 for (int bi = 0; bi < VGB; ++bi) {
+#if KVD_QZ
+                    // bytes 0, 1 = byte bi of token rows 0, 1 (resp. 2, 3): nibbles as in the K loop
+                    const unsigned lsel = (unsigned)(bi & 3) | ((4u + (bi & 3)) << 4);
+                    const unsigned y01 = __byte_perm(vw[0][bi >> 2], vw[1][bi >> 2], lsel);
+                    const unsigned y23 = __byte_perm(vw[2][bi >> 2], vw[3][bi >> 2], lsel);
+                    if constexpr (VB == 4) {
+                        unsigned a0, a1, a2, a3;
+                        lut16(y01, vbook_lo, vbook_hi, a0, a1);
+                        lut16(y23, vbook_lo, vbook_hi, a2, a3);
+                        mma16816(tmp[bi], a0, a1, a2, a3, bh0, bh1);
+                        mma16816(tmp[bi], a0, a1, a2, a3, bl0, bl1);
+                    } else {
+                        // 2-bit fields 0 and 2 of each byte (mask 0x3333) / 1 and 3 (shift by 2): r0 of a
+                        // lookup feeds the first MMA (fields 0, 1), r1 the second (fields 2, 3)
+                        unsigned a0[2], a1[2], a2[2], a3[2];
+                        lut4(y01 & 0x3333u, vbook_lo[0], vbook_hi[0], a0[0], a0[1]);
+                        lut4((y01 >> 2) & 0x3333u, vbook_lo[0], vbook_hi[0], a1[0], a1[1]);
+                        lut4(y23 & 0x3333u, vbook_lo[0], vbook_hi[0], a2[0], a2[1]);
+                        lut4((y23 >> 2) & 0x3333u, vbook_lo[0], vbook_hi[0], a3[0], a3[1]);
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            mma16816(tmp[2 * bi + hf], a0[hf], a1[hf], a2[hf], a3[hf], bh0, bh1);
+                            mma16816(tmp[2 * bi + hf], a0[hf], a1[hf], a2[hf], a3[hf], bl0, bl1);
+                        }
+                    }
+#else
                     const unsigned sel = (unsigned)(bi & 3) | ((4u + (bi & 3)) << 8);
                     const unsigned z01 = __byte_perm(vw[0][bi >> 2], vw[1][bi >> 2], sel);
                     const unsigned z23 = __byte_perm(vw[2][bi >> 2], vw[3][bi >> 2], sel);
@@ -618,6 +699,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
                             mma16816(tmp[2 * bi + 1], a0, a1, a2, a3, bl0, bl1);
                         }
                     }
+#endif
                 }
             }
             float cs[GCH_CHUNK];

@@ -15,11 +15,23 @@
 // (channel c: T tokens, 2 codes per byte, even token in the LOW nibble) = D*T/2 bytes; chanStep[D]
 // at chan_step_offset; chanMin[D] at chan_min_offset; rowScale[T] at row_scale_offset; scales are
 // f16 (SCALE = __half) or f32 (SCALE = float).
+//
+// lloyd_max records (the *_lm_* kernels): code i stands for the centroid c_i (symmetric, mean 0), and the
+// codes operand comes from two 16-entry int8 tables given by the host (kvarn_cutlass.gemm.prep):
+//   codes row t = [KSP_LM_HI[code] for c] ++ [KSP_LM_LO[code] for c]   (round(S c) and round(S c / 16))
+// so qi8 . codes = sum_c hi * round(S c) + lo * round(S c / 16) ~= S * sum_c x * c; the fold uses
+//   a = max|qfold|/127 * KSP_LM_INV_SCALE (f32 1/S) and bias = sum_c q * chanMin (no centering offset).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 typedef unsigned char u8;
 typedef signed char s8;
+
+#if !defined(KSP_LM_HI) || !defined(KSP_LM_LO) || !defined(KSP_LM_INV_SCALE)
+#error "the lloyd_max tables KSP_LM_HI, KSP_LM_LO, KSP_LM_INV_SCALE come from the host (kvarn_cutlass.gemm.prep.prep_spec)"
+#endif
+__constant__ s8 ksp_lm_hi[16] = KSP_LM_HI;
+__constant__ s8 ksp_lm_lo[16] = KSP_LM_LO;
 
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -31,12 +43,16 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 // (T/2 + 1 bytes) so the transposed reads are bank-conflict free; every thread then builds one
 // 16-channel chunk of a token row and writes it twice (16-byte stores): scaled at c0, plain at D + c0
 // (consecutive threads -> consecutive chunks of one row).
+// lloyd_max (LM): the bytes come from the tables (shared memory: 8 words, so any access pattern is
+// conflict-free) instead of the code ^ 8 arithmetic.
 // dynamic smem: D * (T/2 + 1) bytes.
-template <typename SCALE>
+template <typename SCALE, bool LM>
 __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __restrict__ tile_index,
                                    long long record_stride, int k_codes_offset, int row_scale_offset,
                                    int T, int D, s8* __restrict__ codes_out, float* __restrict__ rs_out) {
   extern __shared__ u8 smem[];
+  __shared__ s8 lm_tab[32];  // [hi table ++ lo table] (lloyd_max only)
+  if (LM && threadIdx.x < 32) lm_tab[threadIdx.x] = threadIdx.x < 16 ? ksp_lm_hi[threadIdx.x] : ksp_lm_lo[threadIdx.x - 16];
   const int l = blockIdx.x;
   const u8* rec = pool + (long long)tile_index[l] * record_stride;
   const int half_t = T >> 1;
@@ -79,9 +95,19 @@ __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __res
     unsigned whi[4], wlo[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const unsigned x = w[q] ^ 0x08080808u;
-      whi[q] = x << 4;
-      wlo[q] = x | (((x >> 3) & 0x01010101u) * 0xF0u);
+      if (LM) {
+        whi[q] = wlo[q] = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const unsigned code = (w[q] >> (8 * j)) & 0xFu;
+          whi[q] |= (unsigned)(u8)lm_tab[code] << (8 * j);
+          wlo[q] |= (unsigned)(u8)lm_tab[16 + code] << (8 * j);
+        }
+      } else {
+        const unsigned x = w[q] ^ 0x08080808u;
+        whi[q] = x << 4;
+        wlo[q] = x | (((x >> 3) & 0x01010101u) * 0xF0u);
+      }
     }
     s8* row = out + (long long)t * (2 * D);
     reinterpret_cast<uint4*>(row + c0)[0] = make_uint4(whi[0], whi[1], whi[2], whi[3]);
@@ -98,6 +124,7 @@ __device__ void kscore_unpack_impl(const u8* __restrict__ pool, const int* __res
 //   hi = rint(x) in [-127, 127];  lo = rint((x - hi) * 16) in [-8, 8]  (x - hi exact: Sterbenz)
 //   qi8 row = [hi ++ lo] (2D bytes);  a = (max_c |qfold| / 127) / 16
 //   bias = sum_c q[h, m, c] * (chanMin[c] + 8 * chanStep[c])
+// lloyd_max (LM): a = (max_c |qfold| / 127) * KSP_LM_INV_SCALE and bias = sum_c q[h, m, c] * chanMin[c].
 // q: [H, M, D] with row stride q_row_stride and head stride q_head_stride (elements).
 // Out: qi8 int8 [L, M, 2D], a f32 [L, M], bias f32 [L, M].  Grid (ceil(M / FOLD_ROWS), L), 256 threads:
 // each warp loads its lane's VPL = D/32 contiguous chanStep/chanMin once, then walks FOLD_ROWS/8 rows,
@@ -119,7 +146,7 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&f)[N])
   for (int j = 0; j < N; ++j) f[j] = to_f32(u.e[j]);
 }
 
-template <typename QT, typename SCALE, int VPL>
+template <typename QT, typename SCALE, int VPL, bool LM>
 __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_stride, long long q_head_stride,
                                  const u8* __restrict__ pool, const int* __restrict__ tile_index,
                                  long long record_stride, int chan_step_offset, int chan_min_offset,
@@ -136,8 +163,10 @@ __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_strid
   float step[VPL], cmin[VPL];
   load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_step_offset) + c0, step);
   load_vec<SCALE, VPL>(reinterpret_cast<const SCALE*>(rec + chan_min_offset) + c0, cmin);
+  if (!LM) {
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) cmin[j] = cmin[j] + 8.0f * step[j];  // centering offset of the codes
+    for (int j = 0; j < VPL; ++j) cmin[j] = cmin[j] + 8.0f * step[j];  // centering offset of the codes
+  }
   const QT* qh = q + (long long)h * q_head_stride + c0;
   const int m_end = min(M, (int)(blockIdx.x + 1) * FOLD_ROWS);
 #pragma unroll 2
@@ -157,7 +186,8 @@ __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_strid
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       bias += __shfl_xor_sync(0xffffffffu, bias, o);
     }
-    const float a = (amax / 127.0f) * 0.0625f;  // the residual level's 1/16 (exact power of two)
+    // uniform: the residual level's 1/16 (exact power of two); lloyd_max: 1/S of the int8 tables
+    const float a = (amax / 127.0f) * (LM ? KSP_LM_INV_SCALE : 0.0625f);
     const float inv = amax > 0.f ? 127.0f / amax : 0.f;  // one IEEE division per row, then multiplies
     unsigned phi[2] = {0u, 0u}, plo[2] = {0u, 0u};
 #pragma unroll
@@ -189,36 +219,44 @@ __device__ void kscore_fold_impl(const QT* __restrict__ q, long long q_row_strid
   }
 }
 
-#define KVARN_UNPACK(NAME, SCALE)                                                                     \
+#define KVARN_UNPACK(NAME, SCALE, LM)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
       const u8* pool, const int* tile_index, long long record_stride, int k_codes_offset,             \
       int row_scale_offset, int T, int D, s8* codes_out, float* rs_out) {                             \
-    kscore_unpack_impl<SCALE>(pool, tile_index, record_stride, k_codes_offset, row_scale_offset, T, D, \
-                              codes_out, rs_out);                                                      \
+    kscore_unpack_impl<SCALE, LM>(pool, tile_index, record_stride, k_codes_offset, row_scale_offset, T, \
+                                  D, codes_out, rs_out);                                               \
   }
 
-KVARN_UNPACK(kvarn_kscore_unpack_f16, __half)
-KVARN_UNPACK(kvarn_kscore_unpack_f32, float)
+KVARN_UNPACK(kvarn_kscore_unpack_f16, __half, false)
+KVARN_UNPACK(kvarn_kscore_unpack_f32, float, false)
+KVARN_UNPACK(kvarn_kscore_unpack_lm_f16, __half, true)
+KVARN_UNPACK(kvarn_kscore_unpack_lm_f32, float, true)
 
-#define KVARN_FOLD(NAME, QT, SCALE)                                                                   \
+#define KVARN_FOLD(NAME, QT, SCALE, LM)                                                               \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
       const QT* q, long long q_row_stride, long long q_head_stride, const u8* pool,                   \
       const int* tile_index, long long record_stride, int chan_step_offset, int chan_min_offset,      \
       int M, int D, int n_tiles, s8* qi8, float* a_out, float* bias_out) {                            \
     if (D == 128)                                                                                      \
-      kscore_fold_impl<QT, SCALE, 4>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
-                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
+      kscore_fold_impl<QT, SCALE, 4, LM>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride, \
+                                         chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
     else if (D == 64)                                                                                  \
-      kscore_fold_impl<QT, SCALE, 2>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
-                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
+      kscore_fold_impl<QT, SCALE, 2, LM>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride, \
+                                         chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
     else if (D == 256)                                                                                 \
-      kscore_fold_impl<QT, SCALE, 8>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride,  \
-                                     chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
+      kscore_fold_impl<QT, SCALE, 8, LM>(q, q_row_stride, q_head_stride, pool, tile_index, record_stride, \
+                                         chan_step_offset, chan_min_offset, M, n_tiles, qi8, a_out, bias_out); \
   }
 
-KVARN_FOLD(kvarn_kscore_fold_f16_f16, __half, __half)
-KVARN_FOLD(kvarn_kscore_fold_bf16_f16, __nv_bfloat16, __half)
-KVARN_FOLD(kvarn_kscore_fold_f32_f16, float, __half)
-KVARN_FOLD(kvarn_kscore_fold_f16_f32, __half, float)
-KVARN_FOLD(kvarn_kscore_fold_bf16_f32, __nv_bfloat16, float)
-KVARN_FOLD(kvarn_kscore_fold_f32_f32, float, float)
+KVARN_FOLD(kvarn_kscore_fold_f16_f16, __half, __half, false)
+KVARN_FOLD(kvarn_kscore_fold_bf16_f16, __nv_bfloat16, __half, false)
+KVARN_FOLD(kvarn_kscore_fold_f32_f16, float, __half, false)
+KVARN_FOLD(kvarn_kscore_fold_f16_f32, __half, float, false)
+KVARN_FOLD(kvarn_kscore_fold_bf16_f32, __nv_bfloat16, float, false)
+KVARN_FOLD(kvarn_kscore_fold_f32_f32, float, float, false)
+KVARN_FOLD(kvarn_kscore_fold_f16_lm_f16, __half, __half, true)
+KVARN_FOLD(kvarn_kscore_fold_bf16_lm_f16, __nv_bfloat16, __half, true)
+KVARN_FOLD(kvarn_kscore_fold_f32_lm_f16, float, __half, true)
+KVARN_FOLD(kvarn_kscore_fold_f16_lm_f32, __half, float, true)
+KVARN_FOLD(kvarn_kscore_fold_bf16_lm_f32, __nv_bfloat16, float, true)
+KVARN_FOLD(kvarn_kscore_fold_f32_lm_f32, float, float, true)

@@ -18,12 +18,17 @@
 // uncentered codes carry their mean: O and sum p*tok_min would then largely cancel, amplifying the f16
 // rounding of P' (same reason and same fix as the K codes in kscore_prep.cu).
 //
+// lloyd_max records (the *_v<VB>lm_* kernels): a code stands for the centroid c[code] of the N(0,1)
+// Lloyd-Max codebook (symmetric, so already centred): the staged values are c[code] rounded to f16 (from
+// a 16-entry f16 table in shared memory: 8 words, any access pattern is conflict-free) and h = 0.
+//
 // Rows: r = j * n_new + i (j: q head within the GQA group, i: query index in the chunk); query i
 // sits at position qpos0 + i; tile g of the group holds positions tile_pos0 + g*T + t. A key later
 // than the query is masked (only tiles that end after qpos0 need the check).
 //
 // Block: 4 warps, 16 rows each (64 rows); grid (Mp / 64, Hg). Dynamic smem:
 //   centered codes f16 [T][D + 8] | tok_step f32 [T] | tok_min + h*tok_step f32 [T] | col_scale f32 [D]
+//   (lloyd_max: | codebook f16 [16])
 // The codes are staged token-major, as stored (each 32-bit code word becomes 16 or 32 contiguous bytes
 // of half2 pairs: vector stores, no bank conflicts to speak of), and the MMA's B fragments (token-pairs
 // of one channel) come out of that layout with ldmatrix.trans. (Staging them channel-major with one
@@ -36,6 +41,14 @@ typedef unsigned int u32;
 #define SV_WARPS 4
 #define SV_ROWS (SV_WARPS * 16)
 #define SV_NEG_INF __int_as_float(0xff800000)
+
+#ifndef SV_LM_CB2  // f16 bit patterns of the lloyd_max codebooks, defined by the host (prefill.sv_spec)
+#define SV_LM_CB2 {0xbe0b, 0xb73f, 0x373f, 0x3e0b}
+#define SV_LM_CB4 {0xc177, 0xc023, 0xbe79, 0xbd06, 0xbb8a, 0xb941, 0xb635, 0xb01c, \
+                   0x301c, 0x3635, 0x3941, 0x3b8a, 0x3d06, 0x3e79, 0x4023, 0x4177}
+#endif
+__constant__ unsigned short sv_lm_cb2[4] = SV_LM_CB2;
+__constant__ unsigned short sv_lm_cb4[16] = SV_LM_CB4;
 
 __device__ __forceinline__ float sc_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float sc_f32(float x) { return x; }
@@ -86,7 +99,15 @@ __device__ __forceinline__ u32 code_pair(u32 word, int i) {
   return *reinterpret_cast<u32*>(&r);
 }
 
-template <int D, int T, int VB, typename SC, typename ST>
+// lloyd_max: the same pair as codebook values, from the f16 table cb in shared memory.
+template <int VB>
+__device__ __forceinline__ u32 code_pair_lm(u32 word, int i, const unsigned short* cb) {
+  constexpr u32 MASK = (1u << VB) - 1u;
+  const u32 c0 = (word >> (2 * i * VB)) & MASK, c1 = (word >> ((2 * i + 1) * VB)) & MASK;
+  return (u32)cb[c0] | ((u32)cb[c1] << 16);
+}
+
+template <int D, int T, int VB, bool LM, typename SC, typename ST>
 __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, const int* __restrict__ tile_index,
                         long long record_stride, int v_codes_off, int tok_step_off, int tok_min_off,
                         int col_scale_off, int Mp, int Gt, int n_new, long long qpos0, long long tile_pos0,
@@ -96,14 +117,16 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
   constexpr int NB = D / 8;          // n blocks (8 channels each)
   static_assert(NB % 2 == 0, "ldmatrix.x4 loads two n blocks");
   constexpr float LOG2E = 1.4426950408889634f;
-  constexpr int HALF = 1 << (VB - 1);  // code centering offset
+  constexpr int HALF = LM ? 0 : 1 << (VB - 1);  // code centering offset (the lloyd_max codebook is centred)
   extern __shared__ __align__(16) u8 smem[];
   __half* vn = reinterpret_cast<__half*>(smem);
   float* s_step = reinterpret_cast<float*>(smem + T * PD * 2);
   float* s_min = s_step + T;
   float* s_cs = s_min + T;
+  unsigned short* s_cb = reinterpret_cast<unsigned short*>(s_cs + D);  // lloyd_max codebook [1 << VB]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (LM && tid < (1 << VB)) s_cb[tid] = VB == 2 ? sv_lm_cb2[tid] : sv_lm_cb4[tid];  // read after the tile loop's barrier
   const int hl = blockIdx.y;
   const int r_lo = blockIdx.x * SV_ROWS + warp * 16 + (lane >> 2);
   const int r_hi = r_lo + 8;
@@ -148,9 +171,14 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
         const int t = w / WPT, d0 = (w - t * WPT) * CPW;
         uint4* dst = reinterpret_cast<uint4*>(vn + t * PD + d0);
 #pragma unroll
-        for (int q = 0; q < CPW / 8; ++q)
-          dst[q] = make_uint4(code_pair<VB>(word, 4 * q), code_pair<VB>(word, 4 * q + 1),
-                              code_pair<VB>(word, 4 * q + 2), code_pair<VB>(word, 4 * q + 3));
+        for (int q = 0; q < CPW / 8; ++q) {
+          if constexpr (LM)
+            dst[q] = make_uint4(code_pair_lm<VB>(word, 4 * q, s_cb), code_pair_lm<VB>(word, 4 * q + 1, s_cb),
+                                code_pair_lm<VB>(word, 4 * q + 2, s_cb), code_pair_lm<VB>(word, 4 * q + 3, s_cb));
+          else
+            dst[q] = make_uint4(code_pair<VB>(word, 4 * q), code_pair<VB>(word, 4 * q + 1),
+                                code_pair<VB>(word, 4 * q + 2), code_pair<VB>(word, 4 * q + 3));
+        }
       }
     }
     __syncthreads();
@@ -280,28 +308,30 @@ __device__ void sv_impl(const ST* __restrict__ S, const u8* __restrict__ pool, c
   }
 }
 
-// extern "C" entry points: kvarn_prefill_sv_d<D>_t<T>_v<VB>_<scale dtype>_<score dtype>
-#define KVARN_SV(D, T, VB, SCN, SC, STN, ST)                                                             \
+// extern "C" entry points: kvarn_prefill_sv_d<D>_t<T>_v<VB>[lm]_<scale dtype>_<score dtype>
+#define KVARN_SV(D, T, VB, VQ, LM, SCN, SC, STN, ST)                                                    \
   extern "C" __global__ void __launch_bounds__(SV_WARPS * 32)                                          \
-      kvarn_prefill_sv_d##D##_t##T##_v##VB##_##SCN##_##STN(                                            \
+      kvarn_prefill_sv_d##D##_t##T##_v##VQ##_##SCN##_##STN(                                            \
           const ST* S, const u8* pool, const int* tile_index, long long record_stride, int v_codes_off,  \
           int tok_step_off, int tok_min_off, int col_scale_off, int Mp, int Gt, int n_new,              \
           long long qpos0, long long tile_pos0, float* acc, float* m, float* l) {                       \
-    sv_impl<D, T, VB, SC, ST>(S, pool, tile_index, record_stride, v_codes_off, tok_step_off, tok_min_off, \
-                              col_scale_off, Mp, Gt, n_new, qpos0, tile_pos0, acc, m, l);               \
+    sv_impl<D, T, VB, LM, SC, ST>(S, pool, tile_index, record_stride, v_codes_off, tok_step_off,        \
+                                  tok_min_off, col_scale_off, Mp, Gt, n_new, qpos0, tile_pos0, acc, m, l); \
   }
 
-#define KVARN_SV_SCORES(D, T, VB, SCN, SC) \
-  KVARN_SV(D, T, VB, SCN, SC, f16, __half)  \
-  KVARN_SV(D, T, VB, SCN, SC, f32, float)
+#define KVARN_SV_SCORES(D, T, VB, VQ, LM, SCN, SC) \
+  KVARN_SV(D, T, VB, VQ, LM, SCN, SC, f16, __half)  \
+  KVARN_SV(D, T, VB, VQ, LM, SCN, SC, f32, float)
 
-#define KVARN_SV_SCALES(D, T, VB)              \
-  KVARN_SV_SCORES(D, T, VB, f16, __half)        \
-  KVARN_SV_SCORES(D, T, VB, f32, float)
+#define KVARN_SV_SCALES(D, T, VB, VQ, LM)              \
+  KVARN_SV_SCORES(D, T, VB, VQ, LM, f16, __half)        \
+  KVARN_SV_SCORES(D, T, VB, VQ, LM, f32, float)
 
-#define KVARN_SV_BITS(D, T) \
-  KVARN_SV_SCALES(D, T, 2)  \
-  KVARN_SV_SCALES(D, T, 4)
+#define KVARN_SV_BITS(D, T)              \
+  KVARN_SV_SCALES(D, T, 2, 2, false)     \
+  KVARN_SV_SCALES(D, T, 4, 4, false)     \
+  KVARN_SV_SCALES(D, T, 2, 2lm, true)    \
+  KVARN_SV_SCALES(D, T, 4, 4lm, true)
 
 KVARN_SV_BITS(64, 64)
 KVARN_SV_BITS(64, 128)

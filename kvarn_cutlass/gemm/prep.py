@@ -21,17 +21,45 @@ Centered codes, two-level residual fold: the GEMM depth is ``K = 2 * D`` (operan
 Then ``S[l, m, t] = scale * row_scale[l, t] * (a[l, m] * (qi8[l, m] . codes[l, t]) + bias[l, m])`` with
 ``qi8 . codes = 16 * sum_c (hi + lo / 16) * (code - 8)``, exact in int32 (``|.| <= D * 16320 < 2^23``), and
 ``|x - (hi + lo / 16)| <= 1/32`` per channel (one int8 level would give 1/2).
+
+``quantizer="lloyd_max"`` records (``TileOffsets.quantizer``): a K code stands for the Lloyd-Max centroid
+``c[code]`` (``format.codebook``, symmetric around 0, so no centering offset). The codes operand comes from
+two 16-entry int8 tables (:data:`LM_TABLE_HI`, :data:`LM_TABLE_LO`, scale :data:`LM_SCALE` = S, from
+:func:`lm_table`):
+
+* unpack: row ``t`` = ``[LM_TABLE_HI[code] for c] ++ [LM_TABLE_LO[code] for c]``, hi ~= S c (values in
+  [-104, 104]) and lo = round(S c / 16) (values in [-7, 7]);
+* fold: ``qi8``, ``hi``, ``lo`` as above; ``a = (max|qfold| / 127) * LM_INV_SCALE`` (f32 ``1/S``);
+  ``bias = sum_c q * chanMin`` (chanMin holds the axis centre, the codebook has mean 0).
+
+So ``qi8 . codes = sum_c hi * LM_TABLE_HI + lo * LM_TABLE_LO ~= S * sum_c x * c`` (exact in int32:
+``|.| <= D * (127 * 104 + 8 * 7) < 2^23``). S = 38.2137, hi = +-(5, 15, 25, 36, 48, 62, 79, 104): the table
+and scale with the smallest RMS of ``hi/S - c`` weighted by the N(0, 1) mass of each code's cell,
+:data:`LM_TABLE_RMS_ERR` = 0.00318 (max :data:`LM_TABLE_MAX_ERR` = 0.0111, on the outer centroid), in units
+of the axis' RMS (the Gaussian's sigma); the Lloyd-Max quantization error itself has RMS 0.0975, so the
+table adds ~0.1% to the K noise power. Effect on scores (CPU, realistic K/V and queries with outlier
+channels, tests/test_gemm.py::test_lm_kscore_error_within_documented_bound): 1.3e-3..4.0e-3 norm-wise
+relative against float64 q . K_dequant (uniform records, same data: 1.3e-4..5.7e-4); on the D=128 case
+S = 127/max|c| gives 7.6e-3 and the max-error-optimal S = 44.54 gives 6.1e-3 (this S: 3.9e-3). Prefill
+output error (tests/test_prefill.py inputs, torch path): 0.9e-3..1.1e-3 (bf16 case 2.0e-3) for lloyd_max;
+with an exact f32 K operand 3.2e-4..3.6e-4 (uniform records: 3.3e-4..3.9e-4). The int8 path cannot carry a second level for the
+centroids as it does for the query: a residual of the table needs weight 1/16 against full-range hi, and
+the GEMM sums its K = 2D products with equal weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import struct
 from typing import Any
 
 import torch
 
+from ..format import QUANTIZERS, codebook, lloyd_max_thresholds
+
 __all__ = [
-    "TileOffsets", "unpack_reference", "fold_reference", "kscore_reference",
+    "TileOffsets", "lm_table", "LM_SCALE", "LM_TABLE_HI", "LM_TABLE_LO", "LM_TABLE_MAX_ERR", "LM_TABLE_RMS_ERR", "unpack_reference", "fold_reference", "kscore_reference",
     "prep_spec", "build_prep", "PrepKernels", "PREP_KERNELS",
 ]
 
@@ -48,6 +76,7 @@ class TileOffsets:
     tile_tokens: int
     head_dim: int
     scale_dtype: torch.dtype = torch.float16
+    quantizer: str = "uniform"
 
     @classmethod
     def from_spec(cls, spec: Any, record_stride: int | None = None) -> "TileOffsets":
@@ -57,12 +86,15 @@ class TileOffsets:
             row_scale=spec.offset("row_scale"),
             record_stride=int(record_stride if record_stride is not None else spec.tile_nbytes),
             tile_tokens=spec.tile_tokens, head_dim=spec.head_dim, scale_dtype=spec.scale_dtype,
+            quantizer=spec.quantizer,
         )
 
     def check(self) -> None:
         T, D = self.tile_tokens, self.head_dim
         if T % 2 or T <= 0 or D % 32 or not (32 <= D <= 256):
             raise ValueError(f"tile_tokens={T} must be even and head_dim={D} a multiple of 32 in [32, 256]")
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer={self.quantizer!r} must be one of {list(QUANTIZERS)}")
         if self.scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scale_dtype={self.scale_dtype} must be torch.float16 or torch.float32")
         for nm in ("k_codes", "record_stride"):
@@ -72,6 +104,55 @@ class TileOffsets:
     @property
     def scale_tag(self) -> str:
         return "f16" if self.scale_dtype == torch.float16 else "f32"
+
+    @property
+    def kernel_tag(self) -> str:
+        """Name part of the prep kernels for this layout: ``f16`` / ``f32``, ``lm_`` in front for lloyd_max."""
+        return ("lm_" if self.quantizer == "lloyd_max" else "") + self.scale_tag
+
+
+# ---------------------------------------------------------------------------------------------
+# lloyd_max: the int8 tables of the 4-bit K centroids
+def _cell_probabilities() -> list[float]:
+    """N(0, 1) probability of each 4-bit lloyd_max code's decision cell (float64)."""
+    edges = (-math.inf, *lloyd_max_thresholds(4), math.inf)
+    return [0.5 * (math.erf(b / math.sqrt(2)) - math.erf(a / math.sqrt(2))) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def lm_table() -> tuple[float, tuple[int, ...], tuple[int, ...], float, float]:
+    """(S, hi table, lo table, max error, RMS error) of the 4-bit lloyd_max K codes operand.
+
+    The score error of the int8 path is a sum over channels of (table error of the channel's code) x
+    (folded query), so the RMS table error weighted by how often each code occurs (the N(0, 1) mass of its
+    decision cell) is what to minimize. For each of 4096 grid scales s in [32, 127 / max|c|], the table
+    round(s c) gets its least-squares scale S = sum p h^2 / sum p h c (weights p); the table and scale
+    with the smallest weighted RMS of h/S - c win. hi = that table, lo[i] = round(S c_i / 16), S rounded to
+    float32. The errors reported are those of hi/S against the float32 centroids.
+    """
+    c = codebook("lloyd_max", 4)
+    prob = _cell_probabilities()
+    top = 127.0 / max(abs(x) for x in c)
+
+    def rms(h, scale):
+        return math.sqrt(sum(p * (hh / scale - x) ** 2 for p, hh, x in zip(prob, h, c)))
+
+    best = None
+    for i in range(4096):
+        h = tuple(int(round(x * (32.0 + (top - 32.0) * i / 4095))) for x in c)
+        scale = _f32(sum(p * hh * hh for p, hh in zip(prob, h)) / sum(p * hh * x for p, hh, x in zip(prob, h, c)))
+        if best is None or rms(h, scale) < rms(*best[::-1]):
+            best = (scale, h)
+    scale, hi = best
+    lo = tuple(int(round(x * scale / 16)) for x in c)
+    return scale, hi, lo, max(abs(h / scale - x) for h, x in zip(hi, c)), rms(hi, scale)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+LM_SCALE, LM_TABLE_HI, LM_TABLE_LO, LM_TABLE_MAX_ERR, LM_TABLE_RMS_ERR = lm_table()
+LM_INV_SCALE = _f32(1.0 / LM_SCALE)  # the f32 factor folded into ``a`` (kernel and reference)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,15 +169,23 @@ def _scales(recs: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.T
 
 
 def unpack_reference(pool: torch.Tensor, tile_index: torch.Tensor, offs: TileOffsets) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int8 [L, T, 2D] token-major ``[16*(code-8) ++ (code-8)]``, row_scale f32 [L, T]) for the records."""
+    """(codes int8 [L, T, 2D] token-major, row_scale f32 [L, T]) for the records.
+
+    Rows are ``[16*(code-8) ++ (code-8)]`` (uniform) or ``[LM_TABLE_HI[code] ++ LM_TABLE_LO[code]]`` (lloyd_max)."""
     offs.check()
     T, D = offs.tile_tokens, offs.head_dim
     recs = _records(pool, tile_index, offs)
     b = recs[:, offs.k_codes:offs.k_codes + D * T // 2].reshape(-1, D, T // 2).to(torch.int16)
     lo, hi = b & 0xF, (b >> 4) & 0xF
     codes_ct = torch.stack((lo, hi), dim=-1).reshape(-1, D, T)  # [L, D, T]; even token = low nibble
-    centered = codes_ct.transpose(1, 2) - 8  # [L, T, D] in [-8, 7]
-    codes = torch.cat((centered * 16, centered), dim=-1).contiguous().to(torch.int8)
+    if offs.quantizer == "lloyd_max":
+        idx = codes_ct.transpose(1, 2).to(torch.int64)  # [L, T, D]
+        tab_hi = torch.tensor(LM_TABLE_HI, dtype=torch.int16, device=idx.device)
+        tab_lo = torch.tensor(LM_TABLE_LO, dtype=torch.int16, device=idx.device)
+        codes = torch.cat((tab_hi[idx], tab_lo[idx]), dim=-1).contiguous().to(torch.int8)
+    else:
+        centered = codes_ct.transpose(1, 2) - 8  # [L, T, D] in [-8, 7]
+        codes = torch.cat((centered * 16, centered), dim=-1).contiguous().to(torch.int8)
     rs = _scales(recs, offs.row_scale, T, offs.scale_dtype)
     return codes, rs
 
@@ -122,7 +211,9 @@ def fold_reference(q: torch.Tensor, pool: torch.Tensor, tile_index: torch.Tensor
     qf = q.to(torch.float32).repeat_interleave(n_tiles, dim=0)  # [L, M, D], l = h*n_tiles + tile
     qfold = qf * step[:, None, :]
     amax = qfold.abs().amax(dim=-1)
-    a = (amax / 127.0) * 0.0625  # the 1/16 of the residual level (exact: a power of two)
+    lm = offs.quantizer == "lloyd_max"
+    # uniform: the 1/16 of the residual level (exact: a power of two); lloyd_max: 1/S of the int8 table
+    a = (amax / 127.0) * (LM_INV_SCALE if lm else 0.0625)
     # same f32 arithmetic as the kernel: one division per row, then a multiply (bit-exact qi8)
     # (tensor / tensor is an IEEE division; ``127.0 / tensor`` would be reciprocal() * 127 in torch)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
@@ -131,7 +222,8 @@ def fold_reference(q: torch.Tensor, pool: torch.Tensor, tile_index: torch.Tensor
     hi = torch.round(x).clamp(-127, 127)
     lo = torch.round((x - hi) * 16.0).clamp(-8, 8)  # x - hi is exact (Sterbenz), * 16 exact
     qi8 = torch.cat((hi, lo), dim=-1).to(torch.int8)
-    cm8 = cmin + 8.0 * step  # chanMin + 8*chanStep: the centering offset of the codes
+    # uniform: chanMin + 8*chanStep, the centering offset of the codes; lloyd_max: the centroids are centred
+    cm8 = cmin if lm else cmin + 8.0 * step
     bias = (qf * cm8[:, None, :]).sum(-1)
     return qi8, a, bias
 
@@ -149,9 +241,10 @@ def kscore_reference(qi8: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, bi
 
 # ---------------------------------------------------------------------------------------------
 # build + launch
+_KERNEL_TAGS = ("f16", "f32", "lm_f16", "lm_f32")  # TileOffsets.kernel_tag values
 PREP_KERNELS = (
-    "kvarn_kscore_unpack_f16", "kvarn_kscore_unpack_f32",
-    *(f"kvarn_kscore_fold_{q}_{s}" for s in ("f16", "f32") for q in ("f16", "bf16", "f32")),
+    *(f"kvarn_kscore_unpack_{t}" for t in _KERNEL_TAGS),
+    *(f"kvarn_kscore_fold_{q}_{t}" for t in _KERNEL_TAGS for q in ("f16", "bf16", "f32")),
 )
 _UNPACK_SIG = ("ptr pool", "ptr tile_index", "i64 record_stride", "i32 k_codes_offset", "i32 row_scale_offset",
                "i32 T", "i32 D", "ptr codes_out", "ptr rs_out")
@@ -165,7 +258,13 @@ def prep_spec():
     """The runtime KernelSpec of ``csrc/kscore_prep.cu`` (registered, so ``kvarn-cutlass build`` sees it)."""
     from ..runtime import KernelSpec
 
-    return KernelSpec("kscore_prep.cu", PREP_KERNELS, options=("-lineinfo",), name="kscore_prep")
+    inv_bits = struct.unpack("<I", struct.pack("<f", LM_INV_SCALE))[0]
+    defines = {
+        "KSP_LM_HI": "{" + ", ".join(map(str, LM_TABLE_HI)) + "}",
+        "KSP_LM_LO": "{" + ", ".join(map(str, LM_TABLE_LO)) + "}",
+        "KSP_LM_INV_SCALE": f"__int_as_float(0x{inv_bits:08x})",
+    }
+    return KernelSpec("kscore_prep.cu", PREP_KERNELS, defines=defines, options=("-lineinfo",), name="kscore_prep")
 
 
 def build_prep(arch: "int | str" = 90):
@@ -194,9 +293,9 @@ class PrepKernels:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.device = dev
         self.module = rt.get_module(prep_spec(), dev)
-        self._unpack = {s: self.module.kernel(f"kvarn_kscore_unpack_{s}", _UNPACK_SIG) for s in ("f16", "f32")}
-        self._fold = {(q, s): self.module.kernel(f"kvarn_kscore_fold_{q}_{s}", _FOLD_SIG)
-                      for q in ("f16", "bf16", "f32") for s in ("f16", "f32")}
+        self._unpack = {t: self.module.kernel(f"kvarn_kscore_unpack_{t}", _UNPACK_SIG) for t in _KERNEL_TAGS}
+        self._fold = {(q, t): self.module.kernel(f"kvarn_kscore_fold_{q}_{t}", _FOLD_SIG)
+                      for q in ("f16", "bf16", "f32") for t in _KERNEL_TAGS}
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -212,7 +311,7 @@ class PrepKernels:
         _expect(rs_out, (L, T), torch.float32, "rs_out")
         _expect_dtype(tile_index, torch.int32, "tile_index")
         smem = D * (T // 2 + 1)
-        return self._unpack[offs.scale_tag].prepare(
+        return self._unpack[offs.kernel_tag].prepare(
             (L, 1, 1), 256,
             (pool, tile_index, offs.record_stride, offs.k_codes, offs.row_scale, T, D, codes_out, rs_out),
             shared_mem=smem)
@@ -247,7 +346,7 @@ class PrepKernels:
         _expect(a, (L, M), torch.float32, "a")
         _expect(bias, (L, M), torch.float32, "bias")
         _expect_dtype(tile_index, torch.int32, "tile_index")
-        return self._fold[(qtag, offs.scale_tag)].prepare(
+        return self._fold[(qtag, offs.kernel_tag)].prepare(
             ((M + 63) // 64, L, 1), 256,
             (q3, q3.stride(1), q3.stride(0) if H > 1 else 0, pool, tile_index, offs.record_stride, offs.chan_step,
              offs.chan_min, M, D, n_tiles, qi8, a, bias))
