@@ -43,7 +43,7 @@ from ..format import PRESETS
 from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int
 
 NAME = "demo"
-DEFAULT_BUDGET_S = 52.0
+DEFAULT_BUDGET_S = 50.0
 CPU_TOKENS, GPU_TOKENS = 2048, 32768
 CPU_HEADS, GPU_HEADS = (8, 2), (32, 8)  # (q, KV): kvarn-ref-lm's on CPU (fast), Qwen3-8B's on CUDA
 HEAD_DIM = 128
@@ -403,34 +403,29 @@ def _summarize(per_layer: list[dict]) -> dict:
 
 # --- speed (CUDA) -----------------------------------------------------------------------------------------
 def _gpu_speed(args, q16, k16, v16, scale: float) -> dict:
-    """Layer-0 timings, CUDA events, median after warm-up.
+    """Layer-0 timings on CUDA: CUDA events, warm-up, median (see :func:`_time_decode`, :func:`_time_prefill`)."""
+    return {"decode": _time_decode(args, q16, k16, v16, scale), "prefill": _time_prefill(args, q16, k16, v16, scale),
+            "method": "CUDA events, warm-up, median (decode 200 runs, prefill 3 prompts)"}
 
-    decode: one step at the full context, CUDA-graph replay (the product path) and eager, against
+
+def _time_decode(args, q16, k16, v16, scale: float) -> dict:
+    """One decode step at the full context: CUDA-graph replay (the product path) and eager, against
     ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over the fp16 K/V. Inputs rotate (KVarN:
-    layers holding the same K/V; SDPA: copies of the K/V) so that L2 does not serve repeated reads.
-    prefill: the whole prompt's attention (``prefill_attention`` per chunk; compression, which runs in
-    ``cache.append``, timed apart) against flash SDPA with a causal lower-right mask per chunk.
-    """
-    import statistics
-
+    layers holding the same K/V; SDPA: copies of the K/V) so that L2 does not serve repeated reads."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
 
     import kvarn_cutlass as kc
 
     from ..bench.timing import rotation_count, time_cuda
     from ..decode import get_plan
 
-    n, Hq, Hkv = k16.shape[2], q16.shape[1], k16.shape[1]
-    group = Hq // Hkv
+    n, Hkv, D = k16.shape[2], k16.shape[1], k16.shape[3]
     q1 = q16[:, :, n - 1 : n].contiguous()
-    kv_bytes = 2 * k16.numel() * k16.element_size()
-    spec = kc.TileSpec(args.preset, k16.shape[3])
+    spec = kc.TileSpec(args.preset, D)
     tile_bytes = Hkv * max(1, math.ceil((n - args.window) / spec.tile_tokens)) * spec.tile_nbytes
     rot = min(8, rotation_count(tile_bytes))
-    cache = kc.KVarNCache(rot, 1, Hkv, k16.shape[3], preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
+    cache = kc.KVarNCache(rot, 1, Hkv, D, preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
     for layer in range(rot):
         for s in range(0, n, 8192):
             cache.append(layer, k16[:, :, s : s + 8192], v16[:, :, s : s + 8192])
@@ -445,29 +440,44 @@ def _gpu_speed(args, q16, k16, v16, scale: float) -> dict:
         kc.decode_attention(q1, cache, turn[0], scale, out=outs[turn[0]])
 
     eager_t = time_cuda(eager, warmup=20, runs=200)
-    del cache, outs
+    kv_bytes = 2 * k16.numel() * k16.element_size()
     sets = [(k16, v16)] + [(k16.clone(), v16.clone()) for _ in range(min(8, rotation_count(kv_bytes)) - 1)]
     sdpa = time_cuda(lambda kv: F.scaled_dot_product_attention(q1, kv[0], kv[1], scale=scale, enable_gqa=True),
                      inputs=sets, warmup=20, runs=200)
-    del sets
-    decode = {"kvarn_graph_us": round(graph.median_us, 2), "kvarn_eager_us": round(eager_t.median_us, 2),
-              "sdpa_fp16_us": round(sdpa.median_us, 2),
-              "sdpa_over_kvarn_graph": round(sdpa.median_us / graph.median_us, 2), "rotated_sets": rot}
+    return {"kvarn_graph_us": round(graph.median_us, 2), "kvarn_eager_us": round(eager_t.median_us, 2),
+            "sdpa_fp16_us": round(sdpa.median_us, 2), "sdpa_over_kvarn_graph": round(sdpa.median_us / graph.median_us, 2),
+            "rotated_sets": rot}
 
+
+def _time_prefill(args, q16, k16, v16, scale: float) -> dict:
+    """The whole prompt's attention (``prefill_attention`` per chunk; the compression, which runs in
+    ``cache.append``, timed apart) against flash SDPA over the fp16 K/V with a causal lower-right mask
+    per chunk; one warm-up prompt, median of 3."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    import kvarn_cutlass as kc
+
+    n, Hkv, D = k16.shape[2], k16.shape[1], k16.shape[3]
+    group = q16.shape[1] // Hkv
     chunks = [(s, min(args.chunk, n - s)) for s in range(0, n, args.chunk)]
 
     def event():
         return torch.cuda.Event(enable_timing=True)
 
     def kvarn_prompt() -> tuple[float, float]:
-        c = kc.KVarNCache(1, 1, Hkv, k16.shape[3], preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
+        cache = kc.KVarNCache(1, 1, Hkv, D, preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
         attn_ms = comp_ms = 0.0
         for s, m in chunks:
             a, b, e = event(), event(), event()
             a.record()
-            c.append(0, k16[:, :, s : s + m], v16[:, :, s : s + m])
+            cache.append(0, k16[:, :, s : s + m], v16[:, :, s : s + m])
             b.record()
-            kc.prefill_attention(q16[:, :, s : s + m], c, 0, scale)
+            kc.prefill_attention(q16[:, :, s : s + m], cache, 0, scale)
             e.record()
             e.synchronize()
             comp_ms += a.elapsed_time(b)
@@ -491,13 +501,10 @@ def _gpu_speed(args, q16, k16, v16, scale: float) -> dict:
 
     kvarn_prompt(), sdpa_prompt()  # warm-up: kernel builds, GEMM params, workspaces
     runs = [kvarn_prompt() for _ in range(3)]
-    sdpa_runs = [sdpa_prompt() for _ in range(3)]
     attn = statistics.median(r[0] for r in runs)
-    sdpa_ms = statistics.median(sdpa_runs)
-    prefill = {"kvarn_attention_ms": round(attn, 3), "kvarn_compress_ms": round(statistics.median(r[1] for r in runs), 3),
-               "sdpa_flash_fp16_ms": round(sdpa_ms, 3), "kvarn_over_sdpa": round(attn / sdpa_ms, 2),
-               "chunks": len(chunks)}
-    return {"decode": decode, "prefill": prefill, "method": "CUDA events, warm-up, median (decode 200 runs, prefill 3 prompts)"}
+    sdpa_ms = statistics.median(sdpa_prompt() for _ in range(3))
+    return {"kvarn_attention_ms": round(attn, 3), "kvarn_compress_ms": round(statistics.median(r[1] for r in runs), 3),
+            "sdpa_flash_fp16_ms": round(sdpa_ms, 3), "kvarn_over_sdpa": round(attn / sdpa_ms, 2), "chunks": len(chunks)}
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -536,8 +543,8 @@ def run(args: argparse.Namespace) -> int:
             compile_job = GemmCompile(demo_gemm_config(args.chunk, GPU_HEADS[0] // GPU_HEADS[1]))
             wait = "until it finishes" if args.budget == 0 else f"until the demo has run {args.budget:g} s"
             print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({compile_job.config.name}) with {nvcc} in the "
-                  f"background (about 50 s cold on 2 cores; a kernel-cache hit takes seconds); waiting {wait}",
-                  file=sys.stderr, flush=True)
+                  f"background (a cold compile takes about 50 s on an idle 2-core machine, a kernel-cache hit "
+                  f"seconds); waiting {wait}", file=sys.stderr, flush=True)
     try:
         if args.model:
             layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
@@ -609,7 +616,7 @@ def _report(r: dict, args) -> None:
     pf, dc = a["prefill_last_chunk"], a["decode"]
     worst = " (worst layer)" if s["layers"] > 1 else ""
     print(f"  accuracy, relative error of the attention output{worst}:")
-    print(f"    vs exact float64 attention over the unquantized fp16 K/V (quantization error):")
+    print("    vs exact float64 attention over the unquantized fp16 K/V (quantization error):")
     print(f"      decode, max of {r['decode_steps']} steps: {_fmt_err(dc['vs_exact_max'])}   "
           f"({100 * dc['quantized_attention_share']:.0f}% of the attention on quantized tokens)")
     own = (f"; the chunk's first {r['chunk'] - r['window']} queries see their own recent tokens quantized, "
