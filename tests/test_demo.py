@@ -230,3 +230,21 @@ def test_gpu_demo_with_a_model(capsys):
     assert r["accuracy"]["decode"]["vs_reference_max"] < 2e-3
     assert r["accuracy"]["prefill_last_chunk"]["vs_reference_max"] < 5e-3
     assert r["speed"]["decode"]["kvarn_graph_us"] > 0
+
+
+def test_gpu_report_formats_every_gpu_field(capsys):
+    """The text report's CUDA branch, fed a CPU result with the fields the CUDA path adds (it cannot
+    run here); the GPU test above runs the real thing."""
+    r = run_json(capsys, "--device", "cpu", "--no-compile", "--tokens", "300", "--chunk", "128", "--window", "128")
+    r.update(device="cuda", gpu="NVIDIA H200", gpu_kernels="...")
+    r["accuracy"]["decode"]["vs_reference_max"] = 3.5e-4
+    r["speed"] = {"decode": {"kvarn_graph_us": 21.5, "kvarn_eager_us": 40.25, "sdpa_fp16_us": 53.75,
+                             "sdpa_over_kvarn_graph": 2.5, "rotated_sets": 3},
+                  "prefill": {"kvarn_attention_ms": 310.5, "kvarn_compress_ms": 4.5, "sdpa_flash_fp16_ms": 31.25,
+                              "kvarn_over_sdpa": 9.94, "chunks": 3}}
+    demo._report(r, None)
+    out = capsys.readouterr().out
+    assert "demo on NVIDIA H200" in out and "GPU kernels vs the float64 reference" in out and "3.5e-04" in out
+    for needle in ("21.5 us (CUDA graph; eager 40.25 us) vs SDPA fp16 53.75 us (2.5x)",
+                   "310.5 ms (+4.5 ms compression) vs SDPA flash fp16 31.25 ms (9.94x the SDPA time)"):
+        assert needle in out, out

@@ -624,15 +624,16 @@ def _report(r: dict, args) -> None:
     print(f"      prefill, last chunk:    {_fmt_err(pf['vs_exact_max'])}   "
           f"({100 * pf['quantized_attention_share']:.0f}% on quantized tokens{own})")
     kernels = "GPU kernels" if on_gpu else "CPU prefill pipeline"
-    print(f"    {kernels} vs the float64 reference over the same quantized cache: prefill {_fmt_err(pf.get('vs_reference_max'))}"
-          f", decode {_fmt_err(dc.get('vs_reference_max')) if on_gpu else '- (the CPU decode is the reference)'}")
+    decode_vs_ref = _fmt_err(dc.get("vs_reference_max")) if on_gpu else "- (the CPU decode is the reference)"
+    print(f"    {kernels} vs the float64 reference over the same quantized cache: "
+          f"prefill {_fmt_err(pf.get('vs_reference_max'))}, decode {decode_vs_ref}")
     m = r["memory"]
     print(f"  memory: {m['kvarn_bytes'] / 2**20:.2f} MiB vs {m['fp16_bytes'] / 2**20:.2f} MiB fp16 "
           f"({m['fp16_over_kvarn']}x smaller; tiles alone {m['tiles_fp16_over_kvarn']}x, the rest is the fp16 window)")
     if on_gpu:
         d, p = r["speed"]["decode"], r["speed"]["prefill"]
-        print(f"  decode step at {r['tokens']} tokens: {d['kvarn_graph_us']} us (CUDA graph; eager {d['kvarn_eager_us']} us)"
-              f" vs SDPA fp16 {d['sdpa_fp16_us']} us ({d['sdpa_over_kvarn_graph']}x)")
+        print(f"  decode step at {r['tokens']} tokens: {d['kvarn_graph_us']} us (CUDA graph; eager "
+              f"{d['kvarn_eager_us']} us) vs SDPA fp16 {d['sdpa_fp16_us']} us ({d['sdpa_over_kvarn_graph']}x)")
         print(f"  prefill attention, {p['chunks']} chunks: {p['kvarn_attention_ms']} ms (+{p['kvarn_compress_ms']} ms "
               f"compression) vs SDPA flash fp16 {p['sdpa_flash_fp16_ms']} ms ({p['kvarn_over_sdpa']}x the SDPA time)")
     else:
