@@ -160,6 +160,8 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
   ppl_row ppl_k4v4_none --preset k4v4_g128 --window 0 --method sim
   ppl_row ppl_k4v2_none_prefill --preset k4v2_g128 --window 0 --view prefill --method sim
   ppl_row ppl_k4v4_none_prefill --preset k4v4_g128 --window 0 --view prefill --method sim
+  ppl_row ppl_k4v2_w256_lm --preset k4v2_g128 --window 256 --quantizer lloyd_max
+  ppl_row ppl_k4v4_w256_lm --preset k4v4_g128 --window 256 --quantizer lloyd_max
 fi
 
 if [ -n "${GPU_GENERATE:-}" ] && [ -n "$SHARED_DIR" ]; then
