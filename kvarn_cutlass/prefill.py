@@ -166,7 +166,9 @@ def get_workspace(device: torch.device, Mp: int, pairs: int, T: int, D: int, sco
     key = (str(device), Mp_cap, T, D, score_dtype)
     with _ws_lock:
         ws = _workspaces.get(key)
-        if ws is None or ws.pairs * ws.Mp_cap < pairs * Mp:
+        # codes, rs and tile_index hold one slot per pair whatever Mp is, so a call with fewer rows
+        # (more pairs per group) needs more pairs even when its rows fit the row buffers.
+        if ws is None or ws.pairs < pairs:
             need = max(pairs, ws.pairs if ws is not None else 0)
             if len(_workspaces) >= _MAX_WORKSPACES and key not in _workspaces:
                 _workspaces.pop(next(iter(_workspaces)))

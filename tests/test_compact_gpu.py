@@ -18,7 +18,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-TOL = 1e-3
+TOL = 1e-3  # decode's gate
+TOL_PREFILL = 5e-3  # prefill's gate (int8 K-score GEMM)
 
 
 def _rel(out, ref):
@@ -60,4 +61,4 @@ def test_cuda_compaction_equals_cpu_and_kernels_match_reference(preset, D, sink,
     cuda.append(0, new, new.flip(2))
     q = torch.randn(B, H * G, 300, D, generator=gq, device="cuda", dtype=torch.float16)
     out = kc.prefill_attention(q, cuda, 0)
-    assert _rel(out, reference.attention(q, cuda, 0)) < TOL
+    assert _rel(out, reference.attention(q, cuda, 0)) < TOL_PREFILL

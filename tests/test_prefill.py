@@ -489,6 +489,20 @@ def test_workspace_bytes_counts_the_cached_workspaces():
     assert P.workspace_bytes() == 0
 
 
+def test_workspace_grows_for_more_pairs_of_fewer_rows():
+    """A bucket's workspace made for few pairs of many rows serves a later call with more pairs of
+    fewer rows (same row bucket): the per-pair buffers (codes, rs, tile_index) must grow too."""
+    P.clear_workspaces()
+    T, D = 128, 128
+    P.get_workspace(torch.device("cpu"), 8000, 18, T, D, torch.float16)
+    ws = P.get_workspace(torch.device("cpu"), 6016, 20, T, D, torch.float16)
+    assert ws.Mp_cap == 8192 and ws.pairs >= 20
+    views = ws.views(20, 6016)
+    assert [tuple(v.shape) for v in views[:4]] == [(20, 6016, 2 * D), (20, 6016), (20, 6016), (20, T, 2 * D)]
+    assert views[-1].shape == (20,)
+    P.clear_workspaces()
+
+
 @gpu
 def test_gpu_scratch_bounded_and_stable_pointers():
     _gpu_skip()
