@@ -99,6 +99,26 @@ def test_prefill_table_equals_the_record(h200):
         assert abs(float(cells["KVarN / dequant+SDPA"]) - p["kvarn_ms"] / p["dequant_sdpa_ms"]) <= 0.005
 
 
+def test_decode_lloyd_max_rows_render_beside_the_uniform_time(h200):
+    path, raw = h200
+    res = raw["sections"]["decode"]["results"]
+    rng = random.Random()
+    res["lloyd_max_rows"] = [
+        {"batch": r["batch"], "context": r["context"], "graph_us": round(rng.uniform(10, 900), 2),
+         "uniform_graph_us": r["graph_us"], "fraction_of_copy_ceiling": round(rng.random(), 3)}
+        for r in res["rows"][:3]]
+    for r in res["lloyd_max_rows"]:
+        r["time_vs_uniform"] = round(r["graph_us"] / r["uniform_graph_us"], 3)
+    path.write_text(json.dumps(raw))
+    md = render_markdown(load_record(path))
+    assert len(_table(md, ["batch", "context"])) == len(res["rows"])  # the main table is still the only one
+    cells = _table(md, ["quantizer", "batch", "context"])
+    assert [(int(c["batch"]), int(c["context"]), float(c["Lloyd-Max graph µs"]), float(c["uniform graph µs"]),
+             float(c["Lloyd-Max / uniform"])) for c in cells] == [
+        (r["batch"], r["context"], r["graph_us"], r["uniform_graph_us"], r["time_vs_uniform"])
+        for r in res["lloyd_max_rows"]]
+
+
 def test_gemm_and_compress_tables_equal_the_record(h200):
     path, raw = h200
     md = render_markdown(load_record(path))
@@ -108,8 +128,9 @@ def test_gemm_and_compress_tables_equal_the_record(h200):
     assert float(kernels["K-score GEMM + epilogue"]["TOPS (depth D)"]) == gemm["gemm"]["tops_equiv"]
     assert float(kernels["fold"]["GB/s"]) == gemm["fold"]["gb_per_s"]
     comp = raw["sections"]["compress"]["results"]["compress"]
-    rows = _table(md, ["preset", "head_dim", "batch"])
-    assert [(r["preset"], float(r["graph µs"])) for r in rows] == [(c["preset"], c["graph_us"]) for c in comp]
+    rows = _table(md, ["preset", "quantizer", "head_dim", "batch"])
+    assert [(r["preset"], r["quantizer"], float(r["graph µs"])) for r in rows] == [
+        (c["preset"], c.get("quantizer", "uniform"), c["graph_us"]) for c in comp]
 
 
 def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):

@@ -96,7 +96,8 @@ from kvarn_cutlass.gemm.compile import nvcc_version
 print("nvcc (CUTLASS GEMMs)", nvcc_version())
 PY
 
-step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
+# GPU_BUILD=0 skips it: kernels then compile on first use (cheaper when a run uses few of them).
+[ "${GPU_BUILD:-1}" = 0 ] || step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
 if [ -n "${GPU_TUNE:-}" ]; then
   read -r tune_buckets tune_filter <<<"$GPU_TUNE"
   tune_args=(--buckets ${tune_buckets//,/ } --jobs "$(nproc)" --runs 30)

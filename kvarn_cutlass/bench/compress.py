@@ -32,13 +32,14 @@ _KV_HEADS = 8
 _Q_HEADS = 32
 
 
-def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions) -> dict[str, Any]:
+def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions,
+                   quantizer: str = "uniform") -> dict[str, Any]:
     import torch
 
     from ..format import TileSpec
     from ..ops.compress import compress_layer
 
-    spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=torch.float16)
+    spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=torch.float16, quantizer=quantizer)
     T = spec.tile_tokens
     shape = (batch, _KV_HEADS, T, head_dim)
     records = batch * _KV_HEADS
@@ -59,6 +60,7 @@ def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions) -
     assert int(flag.item()) == 0
     return {
         "preset": preset,
+        "quantizer": quantizer,
         "batch": batch,
         "kv_heads": _KV_HEADS,
         "head_dim": head_dim,
@@ -103,6 +105,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if not opts.quick:
         cases += [(16, 128, "k4v2_g128"), (1, 64, "k4v2_g128"), (1, 256, "k4v2_g128"), (1, 128, "k4v4_g64")]
     compress = [_compress_case(b, d, p, opts) for b, d, p in cases]
+    compress += [_compress_case(b, 128, "k4v2_g128", opts, quantizer="lloyd_max") for b in ((1,) if opts.quick else (1, 16))]
     rot_cases = [(_Q_HEADS, 128, True), (512 * _Q_HEADS, 128, True)]
     if not opts.quick:
         rot_cases += [(512 * _Q_HEADS, 128, False), (_Q_HEADS * 16, 64, True), (_Q_HEADS * 16, 256, True)]

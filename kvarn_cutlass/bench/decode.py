@@ -54,13 +54,13 @@ SDPA_CUDNN_REF_US = {
 }
 
 
-def _build_cache(batch: int, ctx: int, layers: int):
+def _build_cache(batch: int, ctx: int, layers: int, quantizer: str = "uniform"):
     import torch
 
     from ..cache import KVarNCache
 
     c = KVarNCache(layers, batch, HKV, D, preset=PRESET, window=WINDOW, dtype=torch.float16, device="cuda",
-                   max_seq_len=ctx + 64)
+                   max_seq_len=ctx + 64, quantizer=quantizer)
     chunk = max(1024, min(ctx, (1 << 28) // (batch * HKV * D * 2)))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for layer in range(layers):
@@ -82,14 +82,15 @@ def _kvarn_bytes(cache, layer: int = 0) -> int:
     return B * HKV * n_tiles * cache.spec.tile_nbytes + B * HKV * win * D * 2 * 2
 
 
-def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None, min_tps_list=None) -> dict[str, Any]:
+def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None, min_tps_list=None,
+                quantizer: str = "uniform") -> dict[str, Any]:
     import torch
 
     from ..decode import DecodePlan, decode_attention
 
     tile_bytes = batch * HKV * math.ceil((ctx - WINDOW) / 128) * 13824
     layers = min(64, rotation_count(max(tile_bytes, 1)))
-    cache = _build_cache(batch, ctx, layers)
+    cache = _build_cache(batch, ctx, layers, quantizer)
     nbytes = _kvarn_bytes(cache)
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16)
     outs = [torch.empty_like(q) for _ in range(layers)]
@@ -185,8 +186,18 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                 row[f"speedup_vs_{name}_graph"] = round(row[f"sdpa_{name}_us"] / row["graph_us"], 2)
                 row[f"speedup_vs_{name}_eager"] = round(row[f"sdpa_{name}_us"] / row["eager_us"], 2)
         rows.append(row)
-    bars = {}
     get = {(r["batch"], r["context"]): r for r in rows}
+    # The Lloyd-Max quantizer changes only the code -> operand lookup (byte permutes instead of the
+    # 1024 + c trick): its cost against the uniform kernel at the bar shapes.
+    lloyd_rows = []
+    for batch, ctx in [(1, 4096), (16, 32768)] + ([] if opts.quick else [(1, 131072)]):
+        r = _time_kvarn(batch, ctx, opts, quantizer="lloyd_max")
+        r = {k: r[k] for k in ("batch", "context", "splits", "graph_us", "eager_us", "gb_per_s_graph",
+                               "fraction_of_copy_ceiling")}
+        r["uniform_graph_us"] = get[(batch, ctx)]["graph_us"]
+        r["time_vs_uniform"] = round(r["graph_us"] / r["uniform_graph_us"], 3)
+        lloyd_rows.append(r)
+    bars = {}
     if (1, 131072) in get and "speedup_vs_cudnn_graph" in get[(1, 131072)]:
         bars["b1_128k_2x_cudnn"] = get[(1, 131072)]["speedup_vs_cudnn_graph"] >= 2.0
     if (16, 32768) in get:
@@ -202,6 +213,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         "method": "median of CUDA-event timings; KVarN per layer with rotated layers (graph: all layers in one "
                   "graph / layers); SDPA over rotated fp16 K/V sets",
         "rows": rows,
+        "lloyd_max_rows": lloyd_rows,
         "bars": bars,
     }
 

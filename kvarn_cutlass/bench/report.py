@@ -228,6 +228,16 @@ def _decode_md(doc: dict[str, Any], images: list[str]) -> str | None:
     out.append("Ratios above 1: KVarN is faster. Copy ceiling: "
                f"{_fmt(res.get('copy_ceiling_gb_per_s'))} GB/s (device copy bandwidth); KVarN GB/s counts the "
                "compressed bytes it reads.")
+    lloyd = [r for r in res.get("lloyd_max_rows", []) if isinstance(r, dict)]
+    if lloyd:
+        out += ["", "Lloyd-Max quantizer (`quantizer=\"lloyd_max\"`: codes looked up in the codebook), same shapes:", ""]
+        out.append(_table(
+            ["quantizer", "batch", "context", "Lloyd-Max graph µs", "uniform graph µs", "Lloyd-Max / uniform",
+             "% of copy ceiling"],
+            [["lloyd_max", _fmt(r.get("batch")), _fmt(r.get("context")), _fmt(r.get("graph_us")), _fmt(r.get("uniform_graph_us")),
+              _fmt(r.get("time_vs_uniform")),
+              f"{100 * r['fraction_of_copy_ceiling']:.1f}" if isinstance(r.get("fraction_of_copy_ceiling"), (int, float))
+              else MISSING] for r in lloyd], left=1))
     bars = res.get("bars")
     if isinstance(bars, dict) and bars:
         out.append("")
@@ -320,11 +330,12 @@ def _compress_md(doc: dict[str, Any]) -> str | None:
     rows = [r for r in res.get("compress", []) if isinstance(r, dict)]
     out.append("Per layer (all KV heads of one layer, one tile each):")
     out.append("")
-    out.append(_table(["preset", "head_dim", "batch", "KV heads", "tiles", "graph µs", "eager µs", "checked µs",
-                       "GB/s", "tiles/s"],
-                      [[_fmt(r.get("preset")), _fmt(r.get("head_dim")), _fmt(r.get("batch")), _fmt(r.get("kv_heads")),
+    out.append(_table(["preset", "quantizer", "head_dim", "batch", "KV heads", "tiles", "graph µs", "eager µs",
+                       "checked µs", "GB/s", "tiles/s"],
+                      [[_fmt(r.get("preset")), _fmt(r.get("quantizer", "uniform")), _fmt(r.get("head_dim")), _fmt(r.get("batch")), _fmt(r.get("kv_heads")),
                         _fmt(r.get("records")), _fmt(r.get("graph_us")), _fmt(r.get("eager_us")),
-                        _fmt(r.get("checked_us")), _fmt(r.get("gb_per_s")), _fmt(r.get("tiles_per_s"))] for r in rows]))
+                        _fmt(r.get("checked_us")), _fmt(r.get("gb_per_s")), _fmt(r.get("tiles_per_s"))] for r in rows],
+                      left=2))
     if res.get("target_us_per_layer") is not None:
         out += ["", f"Target: {_fmt(res['target_us_per_layer'])} µs per layer."]
     rot = [r for r in res.get("rotate", []) if isinstance(r, dict)]
