@@ -136,6 +136,7 @@ def test_gemm_and_compress_tables_equal_the_record(h200):
 def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):
     path, _ = h200
     doc = load_record(path)
+    doc["sections"]["gemm"]["results"].pop("buckets", None)  # a record from before the bench measured buckets
     table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
     tuned = {k: b for k, b in table["buckets"].items() if b["status"] == "tuned"}
     rows = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}

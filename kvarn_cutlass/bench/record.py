@@ -86,8 +86,9 @@ def provenance() -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    commit = None
-    if REPO_ROOT is not None and (REPO_ROOT / ".git").exists():
+    # KVARN_GIT_COMMIT: set by whoever copies a checkout to a machine whose .git is absent or stale.
+    commit = os.environ.get("KVARN_GIT_COMMIT") or None
+    if commit is None and REPO_ROOT is not None and (REPO_ROOT / ".git").exists():
         commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT)
         if commit and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT):
             commit += "-dirty"
