@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import TileSpec, codebook, lloyd_max_thresholds
+from .format import TileSpec, lloyd_max_thresholds
 
 TINY_RMS = 2.0**-100
 # Largest accepted input magnitude: rotated values grow by at most sqrt(256) = 16 and their squares,
