@@ -13,7 +13,7 @@ from importlib import import_module
 from . import reference
 from .cache import KVarNCache
 from .codec import decode_tiles, encode_tiles
-from .format import PRESETS, TileSpec
+from .format import PRESETS, QUANTIZERS, TileSpec
 
 __version__ = "0.1.0"
 
@@ -36,4 +36,4 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["PRESETS", "TileSpec", "encode_tiles", "decode_tiles", "KVarNCache", "reference", "__version__", *_LAZY]
+__all__ = ["PRESETS", "QUANTIZERS", "TileSpec", "encode_tiles", "decode_tiles", "KVarNCache", "reference", "__version__", *_LAZY]

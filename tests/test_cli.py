@@ -221,6 +221,13 @@ def test_json_output_parses(name, capsys, tmp_path):
     assert isinstance(doc, dict) and doc
 
 
+def test_generate_takes_the_quantizer(capsys, tmp_path):
+    argv = _json_invocation("generate", tmp_path)
+    assert main([*argv, "--quantizer", "lloyd_max", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["quantizer"] == "lloyd_max" and doc["preset"] == "k4v2_g128"
+
+
 def test_commands_a_script_parses_offer_json():
     for name in ("demo", "perplexity", "generate", "build"):
         assert any("--json" in a.option_strings for a in options(name)), name

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from ..format import PRESETS
+from ..format import PRESETS, QUANTIZERS
 from .argtypes import existing_dir, existing_file, non_negative_int, positive_int
 
 NAME = "generate"
@@ -26,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="with --prompts-from (default 1024)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--preset", choices=tuple(PRESETS), default="k4v2_g128", help="tile preset (default k4v2_g128)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default="uniform",
+                   help="code values: uniform (asymmetric RTN, default) or lloyd_max (Gaussian codebook)")
     p.add_argument("--window", type=positive_int, default=256, help="fp16 window in tokens (default 256)")
     p.add_argument("--sink", type=non_negative_int, default=0, help="leading tokens kept unquantized (default 0)")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size (default 512)")
@@ -49,15 +51,15 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch sees no CUDA device")
     model, tok = load_model(args.model, device, args.dtype)
-    factory = kvarn_cache_factory(model, preset=args.preset, window=args.window, sink_tokens=args.sink,
-                                  dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)
+    factory = kvarn_cache_factory(model, preset=args.preset, quantizer=args.quantizer, window=args.window,
+                                  sink_tokens=args.sink, dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)
     if args.prompt is not None:
         prompts = [tok(args.prompt, return_tensors="pt").input_ids[0]]
     else:
         with open(args.prompts_from, encoding="utf-8") as f:
             prompts = prompts_from_text(tok, f.read(), args.num_prompts, args.prompt_tokens)
     res = agreement(model, prompts, args.max_new_tokens, factory, args.chunk, teacher_forced=args.teacher_forced)
-    res.update(model=args.model, preset=args.preset, window=args.window, sink_tokens=args.sink, device=device)
+    res.update(model=args.model, preset=args.preset, quantizer=args.quantizer, window=args.window, sink_tokens=args.sink, device=device)
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         print()
