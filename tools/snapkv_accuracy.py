@@ -56,6 +56,24 @@ def _prefill(model, prompt, preset, window, obs, chunk):
     return cache, rec
 
 
+def _keep_recent(cache, keep):
+    """Control: keep the most recent tile tokens instead of SnapKV's choice (the same count, the same
+    re-quantization into new tiles, the same position bookkeeping)."""
+    from kvarn_cutlass import codec
+
+    lib = cache.library
+    T, contents = lib.spec.tile_tokens, {}
+    for layer in range(lib.num_layers):
+        (sk, sv), (wk, wv) = lib.sink_kv(layer), lib.window_kv(layer)
+        n_keep = T * (max(keep - sk.shape[2] - wk.shape[2], 0) // T)
+        k, v = codec.decode_tiles(lib.tile_bytes(layer), lib.spec, torch.float64)  # [B, nt, H, T, D]
+        flat = lambda x: x.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, x.shape[1] * T - n_keep :].to(lib.dtype)  # noqa: E731
+        contents[layer] = (torch.cat((sk, flat(k), wk), 2), torch.cat((sv, flat(v), wv), 2))
+        cache.layers[layer].evicted += lib.num_tiles(layer) * T - n_keep
+    lib.replace_layers(contents)
+    cache.dequantized = type(cache.dequantized)()
+
+
 def _continue(model, cache, cont):
     """Teacher-forced decode of cont [windows, n+1], token by token: logits [windows, n, vocab]."""
     from kvarn_cutlass.hf._compat import cache_kwarg
@@ -80,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--pool", choices=("avg", "max"), default="avg")
     p.add_argument("--kernel-size", type=int, default=7)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    p.add_argument("--select", choices=("snapkv", "recent"), default="snapkv",
+                   help="recent: control that keeps the most recent tile tokens instead")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
 
@@ -108,7 +128,9 @@ def main(argv=None) -> int:
             prefilled, rec = _prefill(model, prompt, preset, args.window, args.obs, args.chunk)
             for frac in [None, *args.keep]:
                 cache = copy.deepcopy(prefilled)
-                if frac is not None:
+                if frac is not None and args.select == "recent":
+                    _keep_recent(cache, round(frac * args.prompt))
+                elif frac is not None:
                     snapkv_compact(cache, rec, round(frac * args.prompt), pool=args.pool, kernel_size=args.kernel_size)
                 info[(preset, frac)] = cache.library.seq_len(0)
                 logits[(preset, frac)] = [_continue(model, cache, cont).reshape(-1, full.shape[-1])]
@@ -138,7 +160,7 @@ def main(argv=None) -> int:
     report = {
         "model": args.model, "text": args.text, "windows": len(windows), "prompt": args.prompt,
         "continuation": args.continuation, "tokens_scored": int(tgt.numel()), "window": args.window, "obs": args.obs,
-        "pool": args.pool, "kernel_size": args.kernel_size, "chunk": args.chunk,
+        "select": args.select, "pool": args.pool, "kernel_size": args.kernel_size, "chunk": args.chunk,
         "ppl_unquantized": math.exp(base_nll),
         "top1_accuracy_unquantized": (base.argmax(-1) == tgt).double().mean().item(),
         "results": results, "seconds": round(time.time() - t0, 1),
@@ -147,7 +169,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     print(f"{len(windows)} windows: prompt {args.prompt}, {report['tokens_scored']} continuation tokens scored; "
-          f"window {args.window}, obs {args.obs}, {args.pool} pool {args.kernel_size}; {report['seconds']}s")
+          f"{args.select}; window {args.window}, obs {args.obs}, {args.pool} pool {args.kernel_size}; {report['seconds']}s")
     print(f"unquantized: ppl {report['ppl_unquantized']:.4f}, top-1 accuracy {report['top1_accuracy_unquantized']:.4f}")
     print("| preset | kept | tokens held | ppl | vs uncompacted | vs unquantized | top-1 agree (uncompacted) "
           "| top-1 agree (unquantized) |")
