@@ -304,7 +304,7 @@ def _v_fields(pool: torch.Tensor, tile_index: torch.Tensor, spec):
     """(centered v code values f16 [L, T, D], tok_step, tok_min [L, T], col_scale [L, D]) in f32.
 
     Code values are ``code - 2^(v_bits-1)`` for uniform ([-2, 1] or [-8, 7], exact in f16) and the codebook
-    value ``codebook[code]`` rounded to f16 for lloyd_max (already centred); the caller adds
+    value ``codebook[code]`` for lloyd_max (f16-exact, already centred); the caller adds
     ``h * tok_step`` to tok_min, h = :func:`_v_code_offset` (see :func:`_sv_torch`).
     """
     T, D, vb = spec.tile_tokens, spec.head_dim, spec.v_bits

@@ -81,8 +81,8 @@ CONFIGS = [
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("preset,D,sd,G,qdt,sink,n", CONFIGS)
 def test_matches_reference(preset, D, sd, G, qdt, sink, n, quantizer):
-    """lloyd_max: the kernel looks codes up in the f16-rounded codebook (relative rounding <= 2.8e-4 per
-    centroid) while the reference uses the float32 one; the same 1e-3 bar holds."""
+    """lloyd_max: the kernel looks codes up in the codebook as f16 MMA operands (exact: the format's
+    codebook is f16-exact); the same 1e-3 bar holds."""
     B, Hkv = 3, 2
     c = make_cache(B, Hkv, D, preset, sd, n, sink=sink, seed=n, quantizer=quantizer)
     assert c.num_tiles(0) > 0
@@ -113,11 +113,14 @@ def test_length_one():
 
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 def test_large_logits(quantizer):
-    """Peaked attention (large q) still within tolerance: scores need the hi/lo fp16 split."""
+    """Peaked attention (large q, logits ~100) still within tolerance: scores need the hi/lo fp16 split
+    and exact f16 code values (an f32 Lloyd-Max codebook rounded to f16 in the kernel gave up to 2.5e-3).
+    Eight fresh queries per run: with the rounded codebook one query passed in one H200 run and failed in the next."""
     c = make_cache(1, 2, 128, n=3000, seed=5, quantizer=quantizer)
-    q = (torch.randn(1, 8, 1, 128, device="cuda") * 12).to(torch.float16)
-    out = run_decode(q, c)
-    assert rel(out, reference.attention(q, c, 0)) < TOL
+    for _ in range(8):
+        q = (torch.randn(1, 8, 1, 128, device="cuda") * 12).to(torch.float16)
+        out = run_decode(q, c)
+        assert rel(out, reference.attention(q, c, 0)) < TOL
 
 
 @pytest.mark.parametrize("n", [1024, 8192, 32768, 131072])

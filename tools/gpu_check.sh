@@ -32,7 +32,7 @@
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
-# GPU_TEST_GROUPS (default: all) picks the test groups.
+# GPU_TEST_GROUPS (default: all) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR to each group.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.
@@ -110,7 +110,8 @@ limit=${GPU_TEST_LIMIT:-120}
 for group in ${GPU_TEST_GROUPS:-runtime compress rotate gemm decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
-  step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider $files
+  step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+    ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files
 done
 
 if [ "$#" -gt 0 ]; then

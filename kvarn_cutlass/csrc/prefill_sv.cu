@@ -19,7 +19,7 @@
 // rounding of P' (same reason and same fix as the K codes in kscore_prep.cu).
 //
 // lloyd_max records (the *_v<VB>lm_* kernels): a code stands for the centroid c[code] of the N(0,1)
-// Lloyd-Max codebook (symmetric, so already centred): the staged values are c[code] rounded to f16 (from
+// Lloyd-Max codebook (symmetric, so already centred; f16-exact by the format): the staged values are c[code] (from
 // a 16-entry f16 table in shared memory: 8 words, any access pattern is conflict-free) and h = 0.
 //
 // Rows: r = j * n_new + i (j: q head within the GQA group, i: query index in the chunk); query i

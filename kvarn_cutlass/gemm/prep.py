@@ -33,9 +33,9 @@ two 16-entry int8 tables (:data:`LM_TABLE_HI`, :data:`LM_TABLE_LO`, scale :data:
   ``bias = sum_c q * chanMin`` (chanMin holds the axis centre, the codebook has mean 0).
 
 So ``qi8 . codes = sum_c hi * LM_TABLE_HI + lo * LM_TABLE_LO ~= S * sum_c x * c`` (exact in int32:
-``|.| <= D * (127 * 104 + 8 * 7) < 2^23``). S = 38.2137, hi = +-(5, 15, 25, 36, 48, 62, 79, 104): the table
+``|.| <= D * (127 * 104 + 8 * 7) < 2^23``). S = 38.2183, hi = +-(5, 15, 25, 36, 48, 62, 79, 104): the table
 and scale with the smallest RMS of ``hi/S - c`` weighted by the N(0, 1) mass of each code's cell,
-:data:`LM_TABLE_RMS_ERR` = 0.00318 (max :data:`LM_TABLE_MAX_ERR` = 0.0111, on the outer centroid), in units
+:data:`LM_TABLE_RMS_ERR` = 0.00316 (max :data:`LM_TABLE_MAX_ERR` = 0.0112, on the outer centroid), in units
 of the axis' RMS (the Gaussian's sigma); the Lloyd-Max quantization error itself has RMS 0.0975, so the
 table adds ~0.1% to the K noise power. Effect on scores (CPU, realistic K/V and queries with outlier
 channels, tests/test_gemm.py::test_lm_kscore_error_within_documented_bound): 1.3e-3..4.0e-3 norm-wise
