@@ -81,8 +81,9 @@ def _decode_plot(doc: dict[str, Any], batch: int, path: Path) -> Path:
     rows = [r for r in decode_rows(doc) if r["batch"] == batch]
     fig = _figure()
     ax = fig.add_subplot()
-    for key, label, style in (("graph_us", "KVarN (CUDA graph)", "o-"), ("sdpa_cudnn_us", "SDPA cuDNN, fp16", "s--"),
-                              ("sdpa_flash_us", "SDPA flash, fp16", "^--")):
+    for key, label, style in (("graph_us", "KVarN (CUDA graph)", "o-"), ("sdpa_cudnn_us", "SDPA cuDNN, fp16 (eager)", "s--"),
+                              ("sdpa_cudnn_graph_us", "SDPA cuDNN, fp16 (CUDA graph)", "s:"),
+                              ("sdpa_flash_us", "SDPA flash, fp16 (eager)", "^--")):
         pts = [(r["context"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
