@@ -1,4 +1,5 @@
-"""argparse ``type=`` converters shared by the subcommands.
+"""argparse ``type=`` converters shared by the subcommands, and :func:`resolve_device` for their
+``--device {auto,cpu,cuda}`` option.
 
 A bad value becomes argparse's one-line usage error (exit status 2) naming the option, before any
 heavy import or work: ``kvarn-cutlass demo: error: argument --tokens: must be an integer >= 2, got '-5'``.
@@ -55,3 +56,17 @@ def existing_dir(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
     return text
+
+
+def resolve_device(choice: str) -> str:
+    """``--device`` value -> ``"cuda"`` or ``"cpu"`` (``auto``: cuda when torch sees a CUDA device).
+
+    Raises RuntimeError when ``cuda`` is asked for and torch sees no CUDA device.
+    """
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device")
+    return choice

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from ..format import PRESETS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int
+from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int, resolve_device
 
 NAME = "demo"
 DEFAULT_BUDGET_S = 50.0
@@ -522,11 +522,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device")
+    device = resolve_device(args.device)
     on_gpu = device == "cuda"
     _validate(args, device, args.tokens)
     Hq, Hkv = GPU_HEADS if on_gpu else CPU_HEADS

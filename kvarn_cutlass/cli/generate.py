@@ -9,7 +9,7 @@ import json
 import sys
 
 from ..format import PRESETS, QUANTIZERS
-from .argtypes import existing_dir, existing_file, non_negative_int, positive_int
+from .argtypes import existing_dir, existing_file, non_negative_int, positive_int, resolve_device
 
 NAME = "generate"
 
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from ..hf._compat import load_model
     from ..hf.generate import agreement, kvarn_cache_factory, prompts_from_text
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but torch sees no CUDA device")
+    device = resolve_device(args.device)
     model, tok = load_model(args.model, device, args.dtype)
     factory = kvarn_cache_factory(model, preset=args.preset, quantizer=args.quantizer, window=args.window,
                                   sink_tokens=args.sink, dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)

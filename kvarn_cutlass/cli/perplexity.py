@@ -13,7 +13,7 @@ import json
 import sys
 
 from ..format import PRESETS, QUANTIZERS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_int, positive_int
+from .argtypes import existing_dir, existing_file, int_at_least, non_negative_int, positive_int, resolve_device
 
 NAME = "perplexity"
 
@@ -56,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ..hf._compat import load_model
     from ..hf.perplexity import evaluate, token_windows
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but torch sees no CUDA device")
+    device = resolve_device(args.device)
     method = args.method
     if method == "auto":
         method = "sim" if device == "cpu" or args.window == 0 or args.view == "prefill" else "decode"
