@@ -368,10 +368,13 @@ class KVarNCache:
                 self.append(layer, *kv)
             finally:
                 staged[layer], self._layers[layer] = self._layers[layer], old
+        # every allocation (a pool that must grow) before the first copy: an out-of-memory error
+        # here leaves every layer's contents as they were (a grown pool holds the same tiles)
+        for layer, new in staged.items():
+            if new.n_tiles > self._layers[layer].tiles.shape[1]:
+                self._grow(self._layers[layer], new.n_tiles)
         for layer, new in staged.items():
             st = self._layers[layer]
-            if new.n_tiles > st.tiles.shape[1]:
-                self._grow(st, new.n_tiles)
             st.tiles[:, : new.n_tiles] = new.tiles[:, : new.n_tiles]
             for name in ("window_k", "window_v", "sink_k", "sink_v"):
                 getattr(st, name).copy_(getattr(new, name))

@@ -345,3 +345,69 @@ def test_deferred_checks_restore_when_the_block_raises_and_do_not_nest():
             with c.deferred_checks():
                 pass
     _assert_same_state(before, _valid_state(c))
+
+
+# ---------------------------------------------------------------------------------------------
+# replace_layers: all or nothing
+def _replace_cache():
+    """Two layers, no max_seq_len: layer 0 holds 2 tiles (capacity 8 after growth), layer 1 none."""
+    gen = torch.Generator().manual_seed(31)
+    c = kc.KVarNCache(2, 1, 2, 64, preset="k4v2_g64", window=64, sink_tokens=64)
+    c.append(0, realistic_kv(1, 2, 64 + 2 * 64 + 40, 64, generator=gen), realistic_kv(1, 2, 232, 64, generator=gen))
+    c.append(1, realistic_kv(1, 2, 90, 64, generator=gen), realistic_kv(1, 2, 90, 64, generator=gen))
+    return c
+
+
+def _bad_kv(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = _stream(1, 2, n, 64, seed=32)
+    if kind == "shape":
+        return k, v[:, :, :-1]
+    if kind == "dtype":
+        return k.to(torch.int32), v
+    k[0, 1, 100, 7] = float("nan")  # inside a compressed tile
+    return k, v
+
+
+@pytest.mark.parametrize("kind, exc, match", [("shape", ValueError, "same shape"), ("dtype", TypeError, "k has dtype"),
+                                              ("nan", ValueError, "k contains NaN or Inf")])
+def test_replace_layers_bad_later_layer_changes_no_layer(kind, exc, match):
+    c = _replace_cache()
+    before = snapshot(c)
+    good = _stream(1, 2, 64 + 20 * 64 + 10, 64, seed=33)  # needs 20 tiles: more than layer 0 holds
+    with pytest.raises(exc, match=match):
+        c.replace_layers({0: good, 1: _bad_kv(kind, 400)})
+    assert_same_snapshot(before, snapshot(c))
+
+
+def test_replace_layers_failed_growth_changes_no_layer(monkeypatch):
+    """An allocation that fails (out of memory) on the second layer leaves the first layer as it was."""
+    c = _replace_cache()
+    before = _valid_state(c)
+    grow, calls = c._grow, []
+
+    def grow_then_fail(st, needed):
+        calls.append(needed)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("simulated allocation failure")
+        grow(st, needed)
+
+    monkeypatch.setattr(c, "_grow", grow_then_fail)
+    contents = {0: _stream(1, 2, 64 + 20 * 64 + 10, 64, seed=34), 1: _stream(1, 2, 64 + 12 * 64 + 3, 64, seed=35)}
+    with pytest.raises(torch.OutOfMemoryError):
+        c.replace_layers(contents)
+    assert calls == [20, 12]
+    _assert_same_state(before, _valid_state(c))
+
+
+def test_replace_layers_grows_a_pool_and_equals_a_fresh_append():
+    c = _replace_cache()
+    capacity = [st.tiles.shape[1] for st in c._layers]
+    contents = {0: _stream(1, 2, 64 + 20 * 64 + 10, 64, seed=36), 1: _stream(1, 2, 64 + 3 * 64 + 70, 64, seed=37)}
+    assert 20 > capacity[0]  # the replacement needs more tiles than layer 0 has allocated
+    c.replace_layers(contents)
+    fresh = kc.KVarNCache(2, 1, 2, 64, preset="k4v2_g64", window=64, sink_tokens=64)
+    for layer, (k, v) in contents.items():
+        fresh.append(layer, k, v)
+    _assert_same_state(_valid_state(fresh), _valid_state(c))
+    assert [c.seq_len(i) for i in range(2)] == [64 + 20 * 64 + 10, 64 + 3 * 64 + 70]
+    assert c._layers[0].tiles.shape[1] >= 20
