@@ -169,10 +169,9 @@ def get_workspace(device: torch.device, Mp: int, pairs: int, T: int, D: int, sco
         # codes, rs and tile_index hold one slot per pair whatever Mp is, so a call with fewer rows
         # (more pairs per group) needs more pairs even when its rows fit the row buffers.
         if ws is None or ws.pairs < pairs:
-            need = max(pairs, ws.pairs if ws is not None else 0)
             if len(_workspaces) >= _MAX_WORKSPACES and key not in _workspaces:
                 _workspaces.pop(next(iter(_workspaces)))
-            ws = _workspaces[key] = PrefillWorkspace(device, Mp_cap, need, T, D, score_dtype)
+            ws = _workspaces[key] = PrefillWorkspace(device, Mp_cap, pairs, T, D, score_dtype)
         return ws
 
 
@@ -275,7 +274,7 @@ class _TorchStages:
         codes.copy_(c), rs.copy_(r)
 
     def kscore(self, ctx, ws, qi8, codes, a, bias, rs, S):
-        # exact: integer partial sums, |acc| <= D * (127*128 + 8*8) < 2^23 (lloyd_max: D * (127*122 + 8*8))
+        # exact: integer partial sums, |acc| <= D * (127*128 + 8*8) < 2^23 (lloyd_max: D * (127*104 + 8*7))
         acc = torch.bmm(qi8.to(torch.float32), codes.to(torch.float32).transpose(1, 2))
         S.copy_((ctx.scale * rs)[:, None, :] * (a[..., None] * acc + bias[..., None]))
 
