@@ -58,19 +58,27 @@ def _prefill(model, prompt, preset, window, obs, chunk):
 
 def _keep_recent(cache, keep):
     """Control: keep the most recent tile tokens instead of SnapKV's choice (the same count, the same
-    re-quantization into new tiles, the same position bookkeeping)."""
-    from kvarn_cutlass import codec
+    re-quantization into new tiles, the same position bookkeeping; a layer holding ``<= keep``
+    tokens, or no tiles, is left alone, as snapkv_compact leaves it)."""
+    from kvarn_cutlass.compact import _tile_tokens, _to_cache_dtype
 
     lib = cache.library
-    T, contents = lib.spec.tile_tokens, {}
+    T, contents, evicted = lib.spec.tile_tokens, {}, {}
     for layer in range(lib.num_layers):
+        n_tiles = lib.num_tiles(layer)
+        if keep >= lib.seq_len(layer) or n_tiles == 0:
+            continue
         (sk, sv), (wk, wv) = lib.sink_kv(layer), lib.window_kv(layer)
         n_keep = T * (max(keep - sk.shape[2] - wk.shape[2], 0) // T)
-        k, v = codec.decode_tiles(lib.tile_bytes(layer), lib.spec, torch.float64)  # [B, nt, H, T, D]
-        flat = lambda x: x.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, x.shape[1] * T - n_keep :].to(lib.dtype)  # noqa: E731
-        contents[layer] = (torch.cat((sk, flat(k), wk), 2), torch.cat((sv, flat(v), wv), 2))
-        cache.layers[layer].evicted += lib.num_tiles(layer) * T - n_keep
+        k, v = _tile_tokens(lib, layer)  # float64 [B, H, n_tiles*T, D]
+        recent = lambda x: _to_cache_dtype(x[:, :, n_tiles * T - n_keep :], lib.dtype)  # noqa: E731
+        contents[layer] = (torch.cat((sk, recent(k), wk), 2), torch.cat((sv, recent(v), wv), 2))
+        evicted[layer] = n_tiles * T - n_keep
+    if not contents:
+        return
     lib.replace_layers(contents)
+    for layer, n in evicted.items():  # only once the replacement succeeded
+        cache.layers[layer].evicted += n
     cache.dequantized = type(cache.dequantized)()
 
 
