@@ -77,6 +77,8 @@ def test_decode_table_equals_the_record(h200):
         assert float(cells["SDPA flash µs"]) == row["sdpa_flash_us"]
         assert abs(float(cells["cuDNN / KVarN"]) - row["sdpa_cudnn_us"] / row["graph_us"]) <= 0.005
         assert abs(float(cells["flash / KVarN"]) - row["sdpa_flash_us"] / row["graph_us"]) <= 0.005
+        assert float(cells["SDPA cuDNN graph µs"]) == row["sdpa_cudnn_graph_us"]
+        assert abs(float(cells["cuDNN graph / KVarN"]) - row["sdpa_cudnn_graph_us"] / row["graph_us"]) <= 0.005
         # % of the copy ceiling from the compressed bytes read per step, independently of the stored fraction
         pct = row["kvarn_bytes"] / (row["graph_us"] * 1e-6) / 1e9 / res["copy_ceiling_gb_per_s"] * 100
         assert abs(float(cells["% of copy ceiling"]) - pct) <= 0.15
@@ -102,7 +104,8 @@ def test_prefill_table_equals_the_record(h200):
 def test_decode_lloyd_max_rows_render_beside_the_uniform_time(h200):
     path, raw = h200
     res = raw["sections"]["decode"]["results"]
-    rng = random.Random()
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
     res["lloyd_max_rows"] = [
         {"batch": r["batch"], "context": r["context"], "graph_us": round(rng.uniform(10, 900), 2),
          "uniform_graph_us": r["graph_us"], "fraction_of_copy_ceiling": round(rng.random(), 3)}
@@ -111,12 +114,12 @@ def test_decode_lloyd_max_rows_render_beside_the_uniform_time(h200):
         r["time_vs_uniform"] = round(r["graph_us"] / r["uniform_graph_us"], 3)
     path.write_text(json.dumps(raw))
     md = render_markdown(load_record(path))
-    assert len(_table(md, ["batch", "context"])) == len(res["rows"])  # the main table is still the only one
+    assert len(_table(md, ["batch", "context"])) == len(res["rows"]), why  # the main table is still the only one
     cells = _table(md, ["quantizer", "batch", "context"])
     assert [(int(c["batch"]), int(c["context"]), float(c["Lloyd-Max graph µs"]), float(c["uniform graph µs"]),
              float(c["Lloyd-Max / uniform"])) for c in cells] == [
         (r["batch"], r["context"], r["graph_us"], r["uniform_graph_us"], r["time_vs_uniform"])
-        for r in res["lloyd_max_rows"]]
+        for r in res["lloyd_max_rows"]], why
 
 
 def test_gemm_and_compress_tables_equal_the_record(h200):
@@ -151,21 +154,22 @@ def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):
 def test_gemm_buckets_measured_by_the_bench_take_precedence(h200, tmp_path):
     path, _ = h200
     doc = load_record(path)
-    rng = random.Random()
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
     measured = [{"bucket": f"M{m}_T128_D128_f16", "time_us": round(rng.uniform(10, 500), 2),
                  "tops": round(rng.uniform(10, 400), 2)} for m in rng.sample([128, 512, 2048, 8192], 3)]
     failed = {"bucket": "M1024_T128_D256_f16", "error": "RuntimeError: no kernel"}
     doc["sections"]["gemm"]["results"]["buckets"] = measured + [failed]
     rows, source = gemm_bucket_rows(doc)
-    assert "measured by the bench" in source
+    assert "measured by the bench" in source, why
     assert sorted((r["bucket"], r["tops"], r["time_us"]) for r in rows) == sorted(
-        [(b["bucket"], b["tops"], b["time_us"]) for b in measured] + [(failed["bucket"], None, None)])
+        [(b["bucket"], b["tops"], b["time_us"]) for b in measured] + [(failed["bucket"], None, None)]), why
     table = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}
-    assert table[failed["bucket"]]["TOPS (depth D)"] == "-"
-    assert all(float(table[b["bucket"]]["TOPS (depth D)"]) == b["tops"] for b in measured)
+    assert table[failed["bucket"]]["TOPS (depth D)"] == "-", why
+    assert all(float(table[b["bucket"]]["TOPS (depth D)"]) == b["tops"] for b in measured), why
     if importlib.util.find_spec("matplotlib") is not None:  # the failed bucket is left out of the plot
         written, _ = write_report(doc, tmp_path, prefix="x-")
-        assert tmp_path / "x-gemm_tops.png" in written
+        assert tmp_path / "x-gemm_tops.png" in written, why
 
 
 def test_memory_per_token_matches_the_record_layout_by_hand():
@@ -205,7 +209,8 @@ def _random_record(rng: random.Random) -> dict:
 
 
 def test_random_record_cells_and_missing_fields(tmp_path):
-    rng = random.Random()
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
     doc = _random_record(rng)
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
@@ -213,19 +218,19 @@ def test_random_record_cells_and_missing_fields(tmp_path):
     table = {(int(r["batch"]), int(r["context"])): r for r in _table(md, ["batch", "context"])}
     for row in doc["sections"]["decode"]["results"]["rows"]:
         cells = table[(row["batch"], row["context"])]
-        assert float(cells["KVarN graph µs"]) == row["graph_us"]
-        assert abs(float(cells["cuDNN / KVarN"]) - row["sdpa_cudnn_us"] / row["graph_us"]) <= 0.005
+        assert float(cells["KVarN graph µs"]) == row["graph_us"], why
+        assert abs(float(cells["cuDNN / KVarN"]) - row["sdpa_cudnn_us"] / row["graph_us"]) <= 0.005, why
         if "sdpa_flash_us" in row:
-            assert abs(float(cells["flash / KVarN"]) - row["sdpa_flash_us"] / row["graph_us"]) <= 0.005
+            assert abs(float(cells["flash / KVarN"]) - row["sdpa_flash_us"] / row["graph_us"]) <= 0.005, why
         else:
-            assert cells["SDPA flash µs"] == cells["flash / KVarN"] == "-"
-        assert cells["KVarN eager µs"] == cells["% of copy ceiling"] == "-"
+            assert cells["SDPA flash µs"] == cells["flash / KVarN"] == "-", why
+        assert cells["KVarN eager µs"] == cells["% of copy ceiling"] == "-", why
     prefill = _table(md, ["prompt P", "chunk C", "head_dim", "KVarN ms"])
     assert sorted((int(r["prompt P"]), int(r["chunk C"]), float(r["KVarN ms"])) for r in prefill) == sorted(
-        (p["P"], p["C"], p["kvarn_ms"]) for p in doc["sections"]["prefill"]["results"]["points"])
-    assert all(r["dequant+SDPA ms"] == "-" for r in prefill)
-    assert "mystery" in md.splitlines()[-1]
-    assert "2031-02-03T04:05:06+00:00" in md
+        (p["P"], p["C"], p["kvarn_ms"]) for p in doc["sections"]["prefill"]["results"]["points"]), why
+    assert all(r["dequant+SDPA ms"] == "-" for r in prefill), why
+    assert "mystery" in md.splitlines()[-1], why
+    assert "2031-02-03T04:05:06+00:00" in md, why
 
 
 @pytest.mark.parametrize("content, message", [
@@ -355,7 +360,8 @@ def test_bench_runs_sections_records_and_reports(tmp_path, monkeypatch, capsys):
 
     raw = json.loads(H200.read_text())
     decode = copy.deepcopy(raw["sections"]["decode"]["results"])
-    rng = random.Random()
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
     for row in decode["rows"]:
         row["graph_us"] = round(rng.uniform(5, 500), 2)
 
@@ -371,19 +377,56 @@ def test_bench_runs_sections_records_and_reports(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(record, "default_record_path", lambda d=None: Path(d) / "test-gpu.json")
     out = tmp_path / "out"
     rc = main(["bench", "--out", str(out), "--record-dir", str(tmp_path / "rec"), "--no-plots"])
-    assert rc == 1
+    assert rc == 1, why
     captured = capsys.readouterr()
     progress = [line for line in captured.err.splitlines() if line.startswith("bench [")]
-    assert progress[0].startswith("bench [1/2] copy: running") and progress[1].startswith("bench [1/2] copy: FAILED")
-    assert progress[2].startswith("bench [2/2] decode: running") and progress[3].startswith("bench [2/2] decode: done")
-    assert "failed sections: copy: RuntimeError: boom" in captured.err
+    assert progress[0].startswith("bench [1/2] copy: running") and progress[1].startswith("bench [1/2] copy: FAILED"), why
+    assert progress[2].startswith("bench [2/2] decode: running") and progress[3].startswith("bench [2/2] decode: done"), why
+    assert "failed sections: copy: RuntimeError: boom" in captured.err, why
     results = load_record(out / "results.json")
-    assert results["sections"] == {"decode": {"provenance": prov, "results": decode}}
-    assert results["failed"] == ["copy: RuntimeError: boom"]
+    assert results["sections"] == {"decode": {"provenance": prov, "results": decode}}, why
+    assert results["failed"] == ["copy: RuntimeError: boom"], why
     merged = load_record(tmp_path / "rec" / "test-gpu.json")
-    assert merged["sections"]["decode"]["results"] == decode
+    assert merged["sections"]["decode"]["results"] == decode, why
     table = {(int(r["batch"]), int(r["context"])): r for r in _table((out / "results.md").read_text(), ["batch", "context"])}
-    assert all(float(table[(r["batch"], r["context"])]["KVarN graph µs"]) == r["graph_us"] for r in decode["rows"])
+    assert all(float(table[(r["batch"], r["context"])]["KVarN graph µs"]) == r["graph_us"] for r in decode["rows"]), why
+
+
+def test_bench_a_failed_record_merge_costs_the_other_sections_nothing(tmp_path, monkeypatch, capsys):
+    """A section whose merge into the docs/benchmarks record fails is reported like a failed section: its
+    numbers stay in results.json, the next sections run and are merged, the exit status is non-zero."""
+    import kvarn_cutlass.bench as bench
+    import kvarn_cutlass.bench.record as record
+
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
+    results = {name: {"x": round(rng.uniform(1, 100), 3)} for name in ("decode", "prefill")}
+    fake = {name: Section(name, lambda opts, name=name: results[name], "stand-in") for name in results}
+    prov = {"gpu": "NVIDIA Test GPU", "compute_capability": "9.0", "date": "2031-01-01T00:00:00+00:00"}
+    merge = record.record_section
+
+    def merge_fails_for_prefill(name, res, path, provenance):  # the first section to run
+        if name == "prefill":
+            raise OSError("disk full")
+        merge(name, res, path, provenance)
+
+    monkeypatch.setattr(bench, "sections", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(record, "provenance", lambda: prov)
+    monkeypatch.setattr(record, "default_record_path", lambda d=None: Path(d) / "test-gpu.json")
+    monkeypatch.setattr(record, "record_section", merge_fails_for_prefill)
+    out, rec = tmp_path / "out", tmp_path / "rec" / "test-gpu.json"
+    assert main(["bench", "--out", str(out), "--record-dir", str(rec.parent), "--no-plots"]) == 1, why
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("bench [")]
+    assert progress[1].startswith("bench [1/2] prefill: done") and progress[3].startswith("bench [2/2] decode: done"), why
+    failure = f"prefill: merging into {rec}: OSError: disk full"
+    assert f"failed sections: {failure}" in captured.err, why
+    written = load_record(out / "results.json")
+    assert written["failed"] == [failure], why
+    assert written["sections"] == {n: {"provenance": prov, "results": r} for n, r in results.items()}, why
+    merged = load_record(rec)
+    assert set(merged["sections"]) == {"decode"} and merged["sections"]["decode"]["results"] == results["decode"], why
 
 
 def test_progress_on_a_terminal_refreshes_one_line():

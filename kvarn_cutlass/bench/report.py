@@ -386,9 +386,14 @@ def _copy_launch_md(doc: dict[str, Any]) -> str | None:
     return "\n".join(out).rstrip()
 
 
-def _ordered(doc: dict[str, Any]) -> list[str]:
-    names = list(doc["sections"])
+def ordered_sections(names: Iterable[str]) -> list[str]:
+    """Section names in report order: those of SECTION_ORDER in its order, then the others sorted."""
+    names = list(names)
     return [n for n in SECTION_ORDER if n in names] + sorted(n for n in names if n not in SECTION_ORDER)
+
+
+def _ordered(doc: dict[str, Any]) -> list[str]:
+    return ordered_sections(doc["sections"])
 
 
 def render_markdown(doc: dict[str, Any], images: dict[str, list[str]] | None = None,

@@ -131,12 +131,6 @@ def _out_dir(args: argparse.Namespace) -> Path:
     return out
 
 
-def _order(names: list[str]) -> list[str]:
-    from ..bench.report import SECTION_ORDER
-
-    return [n for n in SECTION_ORDER if n in names] + sorted(n for n in names if n not in SECTION_ORDER)
-
-
 def _render(doc: dict[str, Any], out: Path, plots: bool) -> list[Path]:
     from ..bench.report import write_report
 
@@ -172,16 +166,17 @@ def run(args: argparse.Namespace) -> int:
         return _from_json(args)
 
     from ..bench import BenchOptions, sections
+    from ..bench.report import ordered_sections
 
     registered = sections()
     if args.list:
-        for name in _order(list(registered)):
+        for name in ordered_sections(registered):
             print(f"{name:16s} {registered[name].description}")
         return 0
     unknown = [n for n in args.section or [] if n not in registered]
     if unknown:
-        raise ValueError(f"--section: unknown bench section {unknown}; registered: {_order(list(registered))}")
-    names = list(dict.fromkeys(args.section)) if args.section else _order(list(registered))
+        raise ValueError(f"--section: unknown bench section {unknown}; registered: {ordered_sections(registered)}")
+    names = list(dict.fromkeys(args.section)) if args.section else ordered_sections(registered)
     out = _out_dir(args)
 
     import torch
@@ -216,7 +211,11 @@ def run(args: argparse.Namespace) -> int:
             progress.done(i, name, t_section, "done")
             doc["sections"][name] = {"provenance": prov, "results": res}
             if record is not None:
-                record_section(name, res, record, prov)
+                try:
+                    record_section(name, res, record, prov)
+                except Exception as e:  # likewise: the numbers stay in results.json, the next sections run
+                    traceback.print_exc()
+                    doc["failed"].append(f"{name}: merging into {record}: {type(e).__name__}: {e}")
         _write_json_atomic(results_path, doc)
     written = [results_path] + _render(doc, out, plots=not args.no_plots)
     if args.json:
