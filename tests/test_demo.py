@@ -162,6 +162,23 @@ def test_compile_child_failure_is_reported_with_its_last_line(monkeypatch):
     assert res["status"] == "failed" and res["error"] == "nvcc exploded"
 
 
+def test_compile_child_output_files_are_closed_on_every_path(monkeypatch):
+    """finish() of a child that succeeded, and stop() of a child that already exited by itself (the
+    files were left open before), close the child's output files; close() and stop() are idempotent."""
+    monkeypatch.setattr(demo, "_CHILD", "import json; print(json.dumps({'status': 'compiled'}))")
+    cfg = demo.demo_gemm_config(512, 4)
+    finished = demo.GemmCompile(cfg)
+    assert finished.finish(None, lambda s: None)["status"] == "compiled"
+    assert finished.out.closed and finished.err.closed
+    exited = demo.GemmCompile(cfg)
+    exited.proc.wait(timeout=60)
+    exited.stop()
+    assert exited.out.closed and exited.err.closed
+    exited.stop()
+    exited.close()
+    assert exited.proc.returncode == 0
+
+
 def test_compile_child_reports_compiled_then_cached(monkeypatch, tmp_path, capsys):
     """In-process run of the child body with nvcc replaced: the first build runs the compiler once, the
     second is served by the disk cache (GemmBinary.cached)."""

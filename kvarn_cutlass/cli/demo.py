@@ -21,7 +21,7 @@ On CUDA the cache compresses on the GPU, prefill runs ``kvarn_cutlass.prefill_at
 int8 K-score GEMM) and decode ``kvarn_cutlass.DecodeGraph`` (split-tile kernels in a CUDA graph).
 On a CPU-only machine the same pipeline runs through the CPU paths (prefill's torch pipeline,
 float64 reference decode), and the CUTLASS K-score GEMM is emitted and compiled for sm_90 with nvcc
-(when present) in a background process meanwhile; a cold compile takes about a minute on 2 cores,
+(when present) in a background process meanwhile; a cold compile takes about 50 s on 2 cores,
 so by default the demo stops waiting at ``--budget`` seconds (a later run finds it in the kernel
 cache; ``--budget 0`` waits for it).
 """
@@ -263,12 +263,18 @@ class GemmCompile:
                                      stdout=self.out, stderr=self.err, start_new_session=True)
 
     def _output(self) -> tuple[str, str]:
+        """The child's stdout and stderr so far; closes the files (the child has exited)."""
         texts = []
         for f in (self.out, self.err):
             f.seek(0)
             texts.append(f.read())
-            f.close()
+        self.close()
         return texts[0], texts[1]
+
+    def close(self) -> None:
+        """Close (and so delete) the child's output files; safe to call again."""
+        self.out.close()
+        self.err.close()
 
     def finish(self, deadline: float | None, progress) -> dict:
         """Wait for the child until ``deadline`` (a ``time.perf_counter()`` value, None = forever), calling
@@ -297,6 +303,7 @@ class GemmCompile:
     def stop(self) -> None:
         """Stop the child's process group (SIGTERM, then SIGKILL after 5 s) and reap the child."""
         if self.proc.poll() is not None:
+            self.close()
             return
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
             try:
@@ -309,7 +316,7 @@ class GemmCompile:
             except subprocess.TimeoutExpired:
                 continue
         self.proc.wait()
-        self._output()
+        self.close()
 
 
 def _progress_printer(config_name: str):
@@ -520,7 +527,7 @@ def _time_prefill(args, q16, k16, v16, scale: float) -> dict:
 
 
 # --- the command ------------------------------------------------------------------------------------------
-def _validate(args, device: str, n: int | None) -> None:
+def _validate(args, n: int | None) -> None:
     T = PRESETS[args.preset][2]
     if args.window % T:
         raise ValueError(f"--window must be a multiple of the tile size {T} of {args.preset}, got {args.window}")
@@ -536,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     on_gpu = device == "cuda"
-    _validate(args, device, args.tokens)
+    _validate(args, args.tokens)
     Hq, Hkv = GPU_HEADS if on_gpu else CPU_HEADS
 
     compile_job = None
@@ -556,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.model:
             layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
-            _validate(args, device, n)
+            _validate(args, n)
         else:
             n = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
             q, k, v = realistic_qkv(Hq, Hkv, n, HEAD_DIM, torch.Generator().manual_seed(1234))
