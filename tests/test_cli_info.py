@@ -62,6 +62,9 @@ def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypat
         expected_bytes += n
         expected_files += 1
     (root / "link").symlink_to(root / "kind0")  # a link is neither followed nor counted
+    (root / "file-link").symlink_to(d / f"entry{i}.bin")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(root / "fifo")  # nor are other non-regular files
     assert directory_size(root) == (expected_bytes, expected_files)
     monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
     info = _info_json(capsys)

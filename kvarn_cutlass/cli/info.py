@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _dist_version(name: str) -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - Python >= 3.8 has it
-        return "unknown"
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(name)
     except PackageNotFoundError:
@@ -59,7 +58,7 @@ def directory_size(path: Path) -> tuple[int, int]:
                 st = os.lstat(os.path.join(root, name))
             except OSError:  # removed while walking (another process pruning the cache)
                 continue
-            if not os.path.islink(os.path.join(root, name)):
+            if stat.S_ISREG(st.st_mode):  # not symlinks, sockets, fifos
                 total += st.st_size
                 files += 1
     return total, files
