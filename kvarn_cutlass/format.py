@@ -104,8 +104,9 @@ def codebook(quantizer: str, bits: int) -> tuple[float, ...]:
 def lloyd_max_thresholds(bits: int) -> tuple[float, ...]:
     """The 2^bits - 1 ascending decision thresholds of the ``lloyd_max`` codebook for ``bits``.
 
-    ``t_j = float32((c_j + c_{j+1}) / 2)`` with the float32 centroids ``c = codebook("lloyd_max",
-    bits)``: the sum and the halving are exact in float64, then one rounding to float32. A value z
+    ``t_j = float32((c_j + c_{j+1}) / 2)`` with the centroids ``c = codebook("lloyd_max", bits)``
+    (float16-rounded, so exactly representable in float32 too): the sum and the halving are exact in
+    float64, then one rounding to float32. A value z
     gets the code ``#{j : z > t_j}`` (ties go to the lower code).
     """
     c = codebook("lloyd_max", bits)

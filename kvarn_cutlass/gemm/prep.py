@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from ..format import QUANTIZERS, codebook, lloyd_max_thresholds
+from ..format import QUANTIZERS, _f32, codebook, lloyd_max_thresholds
 
 __all__ = [
     "TileOffsets", "lm_table", "LM_SCALE", "LM_TABLE_HI", "LM_TABLE_LO", "LM_TABLE_MAX_ERR", "LM_TABLE_RMS_ERR", "unpack_reference", "fold_reference", "kscore_reference",
@@ -127,7 +127,8 @@ def lm_table() -> tuple[float, tuple[int, ...], tuple[int, ...], float, float]:
     decision cell) is what to minimize. For each of 4096 grid scales s in [32, 127 / max|c|], the table
     round(s c) gets its least-squares scale S = sum p h^2 / sum p h c (weights p); the table and scale
     with the smallest weighted RMS of h/S - c win. hi = that table, lo[i] = round(S c_i / 16), S rounded to
-    float32. The errors reported are those of hi/S against the float32 centroids.
+    float32. The errors reported are those of hi/S against the codebook's centroids (float16-rounded, so
+    exact in float32 and float64 alike).
     """
     c = codebook("lloyd_max", 4)
     prob = _cell_probabilities()
@@ -145,10 +146,6 @@ def lm_table() -> tuple[float, tuple[int, ...], tuple[int, ...], float, float]:
     scale, hi = best
     lo = tuple(int(round(x * scale / 16)) for x in c)
     return scale, hi, lo, max(abs(h / scale - x) for h, x in zip(hi, c)), rms(hi, scale)
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 LM_SCALE, LM_TABLE_HI, LM_TABLE_LO, LM_TABLE_MAX_ERR, LM_TABLE_RMS_ERR = lm_table()
