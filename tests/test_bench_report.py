@@ -274,6 +274,22 @@ def test_plots_are_valid_pngs(h200, tmp_path):
             assert f"]({p.name})" in md  # linked from the tables
 
 
+def test_prefill_plot_is_planned_only_for_points_it_draws(h200):
+    """The prefill plot draws head_dim-128 points: a record whose only timed point is the head_dim-256 one
+    plans no prefill plot (it would be empty), and one head_dim-128 point is enough to plan it."""
+    from kvarn_cutlass.bench.plots import planned_plots
+
+    path, raw = h200
+    res = raw["sections"]["prefill"]["results"]
+    assert res["head_dim_256"]["kvarn_ms"] is not None
+    path.write_text(json.dumps({**raw, "sections": {"prefill": {**raw["sections"]["prefill"],
+                                                                "results": {**res, "points": []}}}}))
+    assert "prefill" not in planned_plots(load_record(path))
+    path.write_text(json.dumps({**raw, "sections": {"prefill": {**raw["sections"]["prefill"],
+                                                                "results": {**res, "points": res["points"][:1]}}}}))
+    assert planned_plots(load_record(path))["prefill"] == ["prefill.png"]
+
+
 def test_without_matplotlib_tables_are_written_with_a_notice(h200, tmp_path, monkeypatch, capsys):
     path, _ = h200
     for name in list(sys.modules):

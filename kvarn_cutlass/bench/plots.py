@@ -1,10 +1,12 @@
 """PNG plots of a benchmark record (see :mod:`kvarn_cutlass.bench.report` for the record layout).
 
-* ``decode_b<batch>.png``: decode time per step vs context, KVarN (CUDA graph) against SDPA cuDNN and
-  flash on fp16, one file per batch size in the record (log-log axes);
-* ``prefill.png``: prefill attention time vs prompt length, KVarN against SDPA fp16 and dequant+SDPA,
-  one line style per chunk size;
-* ``gemm_tops.png``: K-score GEMM TOPS (depth D) per M bucket, one series per head_dim;
+* ``decode_b<batch>.png``: decode time per step vs context, KVarN (CUDA graph) against SDPA cuDNN on
+  fp16 (eager, and replayed from a CUDA graph) and SDPA flash on fp16 (eager), one file per batch size
+  in the record (log-log axes);
+* ``prefill.png``: prefill attention time vs prompt length at head_dim 128, KVarN against SDPA fp16 and
+  dequant+SDPA, one line style per chunk size;
+* ``gemm_tops.png``: K-score GEMM TOPS (depth D) per M bucket, one series per (head_dim D, tile tokens T,
+  score dtype);
 * ``memory_per_token.png``: bytes per token (K+V, one KV head) of each preset against fp16, per head_dim.
 
 matplotlib is optional (``pip install 'kvarn-cutlass[plots]'``) and imported only when drawing, through
@@ -36,7 +38,7 @@ def planned_plots(doc: dict[str, Any]) -> dict[str, list[str]]:
     batches = sorted({r["batch"] for r in decode_rows(doc)})
     if batches:
         plans["decode"] = [f"decode_b{b}.png" for b in batches]
-    if any(p.get("kvarn_ms") is not None for p in prefill_rows(doc)):
+    if any(p.get("kvarn_ms") is not None for p in _prefill_plot_rows(doc)):
         plans["prefill"] = ["prefill.png"]
     if any(r["tops"] is not None for r in gemm_bucket_rows(doc)[0]):
         plans["gemm"] = ["gemm_tops.png"]
@@ -100,10 +102,16 @@ def _decode_plot(doc: dict[str, Any], batch: int, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _prefill_plot_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prefill points the plot draws: head_dim 128 (a point without head_dim is from a record of
+    before the head_dim-256 point)."""
+    return [p for p in prefill_rows(doc) if p.get("head_dim", 128) == 128]
+
+
 def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
     from matplotlib.ticker import FuncFormatter
 
-    rows = [p for p in prefill_rows(doc) if p.get("head_dim", 128) == 128]
+    rows = _prefill_plot_rows(doc)
     fig = _figure()
     ax = fig.add_subplot()
     styles = ("-", "--", ":", "-.")

@@ -127,7 +127,7 @@ def gemm_bucket_rows(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     record's GPU architecture: the tuner's own measurements (``kvarn-cutlass tune``), with its date.
 
     Returns:
-        (rows with keys bucket, M, T, D, out, time_us, tops sorted by (D, T, M), source sentence).
+        (rows with keys bucket, M, T, D, out, time_us, tops sorted by (D, T, out, M), source sentence).
     """
     from ..gemm.configs import config_dir, load_table
     from ..gemm.tune import parse_bucket
