@@ -281,7 +281,7 @@ def test_attention_over_compacted_cache_matches_attention_over_the_kept_subset()
         (dict(queries="nan"), ValueError, r"queries\[1\].*NaN"),
         (dict(queries="int"), TypeError, r"queries\[0\]"),
         (dict(queries="one_short"), ValueError, "queries has 1 entries"),
-        (dict(queries="bad_layer"), ValueError, "layer"),
+        (dict(queries="bad_layer"), ValueError, r"layer must be an int in \[0, 2\), got 2"),
         (dict(queries="empty"), ValueError, "queries is empty"),
         (dict(queries="tensor"), TypeError, "queries must be"),
         (dict(cache="not_a_cache"), TypeError, "cache must be"),
@@ -359,14 +359,16 @@ def test_no_op_cases():
 
 
 def test_keep_below_sink_plus_window_drops_every_tile():
-    cache = _filled_cache("k4v4_g64", 64, 64 + 5 * 64 + 30, layers=1, window=64, sink=64)
-    sink, win = [t.clone() for t in cache.sink_kv(0)], [t.clone() for t in cache.window_kv(0)]
     for keep in (1, 64 + 30 + 63):  # budget < one tile: rounded down to zero kept tile tokens
+        cache = _filled_cache("k4v4_g64", 64, 64 + 5 * 64 + 30, layers=1, window=64, sink=64)  # fresh per keep
+        sink, win = [t.clone() for t in cache.sink_kv(0)], [t.clone() for t in cache.window_kv(0)]
+        assert cache.num_tiles(0) == 5
         res = snapkv_compact(cache, _queries(cache, obs=8), keep)
         assert cache.num_tiles(0) == 0 and cache.seq_len(0) == 64 + 30
         assert all(torch.equal(a, b) for a, b in zip(cache.sink_kv(0), sink))
         assert all(torch.equal(a, b) for a, b in zip(cache.window_kv(0), win))
-        assert res.kept == {} or res.kept[0].shape[-1] == 0
+        assert res.evicted == {0: 5 * 64}
+        assert res.kept[0].shape == (2, 2, 0)  # [batch, kv_heads, kept tile tokens]
     # appending after compaction continues exactly like a fresh cache
     more = realistic_kv(2, 2, 100, 64, generator=torch.Generator().manual_seed(2))
     fresh = kc.KVarNCache(1, 2, 2, 64, preset="k4v4_g64", window=64, sink_tokens=64)
