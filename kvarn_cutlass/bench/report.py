@@ -77,6 +77,11 @@ def _ratio(num: Any, den: Any, digits: int = 2) -> str:
     return f"{num / den:.{digits}f}"
 
 
+def _percent(fraction: Any) -> str:
+    """A fraction as a percentage with one decimal; MISSING when it is not a number."""
+    return f"{100 * fraction:.1f}" if isinstance(fraction, (int, float)) else MISSING
+
+
 def _mib(nbytes: Any) -> str:
     return f"{nbytes / 2**20:.1f}" if isinstance(nbytes, (int, float)) else MISSING
 
@@ -222,8 +227,7 @@ def _decode_md(doc: dict[str, Any], images: list[str]) -> str | None:
           _fmt(r.get("sdpa_cudnn_us")), _fmt(r.get("sdpa_flash_us")),
           _ratio(r.get("sdpa_cudnn_us"), r.get("graph_us")), _ratio(r.get("sdpa_flash_us"), r.get("graph_us")),
           _fmt(r.get("gb_per_s_graph")),
-          f"{100 * r['fraction_of_copy_ceiling']:.1f}" if isinstance(r.get("fraction_of_copy_ceiling"), (int, float))
-          else MISSING,
+          _percent(r.get("fraction_of_copy_ceiling")),
           _mib(r.get("kvarn_bytes")), _mib(r.get("fp16_bytes")),
           _fmt(r.get("sdpa_cudnn_graph_us")), _ratio(r.get("sdpa_cudnn_graph_us"), r.get("graph_us"))] for r in rows],
         left=0))
@@ -240,8 +244,7 @@ def _decode_md(doc: dict[str, Any], images: list[str]) -> str | None:
              "% of copy ceiling"],
             [["lloyd_max", _fmt(r.get("batch")), _fmt(r.get("context")), _fmt(r.get("graph_us")), _fmt(r.get("uniform_graph_us")),
               _fmt(r.get("time_vs_uniform")),
-              f"{100 * r['fraction_of_copy_ceiling']:.1f}" if isinstance(r.get("fraction_of_copy_ceiling"), (int, float))
-              else MISSING] for r in lloyd], left=1))
+              _percent(r.get("fraction_of_copy_ceiling"))] for r in lloyd], left=1))
     bars = res.get("bars")
     if isinstance(bars, dict) and bars:
         out.append("")
