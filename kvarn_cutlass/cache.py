@@ -34,6 +34,7 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass
 class _Layer:
     tiles: torch.Tensor
+    tile_table: torch.Tensor
     n_tiles: int
     window_k: torch.Tensor
     window_v: torch.Tensor
@@ -120,8 +121,12 @@ class KVarNCache:
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
         z = lambda n: torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
         tiles = torch.zeros(B, tile_capacity, H, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device)
-        return _Layer(tiles, 0, z(self.window), z(self.window), 0, z(self.sink_tokens), z(self.sink_tokens), 0,
+        return _Layer(tiles, self._identity_table(tile_capacity), 0, z(self.window), z(self.window), 0, z(self.sink_tokens), z(self.sink_tokens), 0,
                       self.spec.tile_tokens)
+
+    def _identity_table(self, tile_capacity: int) -> torch.Tensor:
+        B = self.batch_size
+        return torch.arange(B * tile_capacity, dtype=torch.int32, device=self.device).view(B, tile_capacity)
 
     @property
     def head_dim(self) -> int:
@@ -156,6 +161,14 @@ class KVarNCache:
     def tile_pool(self, layer: int) -> torch.Tensor:
         """The whole preallocated pool, uint8 [batch, tile_capacity, num_kv_heads, tile_nbytes]."""
         return self._layer(layer).tiles
+
+    def tile_table(self, layer: int) -> torch.Tensor:
+        """int32 [batch, tile_capacity]: the record slot of tile g of sequence b, ``tile_table[b, g] = s``, so
+        that record (b, g, h) is ``tile_pool(layer).view(-1, num_kv_heads, tile_nbytes)[s, h]``.
+
+        Kernels read tiles through this table (today the identity, ``s = b * tile_capacity + g``), so that
+        a paged pool needs no kernel change. Moves with the pool when an unpreallocated pool grows."""
+        return self._layer(layer).tile_table
 
     def buffers(self, layer: int) -> dict[str, torch.Tensor]:
         """The whole preallocated buffers of ``layer`` (stable addresses, for kernels and graphs):
@@ -199,7 +212,9 @@ class KVarNCache:
         )
 
     # --- mutation ------------------------------------------------------------------------------
-    def _check_kv(self, name: str, x) -> None:
+    def check_kv(self, name: str, x) -> None:
+        """Raise TypeError/ValueError naming ``name`` unless x is a float [batch, num_kv_heads, n>=1, head_dim]
+        tensor on the cache's device (what :meth:`append` accepts)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in codec.FLOAT_INPUT_DTYPES:
@@ -220,8 +235,8 @@ class KVarNCache:
         device, finite once converted to the cache dtype. On any error nothing is changed.
         """
         st = self._layer(layer)
-        self._check_kv("k", k)
-        self._check_kv("v", v)
+        self.check_kv("k", k)
+        self.check_kv("v", v)
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
         n = k.shape[2]
@@ -290,7 +305,7 @@ class KVarNCache:
             self.batch_size, new_cap, self.num_kv_heads, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device
         )
         pool[:, : st.n_tiles] = st.tiles[:, : st.n_tiles]
-        st.tiles = pool
+        st.tiles, st.tile_table = pool, self._identity_table(new_cap)
 
     @contextlib.contextmanager
     def deferred_checks(self):

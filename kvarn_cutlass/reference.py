@@ -1,10 +1,19 @@
 """Float64 reference attention over a KVarNCache, the oracle every GPU kernel is checked against.
 
-Semantics (shared by ``prefill_attention`` and ``decode_attention``): the n_q queries are the
-newest n_q tokens of the layer; query i sits at position ``seq_len - n_q + i`` and sees every
-position up to its own (causal). Keys and values are what the cache holds now: sink and window
-tokens exactly, tile tokens as their quantized reconstruction. GQA: query head h reads KV head
-``h // (num_q_heads // num_kv_heads)``.
+Semantics (shared by ``prefill_attention`` and ``decode_attention``), in two forms:
+
+* ``attention(q, cache, layer)`` (decode): the n_q queries are the newest n_q tokens of the layer;
+  query i sits at position ``seq_len - n_q + i`` and sees every position up to its own (causal). Keys
+  and values are what the cache holds now: sink and window tokens exactly, tile tokens as their
+  quantized reconstruction.
+* ``attention(q, cache, layer, k=k, v=v)`` (chunked prefill): the queries are those of a chunk whose
+  keys/values ``k``, ``v`` are *not yet* in the cache. Query i sits at position ``seq_len + i`` and
+  sees the cache as it is (tiles quantized, sink and window exact) plus chunk tokens ``j <= i``
+  exactly, in the cache dtype. So a chunk never sees its own tokens, or the window tokens that its
+  append would compress, in quantized form: the tokens older than the window *before* the chunk are
+  the only quantized ones, as in token-by-token decode.
+
+GQA: query head h reads KV head ``h // (num_q_heads // num_kv_heads)``.
 
 Two formulations that must agree to ~1e-9 relative:
 
@@ -26,8 +35,14 @@ from .cache import KVarNCache
 FORMULATIONS = ("dequant_free", "dense")
 
 
-def check_query(q, cache: KVarNCache, layer: int, name: str = "q") -> None:
-    """Validate q [batch, num_q_heads, n_q, head_dim] against ``cache``'s layer."""
+def check_query(q, cache: KVarNCache, layer: int, name: str = "q", chunk: int | None = None) -> None:
+    """Validate q [batch, num_q_heads, n_q, head_dim] against ``cache``'s layer.
+
+    ``chunk``: the number of chunk tokens passed beside the cache (prefill form): then n_q must equal
+    it; otherwise 1 <= n_q <= seq_len(layer).
+    """
+    if not isinstance(cache, KVarNCache):
+        raise TypeError(f"cache must be a KVarNCache, got {type(cache).__name__}")
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
     if not q.is_floating_point():
@@ -44,7 +59,10 @@ def check_query(q, cache: KVarNCache, layer: int, name: str = "q") -> None:
             f"{name} must have shape [batch={cache.batch_size}, num_q_heads (a multiple of "
             f"num_kv_heads={cache.num_kv_heads}), n_q, head_dim={cache.head_dim}], got {list(q.shape)}"
         )
-    if not 1 <= q.shape[2] <= L:
+    if chunk is not None:
+        if q.shape[2] != chunk:
+            raise ValueError(f"{name} has n_q={q.shape[2]} queries for a chunk of {chunk} tokens (k, v); they must match")
+    elif not 1 <= q.shape[2] <= L:
         raise ValueError(f"{name} has n_q={q.shape[2]} queries but layer {layer} holds {L} tokens (need 1 <= n_q <= seq_len)")
 
 
@@ -53,19 +71,42 @@ def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1)
 
 
+def chunk_kv(cache: KVarNCache, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a chunk's k, v [batch, num_kv_heads, n, head_dim] for ``cache`` (as ``append`` would) and
+    return them in the cache dtype: the exact values the chunk's own queries attend to."""
+    if not isinstance(cache, KVarNCache):
+        raise TypeError(f"cache must be a KVarNCache, got {type(cache).__name__}")
+    cache.check_kv("k", k)
+    cache.check_kv("v", v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    return k.to(cache.dtype), v.to(cache.dtype)
+
+
 def attention(
     q: torch.Tensor,
     cache: KVarNCache,
     layer: int,
     scale: float | None = None,
     formulation: str = "dequant_free",
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache``.
+
+    Without ``k``/``v``: the queries are the newest n_q tokens of the layer (decode form). With them
+    (k, v [batch, num_kv_heads, n_q, head_dim], the chunk's tokens, not yet appended): the prefill
+    form of the module docstring; the cache is not changed.
 
     Returns float64 [batch, num_q_heads, n_q, head_dim] on the cache's device. ``scale`` defaults to
     1/sqrt(head_dim).
     """
-    check_query(q, cache, layer)
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the chunk's keys and values) or neither")
+    if k is not None:
+        k, v = chunk_kv(cache, k, v)
+    check_query(q, cache, layer, chunk=None if k is None else k.shape[2])
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     spec, dev, f64 = cache.spec, cache.device, torch.float64
@@ -75,15 +116,19 @@ def attention(
     L = cache.seq_len(layer)
     pos = cache.positions(layer)
     q64 = q.to(dev, f64)
-    q_pos = torch.arange(L - n_q, L, device=dev)
+    q_pos = torch.arange(L - n_q, L, device=dev) if k is None else torch.arange(L, L + n_q, device=dev)
 
     sink_k, sink_v = cache.sink_kv(layer)
     win_k, win_v = cache.window_kv(layer)
-    exact_k = _expand_heads(torch.cat((sink_k, win_k), 2).to(f64), group)  # [B, Hq, Ne, D]
-    exact_v = _expand_heads(torch.cat((sink_v, win_v), 2).to(f64), group)
-    exact_pos = torch.cat(
-        (torch.arange(*pos["sink"], device=dev), torch.arange(*pos["window"], device=dev))
-    )
+    parts_k, parts_v = [sink_k, win_k], [sink_v, win_v]
+    parts_pos = [torch.arange(*pos["sink"], device=dev), torch.arange(*pos["window"], device=dev)]
+    if k is not None:
+        parts_k.append(k)
+        parts_v.append(v)
+        parts_pos.append(torch.arange(L, L + n_q, device=dev))
+    exact_k = _expand_heads(torch.cat(parts_k, 2).to(f64), group)  # [B, Hq, Ne, D]
+    exact_v = _expand_heads(torch.cat(parts_v, 2).to(f64), group)
+    exact_pos = torch.cat(parts_pos)
     rec = cache.tile_bytes(layer)  # [B, nt, H, nbytes]
     nt, T = rec.shape[1], spec.tile_tokens
     tile_pos = torch.arange(*pos["tiles"], device=dev)
