@@ -1,50 +1,31 @@
-"""Tests of ``kvarn_cutlass.prefill.prefill_attention`` against the float64 reference.
+"""Tests of ``kvarn_cutlass.prefill.prefill_attention`` (the chunk attends, then is appended).
 
-CPU tests run the same orchestration with the torch references of the prep ops and the GEMM
-(``impl="torch"``); GPU tests (``-m gpu``) run the prep kernels, the CUTLASS GEMM and the sv kernel.
-Tolerance: 5e-3 norm-wise relative error against ``kc.reference.attention`` (float64).
+References: ``kc.reference.attention(q, cache, layer, k=k, v=v)`` (float64, the cache before the chunk
+plus the chunk exactly), itself checked here against dense float64 attention built independently from
+the codec's reconstruction. CPU tests run ``impl="torch"`` (the fused kernel's arithmetic in torch);
+GPU tests (``-m gpu``) run the fused kernel. Tolerance: 5e-3 norm-wise relative error.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
 
 import pytest
 import torch
 
 import kvarn_cutlass as kc
-from kvarn_cutlass import prefill as P
-from kvarn_cutlass.prefill import plan_groups, prefill_attention
+from kvarn_cutlass.prefill import prefill_attention
 
-from _helpers import SHARED
+from _helpers import SHARED, assert_same_snapshot, snapshot
 
-TOL = 5e-3  # the target
-# The K-score GEMM folds queries with two int8 levels against centered codes (gemm.prep: [hi ++ lo],
-# K = 2D); on these inputs it is indistinguishable from an exact f32 fold, so the int8 path is held to
-# the target. The sv stage multiplies f16 P' by centered V codes (code - 2^(v_bits-1)) and adds
-# sum p*(tok_min + 2^(v_bits-1)*tok_step) in f32; with uncentered codes the bf16 [260, 260] case sat on
-# the bar (5.02e-3), now 1.7e-3, the bf16 rounding of the output itself (docs/perf-notes.md).
-TOL_INT8 = TOL
-
-
-def tol_for(kw) -> float:
-    return TOL
-
-
-REPO = Path(__file__).resolve().parents[1]
+TOL = 5e-3
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def make_kv(gen, B, H, n, D, dtype, outlier):
-    """Realistic-ish K/V: a few outlier channels in K (what KVarN's rotation exists for)."""
-    k = torch.randn(B, H, n, D, generator=gen) * (1 + outlier)
-    v = torch.randn(B, H, n, D, generator=gen)
-    return k.to(dtype), v.to(dtype)
 
 
 def outliers(gen, D):
@@ -53,231 +34,271 @@ def outliers(gen, D):
     return o
 
 
+def make_chunk(gen, B, Hkv, Hq, n, D, dtype, oc, q_scale, kv_scale=1.0):
+    """K with a few outlier channels (what the rotation exists for), V, and queries."""
+    k = (torch.randn(B, Hkv, n, D, generator=gen) * (1 + oc) * kv_scale).to(dtype)
+    v = (torch.randn(B, Hkv, n, D, generator=gen) * kv_scale).to(dtype)
+    q = (torch.randn(B, Hq, n, D, generator=gen) * q_scale * (1 + 0.3 * oc)).to(dtype)
+    return q, k, v
+
+
 def run_chunks(chunks, B=1, Hkv=2, group=4, D=128, window=256, sink=0, dtype=torch.float16, device="cpu",
-               impl="torch", q_scale=0.2, seed=0, check_every=True, preset="k4v2_g128", quantizer="uniform", **kw):
+               impl="torch", q_scale=0.2, kv_scale=1.0, seed=0, preset="k4v2_g128", quantizer="uniform",
+               scale_dtype=torch.float16, floor=False, **kw):
+    """Prefill ``chunks`` through prefill_attention; returns [(n, tiles before the chunk, error)] (with
+    ``floor``: and the error of the reference rounded to the output dtype, what no kernel can beat)."""
     gen = torch.Generator().manual_seed(seed)
     cache = kc.KVarNCache(1, B, Hkv, D, preset=preset, window=window, sink_tokens=sink, dtype=dtype, device=device,
-                          quantizer=quantizer)
+                          quantizer=quantizer, scale_dtype=scale_dtype)
     oc = outliers(gen, D)
     errs = []
     for n in chunks:
-        k, v = make_kv(gen, B, Hkv, n, D, dtype, oc)
-        cache.append(0, k.to(device), v.to(device))
-        q = (torch.randn(B, Hkv * group, n, D, generator=gen) * q_scale * (1 + 0.3 * oc)).to(dtype).to(device)
-        out = prefill_attention(q, cache, 0, impl=impl, **kw)
+        q, k, v = (x.to(device) for x in make_chunk(gen, B, Hkv, Hkv * group, n, D, dtype, oc, q_scale, kv_scale))
+        ref = kc.reference.attention(q, cache, 0, kw.get("scale"), k=k, v=v)
+        nt = cache.num_tiles(0)
+        out = prefill_attention(q, k, v, cache, 0, impl=impl, **kw)
         assert out.dtype == dtype and out.shape == q.shape
-        if check_every:
-            ref = kc.reference.attention(q, cache, 0)
-            errs.append((n, cache.num_tiles(0), rel(out, ref)))
+        assert torch.isfinite(out).all(), (seed, n)
+        errs.append((n, nt, rel(out, ref)) if not floor else (n, nt, rel(out, ref), rel(ref.to(dtype), ref)))
     return errs
 
 
+CASES = [
+    ([200], dict()),                                       # context entirely in the window
+    ([256, 128, 128], dict()),                             # chunks on tile boundaries
+    ([300, 1, 1, 44], dict()),                             # one-token chunks, off boundaries
+    ([700, 300], dict()),                                  # chunks longer than the window
+    ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),  # sink tokens, batch 2, GQA 3
+    ([260, 260, 300], dict(dtype=torch.bfloat16)),         # bf16
+    ([400, 130], dict(D=256, Hkv=1, group=1)),             # head_dim 256, no GQA
+    ([500, 77], dict(group=8, Hkv=1)),                     # GQA 8
+    ([384, 100], dict(preset="k4v4_g64", window=128)),
+    ([384, 100], dict(preset="k4v2_g64", window=64, scale_dtype=torch.float32)),
+    ([300, 333], dict(quantizer="lloyd_max")),
+    ([300, 333], dict(quantizer="lloyd_max", preset="k4v4_g128", dtype=torch.bfloat16)),
+]
+
+
 # ---------------------------------------------------------------------------------------------
-# CPU: argument validation
-def _small_cache(device="cpu"):
-    c = kc.KVarNCache(1, 1, 2, 64, window=128, dtype=torch.float16, device=device)
-    c.append(0, torch.randn(1, 2, 10, 64, dtype=torch.float16), torch.randn(1, 2, 10, 64, dtype=torch.float16))
+# the reference's chunk form against an independent float64 construction
+@pytest.mark.parametrize("seed", [1, 2])
+def test_reference_chunk_form_is_dense_attention(seed):
+    """Keys = tiles (codec reconstruction, float64) ++ sink/window ++ the chunk in the cache dtype, causal
+    from position seq_len on: built here by hand, against reference.attention(k=, v=)."""
+    gen = torch.Generator().manual_seed(seed)
+    D, Hkv, G = 64, 2, 2
+    cache = kc.KVarNCache(1, 1, Hkv, D, preset="k4v2_g64", window=64, sink_tokens=64, dtype=torch.float16)
+    oc = outliers(gen, D)
+    q0, k0, v0 = make_chunk(gen, 1, Hkv, Hkv * G, 300, D, torch.float32, oc, 0.3)
+    cache.append(0, k0, v0)
+    q, k, v = make_chunk(gen, 1, Hkv, Hkv * G, 90, D, torch.float32, oc, 0.3)
+    before = snapshot(cache)
+    got = kc.reference.attention(q.half(), cache, 0, k=k, v=v)
+    assert_same_snapshot(before, snapshot(cache))
+    # independent: positions 0..63 sink, 64..(64+nt*64) tiles, then the window, then the chunk
+    kt, vt = kc.decode_tiles(cache.tile_bytes(0), cache.spec, torch.float64)  # [1, nt, H, T, D]
+    nt = kt.shape[1]
+    kt = kt[0].permute(1, 0, 2, 3).reshape(Hkv, nt * 64, D)
+    vt = vt[0].permute(1, 0, 2, 3).reshape(Hkv, nt * 64, D)
+    sk, sv = (x[0].double() for x in cache.sink_kv(0))
+    wk, wv = (x[0].double() for x in cache.window_kv(0))
+    keys = torch.cat((sk, kt, wk, k[0].half().double()), 1)
+    vals = torch.cat((sv, vt, wv, v[0].half().double()), 1)
+    L = cache.seq_len(0)
+    assert keys.shape[1] == L + 90
+    keys, vals = keys.repeat_interleave(G, 0), vals.repeat_interleave(G, 0)
+    s = q[0].half().double() @ keys.transpose(1, 2) / math.sqrt(D)
+    qpos = torch.arange(L, L + 90)
+    s = s.masked_fill(torch.arange(L + 90)[None, :] > qpos[:, None], float("-inf"))
+    want = torch.softmax(s, -1) @ vals
+    assert rel(got[0], want) < 1e-9, seed
+
+
+def test_reference_chunk_form_differs_from_appending_first():
+    """The old semantics (append, then attend as the newest tokens) reads the chunk's own early tokens
+    quantized once the chunk is longer than the window: the two forms differ, and only in that case."""
+    gen = torch.Generator().manual_seed(3)
+    D = 128
+    for n, differs in ((100, False), (600, True)):
+        cache = kc.KVarNCache(1, 1, 1, D, window=256, dtype=torch.float16)
+        q, k, v = make_chunk(gen, 1, 1, 2, n, D, torch.float16, outliers(gen, D), 0.5)
+        chunk = kc.reference.attention(q, cache, 0, k=k, v=v)
+        cache.append(0, k, v)
+        after = kc.reference.attention(q, cache, 0)
+        assert (rel(after, chunk) > 1e-3) == differs, (n, rel(after, chunk))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: validation, state, the torch path
+def _cache_with(n=10, D=64, device="cpu"):
+    c = kc.KVarNCache(1, 1, 2, D, window=128, dtype=torch.float16, device=device)
+    gen = torch.Generator().manual_seed(0)
+    c.append(0, torch.randn(1, 2, n, D, generator=gen).half().to(device), torch.randn(1, 2, n, D, generator=gen).half().to(device))
     return c
 
 
-def test_validation():
-    c = _small_cache()
-    q = torch.randn(1, 4, 10, 64, dtype=torch.float16)
-    with pytest.raises(TypeError):
-        prefill_attention(q.float(), c, 0)
-    with pytest.raises(TypeError):
-        prefill_attention(q, "cache", 0)
-    with pytest.raises(ValueError, match="n_q"):
-        prefill_attention(torch.randn(1, 4, 11, 64, dtype=torch.float16), c, 0)
-    with pytest.raises(ValueError, match="num_q_heads"):
-        prefill_attention(torch.randn(1, 3, 10, 64, dtype=torch.float16), c, 0)
-    with pytest.raises(ValueError, match="layer"):
-        prefill_attention(q, c, 1)
-    with pytest.raises(ValueError, match="impl"):
-        prefill_attention(q, c, 0, impl="nope")
-    with pytest.raises(ValueError, match="CUDA"):
-        prefill_attention(q, c, 0, impl="gpu")
-    with pytest.raises(ValueError, match="scratch_bytes"):
-        prefill_attention(q, c, 0, scratch_bytes=0)
-    with pytest.raises(ValueError, match="score_dtype"):
-        prefill_attention(q, c, 0, score_dtype="bf16")
-    with pytest.raises(ValueError, match="scale"):
-        prefill_attention(q, c, 0, scale=float("nan"))
-    with pytest.raises(ValueError, match="out"):
-        prefill_attention(q, c, 0, out=torch.empty(1, 4, 10, 64))
+def test_validation_names_the_argument_and_changes_nothing():
+    c = _cache_with()
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 64, generator=gen).half()
+    k = torch.randn(1, 2, 6, 64, generator=gen).half()
+    v = torch.randn(1, 2, 6, 64, generator=gen).half()
+    before = snapshot(c)
+    bad = [
+        (dict(q=q.float()), TypeError, "q must be float16 or bfloat16"),
+        (dict(cache="cache"), TypeError, "cache must be a KVarNCache"),
+        (dict(q=q[:, :, :5]), ValueError, "n_q=5 queries for a chunk of 6"),
+        (dict(q=torch.randn(1, 3, 6, 64).half()), ValueError, "num_q_heads"),
+        (dict(k=k[:, :1]), ValueError, "k must have shape"),
+        (dict(v=v[:, :, :5]), ValueError, "k and v must have the same shape"),
+        (dict(k=k.int()), TypeError, "k has dtype"),
+        (dict(layer=1), ValueError, "layer"),
+        (dict(impl="nope"), ValueError, "impl"),
+        (dict(impl="gpu"), ValueError, "CUDA"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(scale=0.0), ValueError, "scale"),
+        (dict(scale=-1.0), ValueError, "scale"),
+        (dict(out=torch.empty(1, 4, 6, 64)), ValueError, "out"),
+    ]
+    for over, exc, msg in bad:
+        args = dict(q=q, k=k, v=v, cache=c, layer=0) | over
+        with pytest.raises(exc, match=msg):
+            prefill_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cache"), args.pop("layer"), **args)
+    after = snapshot(c)
+    assert_same_snapshot(before, after)
 
 
-def test_plan_groups():
-    assert plan_groups(8, 0, 100, 10) == (8, 0)
-    assert plan_groups(8, 100, 10, 8 * 10 * 7) == (8, 7)
-    assert plan_groups(8, 3, 10, 10**9) == (8, 3)
-    assert plan_groups(8, 100, 10, 35) == (3, 1)
-    assert plan_groups(8, 100, 10, 1) == (1, 1)  # at least one pair, whatever the budget
+def test_nan_chunk_raises_and_leaves_the_cache():
+    c = _cache_with(300)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = make_chunk(gen, 1, 2, 4, 40, 64, torch.float16, outliers(gen, 64), 0.3)
+    k[0, 1, 7, 3] = float("nan")
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="NaN"):
+        prefill_attention(q, k, v, c, 0)
+    assert_same_snapshot(before, snapshot(c))
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU: the torch-reference path of the same orchestration
-@pytest.mark.parametrize(
-    "chunks,kw",
-    [
-        ([200], dict()),                                     # context entirely in the window
-        ([256, 128, 128], dict()),                           # exactly on tile boundaries
-        ([300, 1, 1, 44], dict()),                           # one-token chunks
-        ([700], dict()),                                     # chunk larger than the window
-        ([640], dict(scratch_bytes=1 << 20)),                # many tile groups (online merge)
-        ([640], dict(scratch_bytes=1)),                      # one (head, tile) pair per group
-        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),   # sink tokens, batch 2
-        ([260, 260], dict(dtype=torch.bfloat16)),            # bf16
-        ([400, 5], dict(D=256, Hkv=1, group=1)),             # head_dim 256
-        ([500], dict(group=8, Hkv=1, score_dtype="f32")),
-        ([384, 100], dict(preset="k4v4_g64", window=128)),
-        ([8192], dict(D=64, Hkv=1, group=1, preset="k4v2_g64", window=128)),  # the largest chunk
-    ],
-)
+@pytest.mark.parametrize("chunks,kw", CASES)
 def test_cpu_torch_path(chunks, kw):
-    tol = tol_for(kw)
-    for n, nt, e in run_chunks(chunks, **kw):
-        assert e < tol, (n, nt, e)
-
-
-# lloyd_max records: the K operand from the int8 centroid tables (gemm.prep.LM_*), V from the f16 codebook.
-# Measured on these inputs (CPU): 0.9e-3..1.1e-3 (bf16 2.0e-3), of which the int8 tables cost ~7e-4 (an exact
-# f32 K operand gives 3.2e-4..3.6e-4); held to the same target as uniform records.
-@pytest.mark.parametrize(
-    "chunks,kw",
-    [
-        ([256, 128, 128], dict()),
-        ([300, 1, 44], dict(scratch_bytes=1 << 20)),
-        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
-        ([260, 260], dict(dtype=torch.bfloat16)),
-        ([400, 5], dict(D=256, Hkv=1, group=1)),
-        ([384, 100], dict(preset="k4v4_g64", window=128)),
-        ([500], dict(group=8, Hkv=1, score_dtype="f32")),
-    ],
-)
-def test_cpu_torch_path_lloyd_max(chunks, kw):
-    errs = run_chunks(chunks, quantizer="lloyd_max", **kw)
+    errs = run_chunks(chunks, **kw)
     for n, nt, e in errs:
-        assert e < TOL, (n, nt, e)
-    assert any(nt > 0 for _, nt, _ in errs)  # tiles were attended to (not only the exact window)
+        assert e < TOL, (chunks, kw, n, nt, e)
+    if sum(chunks) > 384:
+        assert any(nt > 0 for _, nt, _ in errs)  # the tile part was exercised
 
 
-def test_cpu_lloyd_max_differs_from_uniform_reading():
-    """A lloyd_max cache read as if its codes were uniform integers is far off: the path really maps codes
-    through the codebook (guards against a silently ignored quantizer)."""
-    gen = torch.Generator().manual_seed(17)
-    cache = kc.KVarNCache(1, 1, 2, 128, window=128, dtype=torch.float16, quantizer="lloyd_max")
-    k, v = make_kv(gen, 1, 2, 512, 128, torch.float16, outliers(gen, 128))
-    cache.append(0, k, v)
-    q = (torch.randn(1, 4, 128, 128, generator=gen) * 0.3).half()
-    ref = kc.reference.attention(q, cache, 0)
-    assert rel(prefill_attention(q, cache, 0, impl="torch"), ref) < TOL
-    wrong = kc.KVarNCache(1, 1, 2, 128, window=128, dtype=torch.float16)  # same bytes, uniform meaning
-    wrong.append(0, k, v)
-    wrong.tile_pool(0).copy_(cache.tile_pool(0))
-    assert rel(prefill_attention(q, wrong, 0, impl="torch"), ref) > 20 * TOL
-
-
-@pytest.fixture
-def exact_fold(monkeypatch):
-    """Replace the int8 fold + GEMM of the torch stages by exact f32 folded scores."""
-    from kvarn_cutlass.gemm.prep import _records, _scales
-
-    orig_fold = P._TorchStages.fold
-
-    def fold(self, ctx, q3, offs, n_tiles, qi8, a, bias, tile_index):
-        recs = _records(ctx.pool, tile_index, offs)
-        step = _scales(recs, offs.chan_step, offs.head_dim, offs.scale_dtype)
-        self._qf = q3.float().repeat_interleave(n_tiles, 0) * step[:, None, :]
-        orig_fold(self, ctx, q3, offs, n_tiles, qi8, a, bias, tile_index)
-
-    def kscore(self, ctx, ws, qi8, codes, a, bias, rs, S):
-        D = codes.shape[-1] // 2  # codes rows are [16(c-8) ++ (c-8)]; bias holds sum q*(chanMin + 8 chanStep)
-        acc = torch.bmm(self._qf, codes[..., D:].float().transpose(1, 2))
-        S.copy_((ctx.scale * rs)[:, None, :] * (acc + bias[..., None]))
-
-    monkeypatch.setattr(P._TorchStages, "fold", fold)
-    monkeypatch.setattr(P._TorchStages, "kscore", kscore)
-
-
-@pytest.mark.parametrize(
-    "chunks,kw",
-    [
-        ([256, 128, 128], dict()),
-        ([300, 1, 44], dict(scratch_bytes=1 << 20)),
-        ([700], dict(q_scale=0.35)),
-        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
-        ([400, 5], dict(D=256, Hkv=1, group=1)),
-        ([384, 100], dict(preset="k4v4_g64", window=128, score_dtype="f32")),
-        ([260, 260], dict(dtype=torch.bfloat16)),
-    ],
-)
-def test_cpu_orchestration_exact_fold(exact_fold, chunks, kw):
-    """Everything but the int8 query fold (softmax across tiles and window, causal tiles, V from codes
-    with tok_step/tok_min folded into p, inverse WHT, LSE merge) is within TOL of the reference."""
-    for n, nt, e in run_chunks(chunks, **kw):
+def test_cpu_largest_chunk():
+    for n, nt, e in run_chunks([4096, 8192], D=64, Hkv=1, group=1, preset="k4v2_g64", window=128, seed=4):
         assert e < TOL, (n, nt, e)
 
 
-def test_cpu_poisoned_out():
-    gen = torch.Generator().manual_seed(3)
-    c = kc.KVarNCache(1, 1, 2, 128, window=128, dtype=torch.float16)
-    k, v = make_kv(gen, 1, 2, 400, 128, torch.float16, outliers(gen, 128))
-    c.append(0, k, v)
-    q = (torch.randn(1, 4, 400, 128, generator=gen) * 0.3).half()
-    out = torch.full_like(q, float("nan"))
-    res = prefill_attention(q, c, 0, out=out)
+def test_append_flag_and_tiles_match_plain_appends():
+    """append=True leaves exactly what cache.append leaves (tile bytes, window, sink); append=False leaves
+    the cache untouched; both return the same attention."""
+    gen = torch.Generator().manual_seed(5)
+    D = 64
+    a = kc.KVarNCache(1, 1, 2, D, preset="k4v2_g64", window=64, sink_tokens=64, dtype=torch.float16)
+    b = kc.KVarNCache(1, 1, 2, D, preset="k4v2_g64", window=64, sink_tokens=64, dtype=torch.float16)
+    oc = outliers(gen, D)
+    for n in (30, 100, 1, 257):
+        q, k, v = make_chunk(gen, 1, 2, 4, n, D, torch.float16, oc, 0.3)
+        before = snapshot(b)
+        o_keep = prefill_attention(q, k, v, b, 0, append=False)
+        assert_same_snapshot(before, snapshot(b))
+        o = prefill_attention(q, k, v, a, 0)
+        b.append(0, k, v)
+        assert torch.equal(o, o_keep)
+        assert_same_snapshot(snapshot(a), snapshot(b))
+
+
+def test_poisoned_out_and_strided_inputs():
+    """out= is fully written; q, k, v as transposed views ([B, n, H, D] storage, as transformers makes them)."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache_with(500, D=128)
+    n = 70
+    qs = torch.randn(1, n, 4, 128, generator=gen).half() * 0.3
+    ks = torch.randn(1, n, 2, 128, generator=gen).half()
+    vs = torch.randn(1, n, 2, 128, generator=gen).half()
+    q, k, v = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    ref = kc.reference.attention(q, c, 0, k=k, v=v)
+    out = torch.full((1, 4, n, 128), float("nan"), dtype=torch.float16)
+    res = prefill_attention(q, k, v, c, 0, out=out)
     assert res is out and torch.isfinite(out).all()
-    assert rel(out, kc.reference.attention(q, c, 0)) < TOL_INT8
+    assert rel(out, ref) < TOL
 
 
-@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
-def test_cpu_sv_centered_codes_match_dequantized_v(quantizer):
-    """The torch sv stage (f16 P' x centered codes or f16 codebook values + f32 offset term) against
-    p @ dequantized V in f64, one tile group, both V widths: the product error stays near f16 rounding of
-    P' (and, for lloyd_max, of the codebook values), not amplified."""
-    for preset in ("k4v2_g128", "k4v4_g64"):
+ADVERSARIAL = dict(
+    large_logits=dict(q_scale=200),            # logits ~300 (score dot products ~4e3)
+    tiny_values=dict(kv_scale=1e-5),           # f16-subnormal K/V (the f16 output itself then rounds)
+    huge_bf16=dict(kv_scale=1e12, q_scale=1e-10, dtype=torch.bfloat16, scale_dtype=torch.float32),  # K/V ~1e12
+)
+
+
+@pytest.mark.parametrize("case", [*ADVERSARIAL, "constant_tiles"])
+def test_cpu_adversarial(case):
+    """Within TOL of the reference (plus what rounding the reference to the output dtype costs) where f16
+    operands would overflow or underflow without the per-tile and per-row power-of-two ranges."""
+    kw = ADVERSARIAL.get(case, {})
+    if case == "constant_tiles":
         gen = torch.Generator().manual_seed(7)
-        cache = kc.KVarNCache(1, 1, 1, 128, preset=preset, window=128, dtype=torch.float16, quantizer=quantizer)
-        k, v = make_kv(gen, 1, 1, 512, 128, torch.float16, outliers(gen, 128))
-        cache.append(0, k, v)
-        spec, nt, T = cache.spec, cache.num_tiles(0), cache.spec.tile_tokens
-        ctx = P._Ctx(cache=cache, layer=0, pool=cache.tile_pool(0), n_new=128, M=128, Mp=128, qpos0=10**6,
-                     tile_pos0=0, scale=1.0, score_dtype=torch.float32)
-        S = torch.randn(nt, 128, T, generator=gen) * 2
-        tidx = (torch.arange(nt) * cache.num_kv_heads).to(torch.int32)  # B = 1, H = 1: record g of head 0
-        acc, m, l = torch.zeros(1, 128, 128), torch.full((1, 128), float("-inf")), torch.zeros(1, 128)
-        P._sv_torch(ctx, S, tidx, 1, nt, 0, acc, m, l)
-        _, vt = kc.codec.decode_tiles(cache.tile_bytes(0), spec, torch.float64)  # [1, nt, 1, T, D] original domain
-        v_rot = kc.codec.wht(vt[0, :, 0]).reshape(nt * T, 128)  # rotated domain, like acc
-        p = torch.softmax(S.double().permute(1, 0, 2).reshape(128, nt * T), -1)
-        ref = p @ v_rot
-        out = acc[0].double() / l[0, :, None].double()
-        assert rel(out, ref) < 5e-4, (preset, rel(out, ref))
+        cache = kc.KVarNCache(1, 1, 1, 128, window=128, dtype=torch.float16)
+        cache.append(0, torch.full((1, 1, 384, 128), 0.5).half(), torch.full((1, 1, 384, 128), -2.0).half())
+        q, k, v = make_chunk(gen, 1, 1, 2, 50, 128, torch.float16, outliers(gen, 128), 0.3)
+        ref = kc.reference.attention(q, cache, 0, k=k, v=v)
+        out = prefill_attention(q, k, v, cache, 0)
+        assert torch.isfinite(out).all() and rel(out, ref) < TOL
+        return
+    for n, nt, e, e_out in run_chunks([600, 200], seed=8, floor=True, **kw):
+        assert e < TOL + e_out, (case, n, nt, e, e_out)
 
 
 # ---------------------------------------------------------------------------------------------
-# NVRTC compile of every sv variant (no GPU needed)
+# the kernel's sources: every default variant compiles with no register spills and fits shared memory
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_sv_kernel_compiles(arch):
+def test_fused_kernel_compiles(arch):
     pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.ops.prefill import DEFAULT_CONFIGS, MAX_SMEM_PER_BLOCK, fused_spec, smem_bytes
     from kvarn_cutlass.runtime.spec import build
 
-    spec = P.sv_spec()
-    m = build(spec, arch)
-    assert set(spec.kernel_names) <= set(m.resources)
-    for name in spec.kernel_names:
-        if "_d256_" not in name:  # D=256 keeps 32 f32 accumulators x 4 per thread: spills a few bytes
-            assert m.resources[name].spill_store_bytes == 0, (name, m.resources[name])
+    variants = [
+        (kc.TileSpec("k4v2_g128", 128), torch.float16),
+        (kc.TileSpec("k4v2_g128", 128, quantizer="lloyd_max"), torch.bfloat16),
+        (kc.TileSpec("k4v4_g64", 64, torch.float32), torch.float16),
+        (kc.TileSpec("k4v4_g128", 256, torch.float32, quantizer="lloyd_max"), torch.bfloat16),
+        (kc.TileSpec("k4v2_g64", 256), torch.float16),
+    ]
+    for spec, dt in variants:
+        ks = fused_spec(spec, dt, dt, DEFAULT_CONFIGS[spec.head_dim])
+        m = build(ks, arch)
+        res = m.resources["kvarn_prefill_fused"]
+        assert res.spill_store_bytes in (0, None) and res.stack_bytes == 0, (ks.name, res)
+        smem = smem_bytes(m.cubin)
+        assert 0 < smem <= MAX_SMEM_PER_BLOCK, (ks.name, smem)
+
+
+def test_every_candidate_fits_shared_memory_for_its_buckets():
+    """Shared memory of the largest record (k4v4, f32 scales) for each candidate config that fits a head_dim:
+    read from the compiled module, as the launcher does."""
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.ops.prefill import CANDIDATES, MAX_SMEM_PER_BLOCK, fused_spec, smem_bytes
+    from kvarn_cutlass.runtime.spec import build
+
+    for D in (128, 256):
+        spec = kc.TileSpec("k4v4_g128", D, torch.float32)
+        for cfg in CANDIDATES:
+            if cfg.fits(D, 128) and cfg.rows_per_warp == 16 and cfg.block_n == 64:
+                smem = smem_bytes(build(fused_spec(spec, torch.float16, torch.float16, cfg), "sm_90").cubin)
+                assert smem <= MAX_SMEM_PER_BLOCK, (D, cfg, smem)
 
 
 # ---------------------------------------------------------------------------------------------
-# real model K/V/Q
+# real model Q/K/V
 def capture_qkv(n_tokens=640, device="cpu", seed=0):
     """Post-RoPE q, k, v per layer from ``kvarn-ref-lm`` on random token ids: list of (q, k, v)."""
     transformers = pytest.importorskip("transformers")
     if not MODEL_DIR.is_dir():
-        pytest.skip(f"{MODEL_DIR} is absent")
+        pytest.skip(f"{MODEL_DIR} is absent (set KVARN_SHARED_DIR)")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).to(device).eval()
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
@@ -306,149 +327,131 @@ def capture_qkv(n_tokens=640, device="cpu", seed=0):
     return [captured[i] for i in range(len(model.model.layers))], model.config
 
 
+def _real_model_errors(layers, cfg, chunks, device, impl, layer_ids):
+    errs = []
+    for li in layer_ids:
+        q, k, v = (x.half().to(device) for x in layers[li])
+        cache = kc.KVarNCache(1, 1, cfg.num_key_value_heads, cfg.head_dim, window=256, dtype=torch.float16, device=device)
+        start = 0
+        for n in chunks:
+            sl = slice(start, start + n)
+            ref = kc.reference.attention(q[:, :, sl], cache, 0, k=k[:, :, sl], v=v[:, :, sl])
+            out = prefill_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], cache, 0, impl=impl)
+            errs.append((li, n, rel(out, ref)))
+            start += n
+    return errs
+
+
 def test_cpu_real_model_qkv():
     layers, cfg = capture_qkv(640)
-    errs = []
-    for li in (0, len(layers) - 1):
-        q, k, v = (x.half() for x in layers[li])
-        cache = kc.KVarNCache(1, 1, cfg.num_key_value_heads, cfg.head_dim, window=256, dtype=torch.float16)
-        start = 0
-        for n in (300, 340):
-            cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
-            qc = q[:, :, start:start + n]
-            out = prefill_attention(qc, cache, 0, impl="torch")
-            errs.append(rel(out, kc.reference.attention(qc, cache, 0)))
-            start += n
-    assert max(errs) < TOL_INT8, errs
+    errs = _real_model_errors(layers, cfg, (300, 340), "cpu", "torch", (0, len(layers) - 1))
+    assert max(e for *_, e in errs) < TOL, errs
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU
-gpu = pytest.mark.gpu
-
-
+# GPU: the fused kernel
 def _gpu_skip():
     if not HAS_CUDA:
         pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the K-score GEMM needs sm_90")
+
+
+GPU_CASES = CASES + [
+    ([2048, 2048], dict(Hkv=2, group=4)),
+    ([8192], dict(Hkv=1, group=4)),                      # 32768 query rows per KV head
+    ([3000, 1000], dict(D=256, Hkv=2, group=2, quantizer="lloyd_max")),
+    ([1000, 24], dict(D=64, group=8, Hkv=2, dtype=torch.bfloat16, preset="k4v4_g64", window=128)),
+]
 
 
 @gpu
-@pytest.mark.parametrize("impl", ["gpu", "gpu-torch-sv"])
-@pytest.mark.parametrize(
-    "chunks,kw",
-    [
-        ([200], dict()),
-        ([256, 128, 128], dict()),
-        ([300, 1, 1, 44], dict()),
-        ([700], dict()),
-        ([640], dict(scratch_bytes=1 << 20)),
-        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
-        ([260, 260], dict(dtype=torch.bfloat16)),
-        ([400, 5], dict(D=256, Hkv=1, group=1)),
-        ([1000, 24], dict(D=256, Hkv=2, group=2)),
-        ([500], dict(group=8, Hkv=1, score_dtype="f32")),
-        ([384, 384], dict(preset="k4v4_g64", window=128)),
-        ([2048, 2048], dict(Hkv=2, group=4)),
-        ([8192], dict(Hkv=1, group=4)),  # the largest chunk: 32768 query rows per KV head
-    ],
-)
-def test_gpu(chunks, kw, impl):
+@pytest.mark.parametrize("chunks,kw", GPU_CASES)
+def test_gpu(chunks, kw):
     _gpu_skip()
-    tol = tol_for(kw)
-    for n, nt, e in run_chunks(chunks, device="cuda", impl=impl, **kw):
-        assert e < tol, (n, nt, e)
+    for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks), **kw):
+        assert e < TOL, (chunks, kw, n, nt, e)
 
 
 @gpu
-@pytest.mark.parametrize("impl", ["gpu", "gpu-torch-sv"])
-@pytest.mark.parametrize(
-    "chunks,kw",
-    [
-        ([256, 128, 128], dict()),
-        ([300, 1, 44], dict(scratch_bytes=1 << 20)),
-        ([300, 200], dict(sink=128, window=128, D=64, group=3, B=2)),
-        ([260, 260], dict(dtype=torch.bfloat16)),
-        ([1000, 24], dict(D=256, Hkv=2, group=2)),
-        ([384, 384], dict(preset="k4v4_g64", window=128, score_dtype="f32")),
-        ([2048, 2048], dict(Hkv=2, group=4)),
-    ],
-)
-def test_gpu_lloyd_max(chunks, kw, impl):
-    """lloyd_max caches: prep kernels with the int8 centroid tables, the CUTLASS GEMM, the sv kernel with
-    the f16 codebook (or the torch sv stage), against the float64 reference."""
+@pytest.mark.parametrize("case", ADVERSARIAL)
+def test_gpu_adversarial(case):
     _gpu_skip()
-    for n, nt, e in run_chunks(chunks, device="cuda", impl=impl, quantizer="lloyd_max", **kw):
-        assert e < TOL, (n, nt, e)
+    for n, nt, e, e_out in run_chunks([600, 900], device="cuda", impl="gpu", seed=9, floor=True, **ADVERSARIAL[case]):
+        assert e < TOL + e_out, (case, n, nt, e, e_out)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_extreme_logits_stay_finite(device):
+    """Logits of ~1e4..1e5 (scale=1e4, or queries of ~1e3): f16 scores would overflow to inf and NaN; here the
+    scores stay f32 and the output stays finite and near the reference. (Accuracy at such logits is bounded by
+    the f16 rounding of the MMA operands: an absolute score error of ~1e-4 of the logit, see docs/perf-notes.md.)"""
+    if device == "cuda":
+        _gpu_skip()
+    impl = "gpu" if device == "cuda" else "torch"
+    for kw in (dict(q_scale=2e3), dict(scale=1e4)):
+        for n, nt, e in run_chunks([600, 300], device=device, impl=impl, seed=13, **kw):
+            assert e < 0.05, (kw, n, nt, e)
 
 
 @gpu
-def test_gpu_lloyd_max_matches_torch_path():
-    """The GPU path and the torch path on one lloyd_max cache: same int8 operands (bit-exact prep), so the
-    two outputs agree far more closely than either agrees with the reference."""
+def test_gpu_matches_torch_path_poisoned_strided():
+    """The kernel and the torch path on the same inputs agree more closely than either agrees with the
+    reference (same operand roundings); out= poisoned; transposed-view inputs."""
     _gpu_skip()
-    gen = torch.Generator().manual_seed(9)
-    c = kc.KVarNCache(1, 1, 2, 128, window=256, dtype=torch.float16, device="cuda", quantizer="lloyd_max")
-    k, v = make_kv(gen, 1, 2, 1500, 128, torch.float16, outliers(gen, 128))
-    c.append(0, k.cuda(), v.cuda())
-    q = (torch.randn(1, 8, 1500, 128, generator=gen) * 0.35).half().cuda()
-    out = torch.full_like(q, float("nan"))
-    prefill_attention(q, c, 0, out=out)
+    gen = torch.Generator().manual_seed(10)
+    D, n = 128, 900
+    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
+    oc = outliers(gen, D)
+    q0, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
+    c.append(0, k0.cuda(), v0.cuda())
+    q, k, v = make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2).cuda()
+    k = k.transpose(1, 2).contiguous().transpose(1, 2).cuda()
+    v = v.transpose(1, 2).contiguous().transpose(1, 2).cuda()
+    ref = kc.reference.attention(q, c, 0, k=k, v=v)
+    out = torch.full((1, 8, n, D), float("nan"), dtype=torch.float16, device="cuda")
+    prefill_attention(q, k, v, c, 0, out=out, append=False)
     assert torch.isfinite(out).all()
-    ref = kc.reference.attention(q, c, 0)
-    assert rel(out, ref) < TOL
-    o3 = prefill_attention(q, c, 0, impl="torch", score_dtype="f32")
-    o1 = prefill_attention(q, c, 0, impl="gpu", score_dtype="f32")
-    assert rel(o1, o3.double()) < 1e-3
+    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
+    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (e_gpu, e_emu, e_both)
 
 
 @gpu
-def test_gpu_poisoned_and_matches_torch_path():
+def test_gpu_every_candidate_config():
+    """Each tuner candidate that fits is correct (what `tune` may pick)."""
     _gpu_skip()
-    gen = torch.Generator().manual_seed(5)
-    c = kc.KVarNCache(1, 1, 2, 128, window=256, dtype=torch.float16, device="cuda")
-    k, v = make_kv(gen, 1, 2, 1500, 128, torch.float16, outliers(gen, 128))
-    c.append(0, k.cuda(), v.cuda())
-    q = (torch.randn(1, 8, 1500, 128, generator=gen) * 0.35).half().cuda()
-    out = torch.full_like(q, float("nan"))
-    prefill_attention(q, c, 0, out=out)
-    assert torch.isfinite(out).all()
-    ref = kc.reference.attention(q, c, 0)
-    assert rel(out, ref) < TOL_INT8
-    o2 = prefill_attention(q, c, 0, impl="gpu-torch-sv")
-    assert rel(o2, ref) < TOL_INT8
-    o3 = prefill_attention(q, c, 0, impl="torch")
-    assert rel(o3, ref) < TOL_INT8
+    from kvarn_cutlass.ops.prefill import CANDIDATES
+
+    for D in (64, 128, 256):
+        for cfg in CANDIDATES:
+            if not cfg.fits(D, 128):
+                continue
+            for n, nt, e in run_chunks([700, 333], D=D, device="cuda", impl="gpu", config=cfg, seed=11):
+                assert e < TOL, (D, cfg, n, nt, e)
 
 
 @gpu
 def test_gpu_rechunking_oracle():
     """640 tokens in one call, as 300 + 340, in chunks of 44 and 84, and token by token: identical tiles."""
     _gpu_skip()
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(12)
     B, H, D, n_layers = 1, 2, 128, 2
-    kv = [make_kv(gen, B, H, 640, D, torch.float16, outliers(gen, D)) for _ in range(n_layers)]
-    qs = [(torch.randn(B, 8, 640, D, generator=gen) * 0.35).half() for _ in range(n_layers)]
-    splits = {"one": [640], "two": [300, 340], "44_84": [], "tok": [1] * 640}
-    s, i = 0, 0
-    while s < 640:
-        n = min((44, 84)[i % 2], 640 - s)
-        splits["44_84"].append(n)
-        s += n
-        i += 1
+    oc = outliers(gen, D)
+    data = [make_chunk(gen, B, H, 8, 640, D, torch.float16, oc, 0.35) for _ in range(n_layers)]
+    splits = {"one": [640], "two": [300, 340], "44_84": [44, 84] * 5 + [20], "tok": [1] * 640}
     tiles = {}
     for name, chunks in splits.items():
+        assert sum(chunks) == 640
         cache = kc.KVarNCache(n_layers, B, H, D, window=256, dtype=torch.float16, device="cuda")
         start = 0
         for ci, n in enumerate(chunks):
             for li in range(n_layers):
-                k, v = kv[li]
-                cache.append(li, k[:, :, start:start + n].cuda(), v[:, :, start:start + n].cuda())
-                if name != "tok" or ci % 97 == 0 or ci == len(chunks) - 1:
-                    q = qs[li][:, :, start:start + n].cuda()
-                    out = prefill_attention(q, cache, li)
-                    assert rel(out, kc.reference.attention(q, cache, li)) < TOL_INT8, (name, ci, li)
+                q, k, v = (x[:, :, start:start + n].cuda() for x in data[li])
+                if name != "tok" or ci % 97 == 0:
+                    ref = kc.reference.attention(q, cache, li, k=k, v=v)
+                    assert rel(prefill_attention(q, k, v, cache, li), ref) < TOL, (name, ci, li)
+                else:
+                    prefill_attention(q, k, v, cache, li)
             start += n
         tiles[name] = [cache.tile_bytes(li).cpu() for li in range(n_layers)]
     for name in splits:
@@ -460,62 +463,6 @@ def test_gpu_rechunking_oracle():
 def test_gpu_real_model_qkv():
     _gpu_skip()
     layers, cfg = capture_qkv(1200, device="cuda")
-    for li, (q, k, v) in enumerate(layers):
-        q, k, v = q.half(), k.half(), v.half()
-        for chunks in ((1200,), (500, 500, 200), (128,) * 9 + (48,)):
-            cache = kc.KVarNCache(1, 1, cfg.num_key_value_heads, cfg.head_dim, window=256, dtype=torch.float16,
-                                  device="cuda")
-            start = 0
-            for n in chunks:
-                cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
-                qc = q[:, :, start:start + n]
-                e = rel(prefill_attention(qc, cache, 0), kc.reference.attention(qc, cache, 0))
-                assert e < TOL_INT8, (li, chunks, n, e)
-                start += n
-
-
-def test_workspace_bytes_counts_the_cached_workspaces():
-    gen = torch.Generator().manual_seed(4)
-    c = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, dtype=torch.float16)
-    k, v = make_kv(gen, 1, 2, 300, 64, torch.float16, outliers(gen, 64))
-    c.append(0, k, v)
-    q = (torch.randn(1, 4, 40, 64, generator=gen) * 0.35).half()
-    P.clear_workspaces()
-    assert P.workspace_bytes() == 0
-    prefill_attention(q, c, 0, impl="torch", scratch_bytes=1 << 20)
-    (ws,) = P._workspaces.values()
-    assert P.workspace_bytes() == ws.nbytes() > 0
-    P.clear_workspaces()
-    assert P.workspace_bytes() == 0
-
-
-def test_workspace_grows_for_more_pairs_of_fewer_rows():
-    """A bucket's workspace made for few pairs of many rows serves a later call with more pairs of
-    fewer rows (same row bucket): the per-pair buffers (codes, rs, tile_index) must grow too."""
-    P.clear_workspaces()
-    T, D = 128, 128
-    P.get_workspace(torch.device("cpu"), 8000, 18, T, D, torch.float16)
-    ws = P.get_workspace(torch.device("cpu"), 6016, 20, T, D, torch.float16)
-    assert ws.Mp_cap == 8192 and ws.pairs >= 20
-    views = ws.views(20, 6016)
-    assert [tuple(v.shape) for v in views[:4]] == [(20, 6016, 2 * D), (20, 6016), (20, 6016), (20, T, 2 * D)]
-    assert views[-1].shape == (20,)
-    P.clear_workspaces()
-
-
-@gpu
-def test_gpu_scratch_bounded_and_stable_pointers():
-    _gpu_skip()
-    gen = torch.Generator().manual_seed(2)
-    c = kc.KVarNCache(1, 1, 8, 128, window=256, dtype=torch.float16, device="cuda")
-    k, v = make_kv(gen, 1, 8, 4096, 128, torch.float16, outliers(gen, 128))
-    c.append(0, k.cuda(), v.cuda())
-    q = (torch.randn(1, 32, 512, 128, generator=gen) * 0.35).half().cuda()
-    P.clear_workspaces()
-    budget = 8 << 20
-    prefill_attention(q, c, 0, scratch_bytes=budget)
-    (ws,) = P._workspaces.values()
-    ptr = ws.scores.data_ptr()
-    assert ws.nbytes() <= 2 * budget
-    prefill_attention(q, c, 0, scratch_bytes=budget)
-    assert next(iter(P._workspaces.values())).scores.data_ptr() == ptr
+    for chunks in ((1200,), (500, 500, 200), (128,) * 9 + (48,)):
+        errs = _real_model_errors(layers, cfg, chunks, "cuda", "gpu", range(len(layers)))
+        assert max(e for *_, e in errs) < TOL, (chunks, errs)

@@ -45,6 +45,7 @@ __all__ = [
     "cubin_resources",
     "kernel_resources",
     "cubin_symbols",
+    "cubin_global",
     "cubin_sm",
 ]
 
@@ -408,6 +409,30 @@ def cubin_symbols(cubin: bytes) -> set[str]:
         ValueError: ``cubin`` is not a 64-bit ELF image.
     """
     return {name for name, info in _elf_symbols(cubin, _elf_sections(cubin)) if info & 0xF == _STT_FUNC}
+
+
+def cubin_global(cubin: bytes, name: str, nbytes: int) -> bytes:
+    """The initial bytes of a module global (``extern "C" __device__ const`` with an initializer), read from
+    the CUBIN's ELF symbol table and the section holding the symbol: what a kernel reports about itself
+    (e.g. its shared-memory size) without a GPU.
+
+    Raises:
+        KeyError: no such symbol. ValueError: not a 64-bit ELF image, or the symbol is smaller than nbytes.
+    """
+    sections = _elf_sections(cubin)
+    for sec in sections:
+        if sec.type != _SHT_SYMTAB:
+            continue
+        names_at = sections[sec.link].offset
+        for pos in range(sec.offset, sec.offset + sec.size, sec.entsize or _ELF64_SYMBOL.size):
+            st_name, _info, _other, shndx, value, size = _ELF64_SYMBOL.unpack_from(cubin, pos)
+            if _cstr(cubin, names_at + st_name) != name:
+                continue
+            if size < nbytes:
+                raise ValueError(f"global {name!r} has {size} bytes, fewer than {nbytes}")
+            start = sections[shndx].offset + value
+            return bytes(cubin[start : start + nbytes])
+    raise KeyError(f"no global {name!r} in the CUBIN")
 
 
 def cubin_sm(cubin: bytes) -> int:

@@ -23,7 +23,6 @@ __all__ = ["KERNEL_MODULES", "KERNEL_PACKAGES", "register", "families", "specs"]
 KERNEL_MODULES: tuple[str, ...] = (
     "kvarn_cutlass.runtime.selftest",
     "kvarn_cutlass.gemm.prep",
-    "kvarn_cutlass.prefill",
     "kvarn_cutlass.decode",
 )
 # Packages whose submodules are all imported (op modules register their families there).

@@ -1,0 +1,786 @@
+// Fused chunked-prefill attention over a KVarN cache (NVRTC; mma.sync m16n8k16, sm_80+).
+//
+// One launch per chunk and layer. A CTA owns BM = NUM_WARPS * ROWS_PER_WARP query rows of one
+// (sequence b, KV head h); row r = j * n + i is query i of q head h * G + j (the rows of a KV head are
+// its G q heads one after another, a free view of q [B, Hq, n, D]). Every score stays on chip.
+//
+// What a chunk's queries see (kvarn_cutlass.reference.attention with the chunk passed in): the
+// cache's tiles (all older than the chunk), then the exact tokens E = [sink | window | chunk] in the
+// cache dtype, causal inside the chunk (query i sees chunk token j <= i). Two phases share one online
+// softmax (running max m and sum l per row, in units of log2; `rowf` turns a raw dot product into one):
+//
+// Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
+// max|q_rot| lies in [2^7, 2^8), rounded to f16. Per tile, the record (one cp.async copy into a
+// two-slot ring, prefetched one tile ahead) is dequantized in BLOCK_N-token halves into f16 operands:
+//   K: kd[c][t] = (chan_min[c] + chan_step[c] * kbook[code]) * 2^-ek      (channel-major, as stored)
+//      score[r][t] = (q_rot[r] . kd[:, t]) * row_scale[t] * 2^ek * scale * log2(e) / s_r
+//   V: vd[t][c] = (tok_min[t] + tok_step[t] * vbook[code]) * 2^-ev * col_scale[c] / cmax
+//      V[t][c] = fV * vd[t][c] with the tile factor fV = cmax * 2^ev
+// with ek, ev chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands
+// never overflow whatever the magnitudes (the tile factors go to f32). Values are computed in f32
+// and rounded once to f16. The accumulator is kept in units of fV_run, the largest tile factor seen so
+// far: P' = p * fV / fV_run <= 1 is the f16 MMA operand, and when a tile raises fV_run the
+// accumulator is rescaled by old/new (<= 1; nothing can overflow). At the end of the phase the
+// accumulator is multiplied by fV_run and rotated back (the inverse WHT in registers).
+//
+// Phase B, exact tokens (original domain): q scaled per row by a power of two (|q| < 2^8) in the cache
+// dtype; K and V blocks of BLOCK_N tokens are copied (cp.async, double buffered) from the sink, window
+// and chunk buffers, token by token (a block may straddle them); P in the cache dtype.
+//
+// Output: acc / l in q's dtype, [B, Hq, n, D] with element strides.
+//
+// Compile-time parameters (defines from kvarn_cutlass.prefill.fused_spec; the record layout from
+// format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
+// K_CODEBOOK, V_CODEBOOK, ROWS_PER_WARP, NUM_WARPS, BLOCK_N, OFF_* and RECORD_BYTES, KERNEL_NAME.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+constexpr int D = HEAD_DIM;
+constexpr int T = TILE_TOKENS;
+constexpr int VB = V_BITS;
+constexpr int RPW = ROWS_PER_WARP;
+constexpr int NW = NUM_WARPS;
+constexpr int BN = BLOCK_N;
+constexpr int NT = NW * 32;           // threads
+constexpr int BM = NW * RPW;          // rows per CTA
+constexpr int MT = RPW / 16;          // m16 tiles per warp
+constexpr int SN = BN / 8;            // n8 tiles of a score block
+constexpr int ON = D / 8;             // n8 tiles of the output
+constexpr int QS = D + 8;             // row stride (halves) of Q and token-major K/V buffers
+constexpr int KS = BN + 8;            // row stride (halves) of the channel-major dequantized K
+constexpr int REC = RECORD_BYTES;
+constexpr int SCALE_BYTES = SCALE_F32 ? 4 : 2;
+
+static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
+static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
+static_assert(T % BN == 0, "a tile is a whole number of blocks");
+static_assert(REC % 16 == 0, "records are 16-byte multiples");
+static_assert(D == 64 || D == 128 || D == 256, "head_dim");
+
+// Shared memory, bytes. Phase A and phase B use the union region U in turn.
+constexpr int SM_Q = BM * QS * 2;
+constexpr int SM_REC = 2 * REC;
+constexpr int SM_KD = D * KS * 2;
+constexpr int SM_VD = BN * QS * 2;
+constexpr int SM_PAR = (3 * D + 3 * T) * 4;   // k_step, k_min, v_colratio [D]; v_step, v_min, tok_factor [T]
+constexpr int SM_A = SM_REC + SM_KD + SM_VD + SM_PAR;
+constexpr int SM_BLK = BN * QS * 2;            // one token-major K or V block of phase B
+constexpr int SM_B = 4 * SM_BLK;               // K and V, double buffered
+constexpr int SM_U = SM_A > SM_B ? SM_A : SM_B;
+constexpr int SM_ROWF = BM * 4;
+constexpr int SMEM_TOTAL = SM_Q + SM_U + SM_ROWF;
+
+// The launcher reads this from the module (one source for the layout above).
+extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
+
+#if CACHE_BF16
+typedef __nv_bfloat16 cache_t;
+typedef __nv_bfloat162 cache2_t;
+#else
+typedef __half cache_t;
+typedef __half2 cache2_t;
+#endif
+#if Q_BF16
+typedef __nv_bfloat16 q_t;
+#else
+typedef __half q_t;
+#endif
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float scale_at(const u8* p, int i) {
+#if SCALE_F32
+    return reinterpret_cast<const float*>(p)[i];
+#else
+    return __half2float(reinterpret_cast<const __half*>(p)[i]);
+#endif
+}
+
+// f32 pair -> packed 16-bit pair (lower index in the low half), in f16 or the cache dtype.
+__device__ __forceinline__ u32 pack_f16(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ u32 pack_cache(float a, float b) {
+#if CACHE_BF16
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+#else
+    __half2 h = __floats2half2_rn(a, b);
+#endif
+    return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    // src-size 0 zero-fills the 16 bytes (positions past the last exact token)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if (BF16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// 2^x (ex2.approx: 2 ulp; -inf -> +0), the exponential of the online softmax
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+
+// Exponent that brings a bound into [2^14, 2^15): bound * 2^-e in that range (bound = 0 -> 0).
+__device__ __forceinline__ int f16_range_exponent(float bound) {
+    if (!(bound > 0.f)) return 0;
+    int e;
+    frexpf(bound, &e);  // bound = m * 2^e, m in [0.5, 1)
+    e -= 15;
+    return max(-100, min(100, e));
+}
+
+#if LLOYD_MAX
+__constant__ float k_codebook[16] = K_CODEBOOK;
+__constant__ float v_codebook[1 << VB] = V_CODEBOOK;
+#endif
+
+// Per-row power-of-two scale: the exponent p with max|x| * 2^p in [2^7, 2^8) (0 for an all-zero row).
+__device__ __forceinline__ int row_scale_exponent(float amax) {
+    if (!(amax > 0.f)) return 0;
+    int e;
+    frexpf(amax, &e);
+    return max(-120, min(120, 8 - e));
+}
+
+// Loads one query row (lane holds D/32 consecutive elements) as f32.
+constexpr int QE = D / 32;
+__device__ __forceinline__ void load_q_row(float (&x)[QE], const q_t* row, int lane) {
+    const q_t* p = row + lane * QE;
+    if constexpr (QE == 2) {
+        u32 w = *reinterpret_cast<const u32*>(p);
+        const q_t* h = reinterpret_cast<const q_t*>(&w);
+        x[0] = to_f32(h[0]); x[1] = to_f32(h[1]);
+    } else if constexpr (QE == 4) {
+        uint2 w = *reinterpret_cast<const uint2*>(p);
+        const q_t* h = reinterpret_cast<const q_t*>(&w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = to_f32(h[e]);
+    } else {
+        uint4 w = *reinterpret_cast<const uint4*>(p);
+        const q_t* h = reinterpret_cast<const q_t*>(&w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = to_f32(h[e]);
+    }
+}
+
+// Normalized Walsh-Hadamard transform of a row held QE elements per lane (lane-major order).
+__device__ __forceinline__ void wht_row(float (&x)[QE], int lane) {
+#pragma unroll
+    for (int hh = 1; hh < QE; hh <<= 1) {
+#pragma unroll
+        for (int e = 0; e < QE; ++e) {
+            if (!(e & hh)) {
+                const float a = x[e], b = x[e + hh];
+                x[e] = a + b;
+                x[e + hh] = a - b;
+            }
+        }
+    }
+#pragma unroll
+    for (int ls = 1; ls < 32; ls <<= 1) {
+        const bool upper = lane & ls;
+#pragma unroll
+        for (int e = 0; e < QE; ++e) {
+            const float o = __shfl_xor_sync(0xffffffffu, x[e], ls);
+            x[e] = upper ? o - x[e] : x[e] + o;
+        }
+    }
+    const float norm = rsqrtf((float)D);
+#pragma unroll
+    for (int e = 0; e < QE; ++e) x[e] *= norm;
+}
+
+// Stages the CTA's query rows into sQ (f16 rotated for phase A, or the cache dtype for phase B),
+// scaled per row by a power of two; writes scale * log2(e) / s_r per row into sRowf.
+template <bool ROTATE>
+__device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long long q_sb, long long q_sh,
+                                        long long q_sn, int b, int h, int G, int n, int r0, float scale_log2,
+                                        int warp, int lane) {
+    const int M = G * n;
+    for (int rr = warp; rr < BM; rr += NW) {
+        const int r = r0 + rr;
+        float x[QE];
+        if (r < M) {
+            const int j = r / n, i = r - j * n;
+            load_q_row(x, q + b * q_sb + (long long)(h * G + j) * q_sh + (long long)i * q_sn, lane);
+            if (ROTATE) wht_row(x, lane);
+        } else {
+#pragma unroll
+            for (int e = 0; e < QE; ++e) x[e] = 0.f;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int e = 0; e < QE; ++e) amax = fmaxf(amax, fabsf(x[e]));
+        const int p = row_scale_exponent(warp_max(amax));
+        const float s = ldexpf(1.f, p);
+        u32 w[QE / 2];
+#pragma unroll
+        for (int e = 0; e < QE; e += 2) w[e / 2] = ROTATE ? pack_f16(x[e] * s, x[e + 1] * s) : pack_cache(x[e] * s, x[e + 1] * s);
+        u8* dst = sQ + (rr * QS + lane * QE) * 2;
+        if constexpr (QE == 2) *reinterpret_cast<u32*>(dst) = w[0];
+        else if constexpr (QE == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        if (lane == 0) sRowf[rr] = ldexpf(scale_log2, -p);
+    }
+}
+
+// Online-softmax state and accumulator of one warp's rows. Thread layout of the m16n8 fragments:
+// rows g and g + 8 (g = lane / 4) of each m16 tile, columns 2 * (lane % 4) + {0, 1} of each n8 tile.
+struct RowState {
+    float m[MT][2];    // running max, log2 units
+    float l[MT][2];    // running sum (this thread's columns; reduced over the quad at the end)
+    float rowf[MT][2];
+    int qi[MT][2];     // query index i of the row (causal mask)
+};
+
+// One BLOCK_N-token block: S = Q . K^T, online softmax, acc += P . V.
+//   TILE: K channel-major f16 [D][KS] (ldmatrix.trans), V f16 [BN][QS], P' = p * ratio in f16, scores
+//         times tokf[t]; no mask. Else: K and V token-major in the cache dtype, causal/end mask.
+template <bool TILE>
+__device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const u8* sV, const float* tokf,
+                                             float ratio, float acc_rescale, RowState& st,
+                                             float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
+                                             bool need_mask) {
+    constexpr bool BF = TILE ? false : (bool)CACHE_BF16;
+    float s[MT][SN][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) s[mi][nt][k] = 0.f;
+
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+            const int row = mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int col = kk * 16 + (lane >> 4) * 8;
+            ldsm_x4(a[mi], sQw + (row * QS + col) * 2);
+        }
+#pragma unroll
+        for (int n2 = 0; n2 < SN / 2; ++n2) {
+            u32 bfr[4];
+            if (TILE) {  // kd[c][t]: matrices (c 0-7, t 0-7), (c 8-15, t 0-7), (c 0-7, t 8-15), (c 8-15, t 8-15)
+                const int c = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int t = n2 * 16 + (lane >> 4) * 8;
+                ldsm_x4_t(bfr, sK + (c * KS + t) * 2);
+            } else {     // k[t][c]: matrices (t 0-7, c 0-7), (t 0-7, c 8-15), (t 8-15, c 0-7), (t 8-15, c 8-15)
+                const int t = n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int c = kk * 16 + ((lane >> 3) & 1) * 8;
+                ldsm_x4(bfr, sK + (t * QS + c) * 2);
+            }
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) {
+                mma16816<BF>(s[mi][2 * n2], a[mi], bfr[0], bfr[1]);
+                mma16816<BF>(s[mi][2 * n2 + 1], a[mi], bfr[2], bfr[3]);
+            }
+        }
+    }
+
+    const int tq = lane & 3;
+    if (TILE) {
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt) {
+            const float2 f = *reinterpret_cast<const float2*>(tokf + nt * 8 + 2 * tq);
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) {
+                s[mi][nt][0] *= f.x; s[mi][nt][1] *= f.y;
+                s[mi][nt][2] *= f.x; s[mi][nt][3] *= f.y;
+            }
+        }
+    } else if (need_mask) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int lim = min(E, E0 + st.qi[mi][hr] + 1);  // keys e < lim are visible
+#pragma unroll
+                for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (e0 + nt * 8 + 2 * tq + c >= lim) s[mi][nt][2 * hr + c] = NEG_INF;
+            }
+    }
+
+    // online softmax per row (quad-reduced max; the sum stays per thread until the end)
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < SN; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * hr], s[mi][nt][2 * hr + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float rf = st.rowf[mi][hr];
+            const float m_new = fmaxf(st.m[mi][hr], mx * rf);
+            const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen only masked keys
+            const float alpha = fast_exp2(st.m[mi][hr] - m_use);     // 0 for the first block (m = -inf)
+            st.m[mi][hr] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float p = fast_exp2(fmaf(s[mi][nt][2 * hr + c], rf, -m_use));
+                    sum += p;
+                    s[mi][nt][2 * hr + c] = TILE ? p * ratio : p;
+                }
+            st.l[mi][hr] = fmaf(st.l[mi][hr], alpha, sum);
+            const float a_acc = alpha * acc_rescale;
+#pragma unroll
+            for (int dn = 0; dn < ON; ++dn) {
+                acc[mi][dn][2 * hr] *= a_acc;
+                acc[mi][dn][2 * hr + 1] *= a_acc;
+            }
+        }
+    }
+
+    // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) {
+        u32 pa[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+            if (TILE) {
+                pa[mi][0] = pack_f16(s[mi][2 * kt][0], s[mi][2 * kt][1]);
+                pa[mi][1] = pack_f16(s[mi][2 * kt][2], s[mi][2 * kt][3]);
+                pa[mi][2] = pack_f16(s[mi][2 * kt + 1][0], s[mi][2 * kt + 1][1]);
+                pa[mi][3] = pack_f16(s[mi][2 * kt + 1][2], s[mi][2 * kt + 1][3]);
+            } else {
+                pa[mi][0] = pack_cache(s[mi][2 * kt][0], s[mi][2 * kt][1]);
+                pa[mi][1] = pack_cache(s[mi][2 * kt][2], s[mi][2 * kt][3]);
+                pa[mi][2] = pack_cache(s[mi][2 * kt + 1][0], s[mi][2 * kt + 1][1]);
+                pa[mi][3] = pack_cache(s[mi][2 * kt + 1][2], s[mi][2 * kt + 1][3]);
+            }
+        }
+#pragma unroll
+        for (int d2 = 0; d2 < D / 16; ++d2) {
+            // v[t][c]: matrices (t 0-7, c 0-7), (t 8-15, c 0-7), (t 0-7, c 8-15), (t 8-15, c 8-15), transposed
+            u32 bfr[4];
+            const int t = kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int c = d2 * 16 + (lane >> 4) * 8;
+            ldsm_x4_t(bfr, sV + (t * QS + c) * 2);
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) {
+                mma16816<BF>(acc[mi][2 * d2], pa[mi], bfr[0], bfr[1]);
+                mma16816<BF>(acc[mi][2 * d2 + 1], pa[mi], bfr[2], bfr[3]);
+            }
+        }
+    }
+}
+
+// --- phase A: per-tile parameters and dequantization --------------------------------------------
+// Tile factors, the same in every warp (each warp reduces the record's scales redundantly: a few
+// dozen instructions against ~1000 per warp per tile, and no extra barrier).
+struct TileFactors {
+    int ek, ev;
+    float cmax;   // max_c col_scale
+    float fv;     // cmax * 2^ev
+};
+
+// max |code value| of each codebook (the bound that picks ek, ev)
+constexpr float K_CB_ABSMAX = K_CB_LIMIT;
+constexpr float V_CB_ABSMAX = V_CB_LIMIT;
+
+__device__ __forceinline__ TileFactors tile_factors(const u8* rec, int lane) {
+    float kmin = 0.f, kstep = 0.f, cmax = 0.f, vmin = 0.f, vstep = 0.f;
+    for (int c = lane; c < D; c += 32) {
+        kmin = fmaxf(kmin, fabsf(scale_at(rec + OFF_CHAN_MIN, c)));
+        kstep = fmaxf(kstep, fabsf(scale_at(rec + OFF_CHAN_STEP, c)));
+        cmax = fmaxf(cmax, scale_at(rec + OFF_COL_SCALE, c));
+    }
+    for (int t = lane; t < T; t += 32) {
+        vmin = fmaxf(vmin, fabsf(scale_at(rec + OFF_TOK_MIN, t)));
+        vstep = fmaxf(vstep, fabsf(scale_at(rec + OFF_TOK_STEP, t)));
+    }
+    TileFactors f;
+    f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, warp_max(kstep), warp_max(kmin)));
+    f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, warp_max(vstep), warp_max(vmin)));
+    f.cmax = warp_max(cmax);
+    f.fv = f.cmax * ldexpf(1.f, f.ev);
+    return f;
+}
+
+// f32 parameter arrays of one tile (after the record arrived, before dequantization):
+//   kp[c] = (chan_step, chan_min) * 2^-ek; vr[c] = col_scale[c] / cmax;
+//   vp[t] = (tok_step, tok_min) * 2^-ev; tokf[t] = row_scale[t] * 2^ek.
+__device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, float2* kp, float* vr, float2* vp,
+                                            float* tokf, int tid) {
+    const float kmul = ldexpf(1.f, -f.ek), vmul = ldexpf(1.f, -f.ev), kinv = ldexpf(1.f, f.ek);
+    const float cinv = 1.f / f.cmax;
+    for (int c = tid; c < D; c += NT) {
+        kp[c] = make_float2(scale_at(rec + OFF_CHAN_STEP, c) * kmul, scale_at(rec + OFF_CHAN_MIN, c) * kmul);
+        vr[c] = scale_at(rec + OFF_COL_SCALE, c) * cinv;
+    }
+    for (int t = tid; t < T; t += NT) {
+        vp[t] = make_float2(scale_at(rec + OFF_TOK_STEP, t) * vmul, scale_at(rec + OFF_TOK_MIN, t) * vmul);
+        tokf[t] = scale_at(rec + OFF_ROW_SCALE, t) * kinv;
+    }
+}
+
+// Code value as f32: the code itself (uniform; exact through the 2^23 mantissa trick) or its centroid.
+__device__ __forceinline__ float k_value(u32 code) {
+#if LLOYD_MAX
+    return k_codebook[code];
+#else
+    return __uint_as_float(0x4B000000u | code) - 8388608.f;
+#endif
+}
+__device__ __forceinline__ float v_value(u32 code) {
+#if LLOYD_MAX
+    return v_codebook[code];
+#else
+    return __uint_as_float(0x4B000000u | code) - 8388608.f;
+#endif
+}
+
+// K codes of tokens [t0, t0 + BN) -> kd [D][KS] f16, channel-major: item = (channel, 8-token word).
+// Consecutive threads read consecutive words of one channel and write 16 contiguous bytes each.
+__device__ __forceinline__ void dequant_k(const u8* rec, const float2* kp, u8* sKd, int t0, int tid) {
+    constexpr int WPC = BN / 8;  // words per channel in a block
+    constexpr int ITEMS = D * WPC;
+#pragma unroll
+    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
+        const int item = tid + it * NT;
+        if (ITEMS % NT && item >= ITEMS) break;
+        const int c = item / WPC, wi = item - c * WPC;
+        const u32 w = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
+        const float2 p = kp[c];
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(p.x, k_value((w >> (4 * k)) & 15u), p.y);
+        *reinterpret_cast<uint4*>(sKd + (c * KS + wi * 8) * 2) =
+            make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]), pack_f16(v[6], v[7]));
+    }
+}
+
+// V codes of tokens [t0, t0 + BN) -> vd [BN][QS] f16, token-major: item = (token, 32-bit word of codes).
+__device__ __forceinline__ void dequant_v(const u8* rec, const float2* vp, const float* vr, u8* sVd, int t0,
+                                          int tid) {
+    constexpr int CPW = 32 / VB;          // channels per word
+    constexpr int WPT = D / CPW;          // words per token
+    constexpr int ROWB = D * VB / 8;      // bytes per token of codes
+    constexpr int MASK = (1 << VB) - 1;
+    constexpr int ITEMS = BN * WPT;
+#pragma unroll
+    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
+        const int item = tid + it * NT;
+        if (ITEMS % NT && item >= ITEMS) break;
+        const int tt = item / WPT, wi = item - tt * WPT;
+        const u32 w = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
+        const float2 p = vp[t0 + tt];
+        const int c0 = wi * CPW;
+        u32 out[CPW / 2];
+#pragma unroll
+        for (int k = 0; k < CPW; k += 2) {
+            const float a = fmaf(p.x, v_value((w >> (VB * k)) & MASK), p.y) * vr[c0 + k];
+            const float b = fmaf(p.x, v_value((w >> (VB * (k + 1))) & MASK), p.y) * vr[c0 + k + 1];
+            out[k / 2] = pack_f16(a, b);
+        }
+        u8* dst = sVd + (tt * QS + c0) * 2;
+#pragma unroll
+        for (int k = 0; k < CPW / 2; k += 4)
+            *reinterpret_cast<uint4*>(dst + k * 4) = make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
+    }
+}
+
+// --- phase B: one block of exact tokens ---------------------------------------------------------
+struct ExactSource {
+    const cache_t* sink_k; const cache_t* sink_v; int sink_cap; int sink_len;
+    const cache_t* win_k; const cache_t* win_v; int win_cap; int win_len;
+    const cache_t* chunk_k; const cache_t* chunk_v;
+    long long ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st;
+};
+
+__device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, int h, int Hkv, int e0, int E,
+                                                 u8* sK, u8* sV, int tid) {
+    constexpr int CPR = D / 8;  // 16-byte chunks per token row
+    const int s0 = src.sink_len, s1 = src.sink_len + src.win_len;
+    constexpr int ITEMS = BN * CPR;
+#pragma unroll
+    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
+        const int item = tid + it * NT;
+        if (ITEMS % NT && item >= ITEMS) break;
+        const int tt = item / CPR, ch = item - tt * CPR;
+        const int e = e0 + tt;
+        const cache_t* pk = src.chunk_k;
+        const cache_t* pv = src.chunk_v;
+        if (e < s0) {
+            const long long base = ((long long)(b * Hkv + h) * src.sink_cap + e) * D;
+            pk = src.sink_k + base; pv = src.sink_v + base;
+        } else if (e < s1) {
+            const long long base = ((long long)(b * Hkv + h) * src.win_cap + (e - s0)) * D;
+            pk = src.win_k + base; pv = src.win_v + base;
+        } else if (e < E) {
+            const long long j = e - s1;
+            pk = src.chunk_k + b * src.ck_sb + h * src.ck_sh + j * src.ck_st;
+            pv = src.chunk_v + b * src.cv_sb + h * src.cv_sh + j * src.cv_st;
+        }
+        const bool valid = e < E;
+        cp_async16(sK + (tt * QS + ch * 8) * 2, pk + ch * 8, valid);
+        cp_async16(sV + (tt * QS + ch * 8) * 2, pv + ch * 8, valid);
+    }
+}
+
+// --- the output accumulator: rotation back and store ------------------------------------------------
+// Inverse WHT of each accumulator row (columns 8 * dn + 2 * (lane % 4) + c of the thread's fragments):
+// strides 1 and >= 8 are inside the thread, strides 2 and 4 across the quad (lane bits 0 and 1).
+__device__ __forceinline__ void wht_acc(float (&acc)[MT][ON][4], int lane) {
+    const float norm = rsqrtf((float)D);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+            for (int dn = 0; dn < ON; ++dn) {  // stride 1
+                const float a = acc[mi][dn][2 * hr], b = acc[mi][dn][2 * hr + 1];
+                acc[mi][dn][2 * hr] = a + b;
+                acc[mi][dn][2 * hr + 1] = a - b;
+            }
+#pragma unroll
+            for (int ls = 1; ls <= 2; ls <<= 1) {  // strides 2, 4
+                const bool upper = lane & ls;
+#pragma unroll
+                for (int dn = 0; dn < ON; ++dn)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float x = acc[mi][dn][2 * hr + c];
+                        const float o = __shfl_xor_sync(0xffffffffu, x, ls);
+                        acc[mi][dn][2 * hr + c] = upper ? o - x : x + o;
+                    }
+            }
+#pragma unroll
+            for (int hs = 1; hs < ON; hs <<= 1)  // strides 8, 16, ...
+#pragma unroll
+                for (int dn = 0; dn < ON; ++dn)
+                    if (!(dn & hs))
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const float a = acc[mi][dn][2 * hr + c], b = acc[mi][dn + hs][2 * hr + c];
+                            acc[mi][dn][2 * hr + c] = a + b;
+                            acc[mi][dn + hs][2 * hr + c] = a - b;
+                        }
+#pragma unroll
+            for (int dn = 0; dn < ON; ++dn) {
+                acc[mi][dn][2 * hr] *= norm;
+                acc[mi][dn][2 * hr + 1] *= norm;
+            }
+        }
+}
+
+__device__ __forceinline__ u32 pack_q(float a, float b) {
+#if Q_BF16
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+#else
+    __half2 h = __floats2half2_rn(a, b);
+#endif
+    return *reinterpret_cast<u32*>(&h);
+}
+
+// --- the kernel ---------------------------------------------------------------------------------------
+// grid (ceil(G * n / BM), Hkv, B), NT threads, kvarn_prefill_smem_bytes of dynamic shared memory.
+//   q, out: [B, G * Hkv, n, D] with element strides (D contiguous, rows 16-byte aligned)
+//   pool: records; tile_table [B][table_stride] int32 slots: record (b, g, h) at
+//         pool + (tile_table[b * table_stride + g] * Hkv + h) * RECORD_BYTES
+//   sink/window buffers [B, Hkv, cap, D] (contiguous, live prefixes sink_len / win_len);
+//   chunk k, v [B, Hkv, n, D] with element strides (D contiguous).
+extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) KERNEL_NAME(
+    const q_t* __restrict__ q, long long q_sb, long long q_sh, long long q_sn,
+    q_t* __restrict__ out, long long o_sb, long long o_sh, long long o_sn,
+    const u8* __restrict__ pool, const int* __restrict__ tile_table, int table_stride, int n_tiles,
+    const cache_t* sink_k, const cache_t* sink_v, int sink_cap, int sink_len,
+    const cache_t* win_k, const cache_t* win_v, int win_cap, int win_len,
+    const cache_t* chunk_k, const cache_t* chunk_v, long long ck_sb, long long ck_sh, long long ck_st,
+    long long cv_sb, long long cv_sh, long long cv_st,
+    int Hkv, int G, int n, float scale_log2) {
+    extern __shared__ __align__(16) u8 smem[];
+    u8* sQ = smem;
+    u8* sU = smem + SM_Q;
+    float* sRowf = reinterpret_cast<float*>(smem + SM_Q + SM_U);
+    // phase A views of U
+    u8* sRec = sU;
+    u8* sKd = sU + SM_REC;
+    u8* sVd = sKd + SM_KD;
+    float2* sKp = reinterpret_cast<float2*>(sVd + SM_VD);
+    float* sVr = reinterpret_cast<float*>(sKp + D);
+    float2* sVp = reinterpret_cast<float2*>(sVr + D);
+    float* sTokf = reinterpret_cast<float*>(sVp + T);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int M = G * n, r0 = rb * BM;
+    const u8* sQw = sQ + warp * RPW * QS * 2;
+
+    RowState st;
+    float acc[MT][ON][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            st.m[mi][hr] = NEG_INF;
+            st.l[mi][hr] = 0.f;
+            const int r = r0 + warp * RPW + mi * 16 + hr * 8 + (lane >> 2);
+            st.qi[mi][hr] = r < M ? r % n : n - 1;
+        }
+#pragma unroll
+        for (int dn = 0; dn < ON; ++dn)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[mi][dn][k] = 0.f;
+    }
+    auto load_rowf = [&]() {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) st.rowf[mi][hr] = sRowf[warp * RPW + mi * 16 + hr * 8 + (lane >> 2)];
+    };
+
+    // ---- phase A: the tiles ----
+    if (n_tiles > 0) {
+        auto fetch = [&](int g) {
+            const long long slot = tile_table[(long long)b * table_stride + g];
+            const u8* src = pool + (slot * Hkv + h) * (long long)REC;
+            u8* dst = sRec + (g & 1) * REC;
+            for (int i = tid; i < REC / 16; i += NT) cp_async16(dst + i * 16, src + i * 16, true);
+            cp_async_commit();
+        };
+        fetch(0);
+        stage_q<true>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+        float fv_run = 0.f;
+        for (int g = 0; g < n_tiles; ++g) {
+            cp_async_wait_all();
+            __syncthreads();  // record g landed; every thread is done with tile g - 1 (and sQ is staged)
+            if (g == 0) load_rowf();
+            if (g + 1 < n_tiles) fetch(g + 1);  // into the slot tile g - 1 used
+            const u8* rec = sRec + (g & 1) * REC;
+            const TileFactors f = tile_factors(rec, lane);
+            tile_params(rec, f, sKp, sVr, sVp, sTokf, tid);
+            const float fv_new = fmaxf(fv_run, f.fv);
+            float rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
+            const float ratio = f.fv / fv_new;
+            fv_run = fv_new;
+            for (int t0 = 0; t0 < T; t0 += BN) {
+                __syncthreads();  // parameters written; the previous block's operands no longer read
+                dequant_k(rec, sKp, sKd, t0, tid);
+                dequant_v(rec, sVp, sVr, sVd, t0, tid);
+                __syncthreads();
+                attend_block<true>(sQw, sKd, sVd, sTokf + t0, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+                rescale = 1.f;
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int dn = 0; dn < ON; ++dn)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
+        wht_acc(acc, lane);
+        __syncthreads();  // every warp is done with sQ and the phase A buffers
+    }
+
+    // ---- phase B: sink, window and the chunk, exactly ----
+    ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
+                    ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
+    const int E0 = sink_len + win_len, E = E0 + n;
+    // the CTA's last query: rows r0 .. min(M, r0 + BM) - 1; one head's rows unless the block straddles two
+    const int r_last = min(M, r0 + BM) - 1;
+    const int q_last = (r0 / n == r_last / n) ? r_last % n : n - 1;
+    const int e_end = min(E, E0 + q_last + 1);
+    int w_first = M, w_last = -1;  // the warp's rows, for skipping blocks no row of the warp sees
+    {
+        const int wr0 = r0 + warp * RPW, wr1 = min(M, wr0 + RPW) - 1;
+        w_first = wr0 < M ? wr0 : M;
+        w_last = wr1;
+    }
+    const int wq_last = w_last < w_first ? -1 : ((w_first / n == w_last / n) ? w_last % n : n - 1);
+    const int wq_first = w_last < w_first ? n : ((w_first / n == w_last / n) ? w_first % n : 0);
+
+    u8* sKb = sU;
+    u8* sVb = sU + 2 * SM_BLK;
+    load_exact_block(src, b, h, Hkv, 0, E, sKb, sVb, tid);
+    cp_async_commit();
+    stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+    int buf = 0;
+    for (int e0 = 0; e0 < e_end; e0 += BN) {
+        cp_async_wait_all();
+        __syncthreads();  // block e0 landed; the other buffer is free; sQ staged
+        if (e0 == 0) load_rowf();
+        if (e0 + BN < e_end) {
+            load_exact_block(src, b, h, Hkv, e0 + BN, E, sKb + (buf ^ 1) * SM_BLK, sVb + (buf ^ 1) * SM_BLK, tid);
+            cp_async_commit();
+        }
+        const bool visible = e0 < E0 + wq_last + 1;  // some row of this warp sees a key of the block
+        if (visible) {
+            const bool need_mask = e0 + BN > min(E, E0 + wq_first + 1);  // some key is hidden from some row
+            attend_block<false>(sQw, sKb + buf * SM_BLK, sVb + buf * SM_BLK, nullptr, 1.f, 1.f, st, acc, lane, e0,
+                                E, E0, need_mask);
+        }
+        buf ^= 1;
+    }
+
+    // ---- normalize and store ----
+    const int tq = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float l = st.l[mi][hr];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int r = r0 + warp * RPW + mi * 16 + hr * 8 + (lane >> 2);
+            if (r < M) {
+                const int j = r / n, i = r - j * n;
+                q_t* orow = out + b * o_sb + (long long)(h * G + j) * o_sh + (long long)i * o_sn;
+#pragma unroll
+                for (int dn = 0; dn < ON; ++dn)
+                    *reinterpret_cast<u32*>(orow + dn * 8 + 2 * tq) =
+                        pack_q(acc[mi][dn][2 * hr] * inv, acc[mi][dn][2 * hr + 1] * inv);
+            }
+        }
+}

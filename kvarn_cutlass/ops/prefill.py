@@ -1,0 +1,265 @@
+"""The fused chunked-prefill kernel family (``csrc/prefill_fused.cu``): configs, specs, launch.
+
+One NVRTC module per variant: the record layout (``format.TileSpec``: head_dim, tile tokens, V bits,
+scale dtype, quantizer; every section offset is passed as a define), the cache and query dtypes, and
+the launch config (:class:`FusedConfig`: rows per warp, warps, tokens per block, blocks per SM the
+registers are sized for). Configs are emitted here and chosen from the tuned table
+``gemm_configs/prefill_sm<arch>.json`` (written by ``kvarn-cutlass tune --kernel prefill``), else from
+:data:`DEFAULT_CONFIGS`. The kernel reports its own shared-memory size (the module global
+``kvarn_prefill_smem_bytes``), so the layout formula exists once, in the .cu file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec
+from ..runtime import KernelSpec, register
+
+__all__ = ["FusedConfig", "CANDIDATES", "DEFAULT_CONFIGS", "fused_spec", "fused_specs", "select_config",
+           "table_path", "smem_bytes", "FusedPrefillKernel", "MAX_SMEM_PER_BLOCK"]
+
+KERNEL_SYMBOL = "kvarn_prefill_fused"
+SMEM_SYMBOL = "kvarn_prefill_smem_bytes"
+MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 / sm_80 opt-in limit per block
+LOG2E = 1.4426950408889634
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+
+_SIG = (
+    "ptr q", "i64 q_sb", "i64 q_sh", "i64 q_sn",
+    "ptr out", "i64 o_sb", "i64 o_sh", "i64 o_sn",
+    "ptr pool", "ptr tile_table", "i32 table_stride", "i32 n_tiles",
+    "ptr sink_k", "ptr sink_v", "i32 sink_cap", "i32 sink_len",
+    "ptr win_k", "ptr win_v", "i32 win_cap", "i32 win_len",
+    "ptr chunk_k", "ptr chunk_v", "i64 ck_sb", "i64 ck_sh", "i64 ck_st", "i64 cv_sb", "i64 cv_sh", "i64 cv_st",
+    "i32 Hkv", "i32 G", "i32 n", "f32 scale_log2",
+)
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch shape of the fused kernel.
+
+    rows_per_warp: query rows of one warp (16 or 32: one or two m16 MMA tiles; 32 reuses each K/V
+        fragment twice, at twice the accumulator registers).
+    warps: warps per CTA (4 or 8); a CTA owns rows_per_warp * warps rows of one KV head.
+    block_n: tokens per score block (32 or 64; a tile is T / block_n blocks).
+    min_blocks: CTAs per SM the register allocation is sized for (``__launch_bounds__``).
+    """
+
+    rows_per_warp: int = 16
+    warps: int = 4
+    block_n: int = 64
+    min_blocks: int = 2
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("rows_per_warp", (16, 32)), ("warps", (4, 8)), ("block_n", (32, 64)),
+                              ("min_blocks", (1, 2))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
+
+    @property
+    def rows(self) -> int:
+        """Query rows per CTA."""
+        return self.rows_per_warp * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rows_per_warp}w{self.warps}n{self.block_n}b{self.min_blocks}"
+
+    def fits(self, head_dim: int, tile_tokens: int) -> bool:
+        """Whether the config is valid for (head_dim, tile_tokens): registers (D=256 keeps 16 rows per warp,
+        since two m16 tiles would need 256 accumulator registers) and registers per SM."""
+        if tile_tokens % self.block_n:
+            return False
+        if head_dim == 256 and self.rows_per_warp != 16:
+            return False
+        return self.threads * self.min_blocks <= 256  # 255 registers per thread at most 256 threads per SM
+
+
+# Tuner candidates (``kvarn-cutlass tune --kernel prefill``), filtered by FusedConfig.fits per bucket.
+CANDIDATES = tuple(
+    FusedConfig(r, w, n, b)
+    for r in (16, 32) for w in (4, 8) for n in (32, 64) for b in (1, 2)
+    if 32 * w * b <= 256
+)
+# Untuned fallback per head_dim: no register spills in the sm_90 build (ptxas), two CTAs per SM where
+# the shared memory allows it.
+DEFAULT_CONFIGS = {
+    64: FusedConfig(32, 4, 64, 2),
+    128: FusedConfig(16, 4, 64, 2),
+    256: FusedConfig(16, 4, 32, 1),
+}
+
+
+def _c_floats(values) -> str:
+    return "{" + ", ".join(f"{float(x)!r}f" for x in values) + "}"
+
+
+def _variant_name(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, config: FusedConfig) -> str:
+    lm = "lm" if spec.quantizer == "lloyd_max" else ""
+    return (f"prefill_fused_d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}{lm}_s{spec.scale_bytes}_"
+            f"{DTYPES[cache_dtype]}_{DTYPES[q_dtype]}_{config.name}")
+
+
+def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, config: FusedConfig) -> KernelSpec:
+    """The KernelSpec of one variant; every record offset comes from ``spec``."""
+    if cache_dtype not in DTYPES or q_dtype not in DTYPES:
+        raise TypeError(f"cache and query dtypes must be float16 or bfloat16, got {cache_dtype} and {q_dtype}")
+    if not config.fits(spec.head_dim, spec.tile_tokens):
+        raise ValueError(f"config {config.name} does not fit head_dim={spec.head_dim}, tile_tokens={spec.tile_tokens}")
+    kb, vb = spec.k_codebook, spec.v_codebook
+    defines = {
+        "KERNEL_NAME": KERNEL_SYMBOL,
+        "HEAD_DIM": spec.head_dim,
+        "TILE_TOKENS": spec.tile_tokens,
+        "V_BITS": spec.v_bits,
+        "SCALE_F32": int(spec.scale_bytes == 4),
+        "LLOYD_MAX": int(spec.quantizer == "lloyd_max"),
+        "K_CODEBOOK": _c_floats(kb),
+        "V_CODEBOOK": _c_floats(vb),
+        "K_CB_LIMIT": f"{max(abs(x) for x in kb)!r}f",
+        "V_CB_LIMIT": f"{max(abs(x) for x in vb)!r}f",
+        "RECORD_BYTES": spec.tile_nbytes,
+        "CACHE_BF16": int(cache_dtype == torch.bfloat16),
+        "Q_BF16": int(q_dtype == torch.bfloat16),
+        "ROWS_PER_WARP": config.rows_per_warp,
+        "NUM_WARPS": config.warps,
+        "BLOCK_N": config.block_n,
+        "MIN_BLOCKS": config.min_blocks,
+    }
+    for section in spec.section_names():
+        defines["OFF_" + section.upper()] = spec.offset(section)
+    return KernelSpec("prefill_fused.cu", (KERNEL_SYMBOL,), defines=defines, options=("-lineinfo",),
+                      name=_variant_name(spec, cache_dtype, q_dtype, config))
+
+
+# --- config table ---------------------------------------------------------------------------------
+def bucket_key(spec: TileSpec) -> str:
+    """Table key: head_dim, tile tokens, V bits and quantizer (what changes the per-tile work)."""
+    lm = "_lm" if spec.quantizer == "lloyd_max" else ""
+    return f"D{spec.head_dim}_T{spec.tile_tokens}_V{spec.v_bits}{lm}"
+
+
+def table_path(arch: str = "sm90"):
+    from ..gemm.configs import config_dir
+
+    return config_dir() / f"prefill_{arch}.json"
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f).get("buckets", {})
+    except FileNotFoundError:
+        return {}
+
+
+class UntunedPrefillConfigWarning(UserWarning):
+    """No tuned fused-prefill config for this bucket: the documented default is used."""
+
+
+def select_config(spec: TileSpec, arch: str = "sm90") -> FusedConfig:
+    """The tuned config of ``spec``'s bucket, else :data:`DEFAULT_CONFIGS` (with a warning once per bucket)."""
+    entry = _load_table(str(table_path(arch))).get(bucket_key(spec))
+    if entry and entry.get("status") == "tuned":
+        cfg = FusedConfig(**entry["config"])
+        if cfg.fits(spec.head_dim, spec.tile_tokens):
+            return cfg
+    _warn_untuned(bucket_key(spec), arch)
+    return DEFAULT_CONFIGS[spec.head_dim]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_untuned(key: str, arch: str) -> None:
+    warnings.warn(f"no tuned fused-prefill config for {key} on {arch}; using the default "
+                  "(run `kvarn-cutlass tune --kernel prefill` on the GPU)", UntunedPrefillConfigWarning, stacklevel=3)
+
+
+def fused_specs() -> list[KernelSpec]:
+    """Every variant with its selected config (what ``kvarn-cutlass build`` compiles)."""
+    out = []
+    for preset in PRESETS:
+        for d in HEAD_DIMS:
+            for sd in SCALE_DTYPES:
+                for quantizer in QUANTIZERS:
+                    spec = TileSpec(preset, d, sd, quantizer=quantizer)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UntunedPrefillConfigWarning)
+                        cfg = select_config(spec)
+                    for cd in DTYPES:
+                        out.append(fused_spec(spec, cd, cd, cfg))
+    return out
+
+
+register("prefill_fused", fused_specs)
+
+
+def smem_bytes(cubin: bytes) -> int:
+    """The kernel's dynamic shared memory, read from the module global ``kvarn_prefill_smem_bytes``."""
+    from ..runtime.compiler import cubin_global
+
+    return int.from_bytes(cubin_global(cubin, SMEM_SYMBOL, 4), "little", signed=True)
+
+
+# --- launch ---------------------------------------------------------------------------------------
+class FusedPrefillKernel:
+    """One loaded variant: ``launch(...)`` enqueues the kernel on torch's current stream."""
+
+    def __init__(self, spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, config: FusedConfig,
+                 device: torch.device):
+        from ..runtime.spec import build, get_module
+        from ..runtime.arch import arch_target, device_arch
+
+        kspec = fused_spec(spec, cache_dtype, q_dtype, config)
+        index = device.index
+        self.config = config
+        self.spec = spec
+        self._kernel = get_module(kspec, index).kernel(KERNEL_SYMBOL, _SIG)
+        self.smem = smem_bytes(build(kspec, arch_target(device_arch(index), kspec.arch_specific)).cubin)
+        if self.smem > MAX_SMEM_PER_BLOCK:
+            raise ValueError(f"{kspec.name} needs {self.smem} bytes of shared memory (> {MAX_SMEM_PER_BLOCK})")
+
+    def launch(self, q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v, win_len,
+               chunk_k, chunk_v, num_kv_heads, scale):
+        """All tensors on one CUDA device; shapes as in ``csrc/prefill_fused.cu``. q, out [B, Hq, n, D]."""
+        B, Hq, n, D = q.shape
+        G = Hq // num_kv_heads
+        grid = (math.ceil(G * n / self.config.rows), num_kv_heads, B)
+        args = (
+            q, *q.stride()[:3], out, *out.stride()[:3],
+            pool, tile_table, tile_table.shape[1], n_tiles,
+            sink_k, sink_v, sink_k.shape[2], sink_len,
+            win_k, win_v, win_k.shape[2], win_len,
+            chunk_k, chunk_v, *chunk_k.stride()[:3], *chunk_v.stride()[:3],
+            num_kv_heads, G, n, float(scale) * LOG2E,
+        )
+        self._kernel.launch(grid, self.config.threads, args, shared_mem=self.smem)
+
+
+_kernels: dict[tuple, FusedPrefillKernel] = {}
+
+
+def get_kernel(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device,
+               config: FusedConfig | None = None) -> FusedPrefillKernel:
+    """The loaded variant for (spec, dtypes, config) on ``device``; built and loaded once per process."""
+    if config is None:
+        from ..runtime.arch import device_arch
+
+        config = select_config(spec, f"sm{device_arch(device.index)}")
+    key = (spec, cache_dtype, q_dtype, device.index, config)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = FusedPrefillKernel(spec, cache_dtype, q_dtype, config, device)
+    return k
