@@ -4,7 +4,8 @@
 ``AttentionInterface`` and ``AttentionMaskInterface``. The attention function has three paths:
 
 1. keys tagged by :class:`kvarn_cutlass.hf.KVarNCache` (the cache path): attention of the new
-   queries over the library cache through :func:`kvarn_cutlass.hf.dispatch.attend`;
+   queries over the library cache plus the new tokens, then their append, through
+   :func:`kvarn_cutlass.hf.dispatch.attend`;
 2. ``kvarn_sim=SimSpec(...)`` passed to the model's forward (no cache): the teacher-forced
    decode-time simulation of :mod:`kvarn_cutlass.hf.simulate` (perplexity evaluation);
 3. anything else (no cache, or transformers' own ``DynamicCache``): plain SDPA, so the same model
@@ -86,10 +87,11 @@ def kvarn_attention_forward(
     handle = handle_of(key)
     if handle is not None:
         lib = handle.cache.library
-        seq_len = lib.seq_len(handle.layer)
-        _check_causal_mask(attention_mask, query.shape[2], seq_len)
-        handle.consumed = True
-        out = attend(query, lib, handle.layer, scale=scaling, dequantized=handle.cache.dequantized)
+        n_q = query.shape[2]
+        _check_causal_mask(attention_mask, n_q, lib.seq_len(handle.layer) + n_q)
+        handle.consumed = True  # even if attend raises: the update was read (its error is the one to report)
+        out = attend(query, handle.key, handle.value, lib, handle.layer, scale=scaling,
+                     dequantized=handle.cache.dequantized)
         return out.transpose(1, 2).contiguous(), None
     if sim is not None:
         from .simulate import simulated_attention

@@ -8,13 +8,14 @@ Usage (transformers >= 5)::
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 How the pieces meet: the model's attention layer calls ``cache.update(k, v, layer_idx)`` with the
-post-RoPE keys/values of the new tokens; the update appends them to the library cache (which
-compresses tiles leaving the fp16 window) and returns the same new k/v tagged with a handle to the
-cache layer. The ``kvarn`` attention function (``kvarn_cutlass.hf.attention``) sees the tag and
-computes attention of the new queries over the whole library cache through
-:func:`kvarn_cutlass.hf.dispatch.attend` (reference on CPU, GPU kernels on CUDA). Any other attention
-implementation would only see the new tokens, so an update whose output was not consumed by the
-``kvarn`` attention makes the next update raise instead of producing wrong output.
+post-RoPE keys/values of the new tokens; the update returns the same new k/v tagged with a handle to
+the cache layer (it does not append yet). The ``kvarn`` attention function
+(``kvarn_cutlass.hf.attention``) sees the tag and, through :func:`kvarn_cutlass.hf.dispatch.attend`
+(reference on CPU, GPU kernels on CUDA), computes attention of the new queries over the library cache
+plus the new tokens, then appends them (which compresses tiles leaving the fp16 window): a prefill
+chunk sees its own tokens exactly, as the library's ``prefill_attention`` defines. Any other attention
+implementation would never append, so an update whose output was not consumed by the ``kvarn``
+attention makes the next update raise instead of producing wrong output.
 
 Everything the library cannot honor is rejected at construction: head_dim outside (64, 128, 256),
 sliding-window / chunked / linear-attention layers, logit soft-capping, MLA, encoder-decoder models,
@@ -102,10 +103,11 @@ def check_model_config(config) -> ModelShape:
 class _Handle:
     """Tag on the k/v returned by ``update``: where the ``kvarn`` attention finds the library cache."""
 
-    __slots__ = ("cache", "layer", "consumed")
+    __slots__ = ("cache", "layer", "consumed", "key", "value")
 
-    def __init__(self, cache: KVarNCache, layer: int) -> None:
+    def __init__(self, cache: KVarNCache, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.cache, self.layer, self.consumed = cache, layer, False
+        self.key, self.value = key, value  # the new tokens, appended by the attention that consumes them
 
 
 HANDLE_ATTR = "_kvarn_handle"
@@ -142,7 +144,8 @@ class KVarNLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens' k/v [batch, num_kv_heads, n_new, head_dim]; return them tagged."""
+        """Tag the new tokens' k/v [batch, num_kv_heads, n_new, head_dim] for the ``kvarn`` attention, which
+        attends and then appends them; return them tagged (validated here, so bad input raises now)."""
         if self._pending is not None and not self._pending.consumed:
             raise RuntimeError(
                 f"KVarNCache layer {self.layer_idx}: the previous update was not consumed by the '{ATTN_IMPLEMENTATION}' "
@@ -152,8 +155,10 @@ class KVarNLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.parent.library.append(self.layer_idx, key_states, value_states)
-        handle = _Handle(self.parent, self.layer_idx)
+        lib = self.parent.library
+        lib.check_kv("key_states", key_states)
+        lib.check_kv("value_states", value_states)
+        handle = _Handle(self.parent, self.layer_idx, key_states, value_states)
         self._pending = handle
         k, v = key_states.view(key_states.shape), value_states.view(value_states.shape)
         setattr(k, HANDLE_ATTR, handle)

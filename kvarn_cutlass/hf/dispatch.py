@@ -1,21 +1,27 @@
 """The one place where the transformers integration chooses how attention over a KVarNCache is computed.
 
-``attend(q, cache, layer, scale)`` computes attention of the newest ``n_q`` queries over ``layer`` of
-a :class:`kvarn_cutlass.KVarNCache` (semantics of :func:`kvarn_cutlass.reference.attention`: queries
-are the newest tokens, causal, tile tokens read as their quantized reconstruction) and returns it in
-``q.dtype``, shape [batch, num_q_heads, n_q, head_dim].
+``attend(q, k, v, cache, layer, scale)`` computes attention of a forward pass's ``n_q`` new queries
+over ``layer`` of a :class:`kvarn_cutlass.KVarNCache` plus the new tokens' k, v (not yet in the
+cache), appends k, v, and returns the attention in ``q.dtype``, shape [batch, num_q_heads, n_q,
+head_dim]. Semantics:
+
+* several new tokens (a prefill chunk): :func:`kvarn_cutlass.reference.attention` with ``k=``, ``v=``
+  (the cache's tiles quantized, everything newer, the chunk included, exact; causal), then the append;
+* one new token (a decode step): the append first, then the decode form of the reference (the
+  token sees the cache after its own append), exactly what the decode kernel computes.
+
+Backends:
 
 * CPU: :func:`kvarn_cutlass.reference.attention` (float64), cast to ``q.dtype`` (default), or with
   ``cpu_attention="dequant"`` the :class:`DequantizedTiles` path: every tile is decoded once (to
-  float32) when it is compressed and attention runs as float32 SDPA over [sink | tiles | window];
-  equal to the reference up to float32 rounding and orders of magnitude faster for long CPU
-  generation (the reference re-reads every tile in float64 at every step).
+  float32) when it is compressed and attention runs as float32 SDPA over [sink | tiles | window
+  (| chunk)]; equal to the reference up to float32 rounding and orders of magnitude faster for long
+  CPU generation (the reference re-reads every tile in float64 at every step).
 * CUDA: the GPU kernels, imported lazily: ``kvarn_cutlass.decode.decode_attention`` for one query
-  per sequence (decode steps), ``kvarn_cutlass.prefill.prefill_attention`` for several (prefill
-  chunks). Both take ``(q, cache, layer, scale=...)`` like the reference and return
-  [batch, num_q_heads, n_q, head_dim]; float32 queries are passed in the cache dtype (the kernels
-  take float16/bfloat16). While they are not importable, CUDA raises NotImplementedError (never a
-  silent fallback to a different numerical path).
+  per sequence, ``kvarn_cutlass.prefill.prefill_attention`` (the fused kernel, which also appends)
+  for several; float32 queries are passed in the cache dtype (the kernels take float16/bfloat16).
+  While they are not importable, CUDA raises NotImplementedError (never a silent fallback to a
+  different numerical path).
 """
 
 from __future__ import annotations
@@ -72,37 +78,58 @@ class DequantizedTiles:
         self._k[layer], self._v[layer] = k, v
         return k, v
 
-    def attention(self, q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None) -> torch.Tensor:
-        """Same semantics as reference.attention, in float32; returns q.dtype."""
-        reference.check_query(q, cache, layer)
+    def attention(self, q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None,
+                  k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """Same semantics as reference.attention (with the chunk k, v when given), in float32; returns q.dtype."""
+        if k is not None:
+            k, v = reference.chunk_kv(cache, k, v)
+        reference.check_query(q, cache, layer, chunk=None if k is None else k.shape[2])
         kt, vt = self.get(cache, layer)
         sk, sv = cache.sink_kv(layer)
         wk, wv = cache.window_kv(layer)
         g = q.shape[1] // cache.num_kv_heads
-        k = torch.cat((sk.float(), kt, wk.float()), 2).repeat_interleave(g, 1)  # keys in position order
-        v = torch.cat((sv.float(), vt, wv.float()), 2).repeat_interleave(g, 1)
-        L, n_q = k.shape[2], q.shape[2]
+        ks, vs = [sk.float(), kt, wk.float()], [sv.float(), vt, wv.float()]  # keys in position order
+        if k is not None:
+            ks.append(k.float())
+            vs.append(v.float())
+        k_all = torch.cat(ks, 2).repeat_interleave(g, 1)
+        v_all = torch.cat(vs, 2).repeat_interleave(g, 1)
+        L, n_q = k_all.shape[2], q.shape[2]
         q_pos = torch.arange(L - n_q, L, device=q.device)
         mask = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k_all, v_all, attn_mask=mask, scale=scale)
         return out.to(q.dtype)
 
 
-def attend(q: torch.Tensor, cache: _LibCache, layer: int, scale: float | None = None,
-           dequantized: DequantizedTiles | None = None) -> torch.Tensor:
-    """Attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache``, in q.dtype.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: _LibCache, layer: int,
+           scale: float | None = None, dequantized: DequantizedTiles | None = None) -> torch.Tensor:
+    """Attention of q [batch, num_q_heads, n_q, head_dim] over ``layer`` of ``cache`` and the new tokens
+    k, v [batch, num_kv_heads, n_q, head_dim], which are then appended; returns q.dtype.
 
     ``dequantized``: on CPU, use this :class:`DequantizedTiles` instead of the float64 reference.
     """
     device = cache.device
+    decode_step = q.shape[2] == 1
     if device.type == "cpu":
+        if decode_step:
+            cache.append(layer, k, v)
+            kw = {}
+        else:
+            kw = {"k": k, "v": v}
         if dequantized is not None:
-            return dequantized.attention(q, cache, layer, scale)
-        return reference.attention(q, cache, layer, scale=scale).to(q.dtype)
+            out = dequantized.attention(q, cache, layer, scale, **kw)
+        else:
+            out = reference.attention(q, cache, layer, scale=scale, **kw).to(q.dtype)
+        if not decode_step:
+            cache.append(layer, k, v)
+        return out
     if device.type == "cuda":
-        kind = "decode" if q.shape[2] == 1 else "prefill"
         # the kernels take float16/bfloat16 queries: a float32 model's queries go in the cache dtype
         qk = q if q.dtype in (torch.float16, torch.bfloat16) else q.to(cache.dtype)
-        out = gpu_entry_point(kind)(qk, cache, layer, scale=scale)
+        if decode_step:
+            cache.append(layer, k, v)
+            out = gpu_entry_point("decode")(qk, cache, layer, scale=scale)
+        else:
+            out = gpu_entry_point("prefill")(qk, k, v, cache, layer, scale=scale)  # appends k, v
         return out.to(q.dtype)
     raise NotImplementedError(f"KVarN attention has no implementation for device {device}")

@@ -8,8 +8,9 @@ Methods:
   (attention through :func:`kvarn_cutlass.hf.dispatch.attend`: GPU decode kernel on CUDA, the
   float64 reference on CPU). Equal to ``sim`` up to float rounding.
 * ``prefill``: chunks of ``chunk`` tokens through :class:`KVarNCache` with all logits kept: the
-  library's chunked-prefill semantics (queries of a chunk see the cache after the whole chunk
-  was appended), not decode-time; a measurement of the prefill path.
+  library's chunked-prefill semantics (queries of a chunk see the cache as it was before the chunk,
+  plus the chunk exactly; the fused kernel on CUDA); a measurement of the prefill path, which
+  differs from decode only in when window tokens are compressed.
 
 The unquantized baseline is computed in the same run: the same model with every key and value
 exact in the cache dtype (``SimSpec(preset=None)``).

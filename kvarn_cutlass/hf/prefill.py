@@ -20,10 +20,9 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk_size: int = 512, logits
     back at its state before the call and ValueError is raised). Returns the final chunk's model
     output (``.logits`` [batch, min(logits_to_keep, last chunk), vocab]).
 
-    Each chunk's queries attend to the cache as it is after the chunk was appended (the library's
-    prefill semantics), so with a window smaller than the chunk the early queries of a chunk can see
-    tiles that token-by-token decode would still read unquantized; the last position of the prompt
-    always sees exactly the decode-time cache.
+    Each chunk's queries attend to the cache as it was before the chunk plus the chunk itself, exactly
+    (the library's prefill semantics, :func:`kvarn_cutlass.prefill_attention`): no query reads its own
+    chunk, or window tokens that the chunk's append compresses, in quantized form.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
