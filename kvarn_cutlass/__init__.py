@@ -23,6 +23,7 @@ _LAZY = {
     "decode_attention_ragged": ("kvarn_cutlass.decode", "decode_attention_ragged"),
     "DecodeGraph": ("kvarn_cutlass.decode", "DecodeGraph"),
     "snapkv_compact": ("kvarn_cutlass.compact", "snapkv_compact"),
+    "dequantize_layer": ("kvarn_cutlass.ops.dequant", "dequantize_layer"),
     "hf": ("kvarn_cutlass.hf", None),
 }
 
