@@ -90,14 +90,15 @@ def test_prefill_table_equals_the_record(h200):
     md = render_markdown(load_record(path))
     res = raw["sections"]["prefill"]["results"]
     table = {(int(r["prompt P"]), int(r["chunk C"]), int(r["head_dim"])): r for r in _table(md, ["prompt P", "chunk C", "head_dim", "KVarN ms"])}
-    points = res["points"] + [res["head_dim_256"]]
+    points = res["points"]
     assert set(table) == {(p["P"], p["C"], p["head_dim"]) for p in points}
     for p in points:
         cells = table[(p["P"], p["C"], p["head_dim"])]
-        assert float(cells["KVarN ms"]) == p["kvarn_ms"]
-        assert float(cells["SDPA fp16 ms"]) == p["sdpa_fp16_ms"]
-        assert float(cells["dequant+SDPA ms"]) == p["dequant_sdpa_ms"]
-        assert abs(float(cells["KVarN / SDPA"]) - p["kvarn_ms"] / p["sdpa_fp16_ms"]) <= 0.005
+        assert float(cells["KVarN ms"]) == p["kvarn_e2e_ms"]
+        assert float(cells["SDPA flash ms"]) == p["sdpa_flash_e2e_ms"]
+        assert float(cells["dequant+SDPA ms"]) == p["dequant_sdpa_e2e_ms"]
+        assert abs(float(cells["KVarN / SDPA flash"]) - p["kvarn_e2e_ms"] / p["sdpa_flash_e2e_ms"]) <= 0.005
+        assert abs(float(cells["KVarN / dequant+SDPA"]) - p["kvarn_e2e_ms"] / p["dequant_sdpa_e2e_ms"]) <= 0.005
         assert abs(float(cells["KVarN / dequant+SDPA"]) - p["kvarn_ms"] / p["dequant_sdpa_ms"]) <= 0.005
 
 
@@ -201,8 +202,8 @@ def _random_record(rng: random.Random) -> dict:
             if rng.random() < 0.5:
                 row["sdpa_flash_us"] = round(rng.uniform(5, 3000), 2)
             rows.append(row)
-    points = [{"P": p, "C": c, "head_dim": 128, "kvarn_ms": round(rng.uniform(1, 500), 3),
-               "sdpa_fp16_ms": round(rng.uniform(1, 500), 3)} for p in (4096, 8192) for c in (256, 1024)]
+    points = [{"P": p, "C": c, "head_dim": 128, "kvarn_e2e_ms": round(rng.uniform(1, 500), 3),
+               "sdpa_flash_e2e_ms": round(rng.uniform(1, 500), 3)} for p in (4096, 8192) for c in (256, 1024)]
     return {"sections": {"decode": {"provenance": prov, "results": {"rows": rows}},
                          "prefill": {"provenance": prov, "results": {"points": points}},
                          "mystery": {"provenance": prov, "results": {"x": 1}}}}
@@ -227,7 +228,7 @@ def test_random_record_cells_and_missing_fields(tmp_path):
         assert cells["KVarN eager µs"] == cells["% of copy ceiling"] == "-", why
     prefill = _table(md, ["prompt P", "chunk C", "head_dim", "KVarN ms"])
     assert sorted((int(r["prompt P"]), int(r["chunk C"]), float(r["KVarN ms"])) for r in prefill) == sorted(
-        (p["P"], p["C"], p["kvarn_ms"]) for p in doc["sections"]["prefill"]["results"]["points"]), why
+        (p["P"], p["C"], p["kvarn_e2e_ms"]) for p in doc["sections"]["prefill"]["results"]["points"]), why
     assert all(r["dequant+SDPA ms"] == "-" for r in prefill), why
     assert "mystery" in md.splitlines()[-1], why
     assert "2031-02-03T04:05:06+00:00" in md, why
@@ -281,12 +282,14 @@ def test_prefill_plot_is_planned_only_for_points_it_draws(h200):
 
     path, raw = h200
     res = raw["sections"]["prefill"]["results"]
-    assert res["head_dim_256"]["kvarn_ms"] is not None
+    d256 = [p for p in res["points"] if p["head_dim"] == 256]
+    d128 = [p for p in res["points"] if p["head_dim"] == 128]
+    assert d256 and d256[0]["kvarn_e2e_ms"] is not None and d128
     path.write_text(json.dumps({**raw, "sections": {"prefill": {**raw["sections"]["prefill"],
-                                                                "results": {**res, "points": []}}}}))
+                                                                "results": {**res, "points": d256}}}}))
     assert "prefill" not in planned_plots(load_record(path))
     path.write_text(json.dumps({**raw, "sections": {"prefill": {**raw["sections"]["prefill"],
-                                                                "results": {**res, "points": res["points"][:1]}}}}))
+                                                                "results": {**res, "points": d256 + d128[:1]}}}}))
     assert planned_plots(load_record(path))["prefill"] == ["prefill.png"]
 
 

@@ -3,7 +3,7 @@
 * ``decode_b<batch>.png``: decode time per step vs context, KVarN (CUDA graph) against SDPA cuDNN on
   fp16 (eager, and replayed from a CUDA graph) and SDPA flash on fp16 (eager), one file per batch size
   in the record (log-log axes);
-* ``prefill.png``: prefill attention time vs prompt length at head_dim 128, KVarN against SDPA fp16 and
+* ``prefill.png``: prefill time (attention and append) vs prompt length at head_dim 128, KVarN against SDPA fp16 and
   dequant+SDPA, one line style per chunk size;
 * ``gemm_tops.png``: K-score GEMM TOPS (depth D) per M bucket, one series per (head_dim D, tile tokens T,
   score dtype);
@@ -38,7 +38,7 @@ def planned_plots(doc: dict[str, Any]) -> dict[str, list[str]]:
     batches = sorted({r["batch"] for r in decode_rows(doc)})
     if batches:
         plans["decode"] = [f"decode_b{b}.png" for b in batches]
-    if any(p.get("kvarn_ms") is not None for p in _prefill_plot_rows(doc)):
+    if any(p.get("kvarn_e2e_ms") is not None for p in _prefill_plot_rows(doc)):
         plans["prefill"] = ["prefill.png"]
     if any(r["tops"] is not None for r in gemm_bucket_rows(doc)[0]):
         plans["gemm"] = ["gemm_tops.png"]
@@ -103,9 +103,8 @@ def _decode_plot(doc: dict[str, Any], batch: int, path: Path) -> Path:
 
 
 def _prefill_plot_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The prefill points the plot draws: head_dim 128 (a point without head_dim is from a record of
-    before the head_dim-256 point)."""
-    return [p for p in prefill_rows(doc) if p.get("head_dim", 128) == 128]
+    """The prefill points the plot draws: head_dim 128."""
+    return [p for p in prefill_rows(doc) if p.get("head_dim") == 128]
 
 
 def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
@@ -117,8 +116,8 @@ def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
     styles = ("-", "--", ":", "-.")
     for i, chunk in enumerate(sorted({p.get("C") for p in rows})):
         pts = sorted((p for p in rows if p.get("C") == chunk), key=lambda p: p.get("P", 0))
-        for key, label, color, marker in (("kvarn_ms", "KVarN", "C0", "o"), ("sdpa_fp16_ms", "SDPA fp16", "C1", "s"),
-                                          ("dequant_sdpa_ms", "dequant + SDPA", "C2", "^")):
+        for key, label, color, marker in (("kvarn_e2e_ms", "KVarN", "C0", "o"), ("sdpa_flash_e2e_ms", "SDPA flash fp16", "C1", "s"),
+                                          ("dequant_sdpa_e2e_ms", "dequant + SDPA", "C2", "^")):
             xy = [(p["P"], p[key]) for p in pts if isinstance(p.get(key), (int, float))]
             if xy:
                 ax.plot(*zip(*xy), color=color, marker=marker, linestyle=styles[i % len(styles)],
@@ -127,7 +126,7 @@ def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
     _plain_log_y(ax)
     ax.xaxis.set_major_formatter(FuncFormatter(_context_label))
     ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("attention time over the prompt, one layer (ms)")
+    ax.set_ylabel("prefill time of the prompt, one layer (ms)")
     ax.set_title("Chunked prefill, head_dim 128")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")

@@ -105,11 +105,9 @@ def decode_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def prefill_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Prefill points (``points`` plus the ``head_dim_256`` point), sorted by (head_dim, C, P)."""
+    """Prefill points sorted by (head_dim, C, P)."""
     res = _results(doc, "prefill") or {}
     rows = [p for p in res.get("points", []) if isinstance(p, dict)]
-    if isinstance(res.get("head_dim_256"), dict):
-        rows.append(res["head_dim_256"])
     return sorted(rows, key=lambda p: (p.get("head_dim", 0), p.get("C", 0), p.get("P", 0)))
 
 
@@ -259,32 +257,27 @@ def _prefill_md(doc: dict[str, Any], images: list[str]) -> str | None:
         return None
     out = ["## Prefill", ""]
     if res.get("workload"):
-        out.append(f"Workload: {res['workload']}. Baselines: SDPA on the fp16 K/V of the whole prompt, and "
-                   "dequantizing the KVarN tiles to fp16 then SDPA.")
+        out.append(f"Workload: {res['workload']}. Baselines, timed the same way: SDPA over a static fp16 cache "
+                   "(chunk copied in), and `kc.dequantize_layer` (one kernel for the layer's tiles) then flash SDPA.")
         out.append("")
     out += [f"![{Path(i).stem}]({i})" for i in images]
     if images:
         out.append("")
     out.append(_table(
-        ["prompt P", "chunk C", "head_dim", "KVarN ms", "SDPA fp16 ms", "dequant+SDPA ms", "KVarN / SDPA",
-         "KVarN / dequant+SDPA", "compress ms"],
-        [[_fmt(p.get("P")), _fmt(p.get("C")), _fmt(p.get("head_dim")), _fmt(p.get("kvarn_ms")),
-          _fmt(p.get("sdpa_fp16_ms")), _fmt(p.get("dequant_sdpa_ms")), _ratio(p.get("kvarn_ms"), p.get("sdpa_fp16_ms")),
-          _ratio(p.get("kvarn_ms"), p.get("dequant_sdpa_ms")), _fmt(p.get("compress_ms"))] for p in rows], left=0))
+        ["prompt P", "chunk C", "head_dim", "KVarN ms", "append ms", "SDPA flash ms", "SDPA cuDNN ms",
+         "dequant+SDPA ms", "KVarN / SDPA flash", "KVarN / dequant+SDPA", "KVarN TFLOPS-eq", "% of matmul peak"],
+        [[_fmt(p.get("P")), _fmt(p.get("C")), _fmt(p.get("head_dim")), _fmt(p.get("kvarn_e2e_ms")),
+          _fmt(p.get("append_ms")), _fmt(p.get("sdpa_flash_e2e_ms")), _fmt(p.get("sdpa_cudnn_e2e_ms")),
+          _fmt(p.get("dequant_sdpa_e2e_ms")), _ratio(p.get("kvarn_e2e_ms"), p.get("sdpa_flash_e2e_ms")),
+          _ratio(p.get("kvarn_e2e_ms"), p.get("dequant_sdpa_e2e_ms")), _fmt(p.get("tflops_eq_kvarn")),
+          _percent(p.get("kvarn_fraction_of_matmul_peak"))] for p in rows], left=0))
     out.append("")
-    out.append("Ratios above 1: KVarN is slower than that baseline.")
-    parts = sorted({k for p in rows for k in (p.get("kvarn_breakdown_ms_instrumented") or {})})
-    if parts:
-        out += ["", "KVarN time by stage (ms, instrumented run with a sync per stage):", ""]
-        out.append(_table(["prompt P", "chunk C", "head_dim", *parts],
-                          [[_fmt(p.get("P")), _fmt(p.get("C")), _fmt(p.get("head_dim")),
-                            *(_fmt((p.get("kvarn_breakdown_ms_instrumented") or {}).get(k)) for k in parts)]
-                           for p in rows], left=0))
+    out.append("Ratios above 1: KVarN is slower than that baseline. TFLOPS-equivalent: 4 * Hq * D * P^2 / 2 over the "
+               f"KVarN time; matmul peak: fp16 8192^3 in the same run ({_fmt(res.get('matmul_f16_8192_tflops'))} TFLOPS).")
     peak = res.get("peak_memory_32k")
     if isinstance(peak, dict):
         out += ["", f"Peak extra memory, prompt {_fmt(peak.get('P'))} in chunks of {_fmt(peak.get('C'))}: "
-                    f"{_mib(peak.get('peak_extra_bytes'))} MiB (prefill workspaces {_mib(peak.get('workspace_bytes'))} "
-                    f"MiB, scratch budget {_mib(peak.get('scratch_budget_bytes'))} MiB)."]
+                    f"{_mib(peak.get('peak_extra_bytes'))} MiB."]
     return "\n".join(out)
 
 
