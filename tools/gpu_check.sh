@@ -23,7 +23,7 @@
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
-#    partials, prefill softmax+V and CUTLASS GEMM kernels in their bench shapes -> $OUT/ncu.txt
+#    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
@@ -97,7 +97,10 @@ print("nvcc (CUTLASS GEMMs)", nvcc_version())
 PY
 
 # GPU_BUILD=0 skips it: kernels then compile on first use (cheaper when a run uses few of them).
-[ "${GPU_BUILD:-1}" = 0 ] || step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)"
+# GPU_BUILD_FAMILIES="prefill_fused dequant ...": build only those kernel families.
+build_args=()
+for f in ${GPU_BUILD_FAMILIES:-}; do build_args+=(--family "$f"); done
+[ "${GPU_BUILD:-1}" = 0 ] || step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)" "${build_args[@]}"
 if [ -n "${GPU_TUNE:-}" ]; then
   read -r tune_buckets tune_filter <<<"$GPU_TUNE"
   tune_args=(--buckets ${tune_buckets//,/ } --jobs "$(nproc)" --runs 30)
@@ -134,14 +137,24 @@ if [ -n "${GPU_NCU:-}" ]; then
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
   }
-  for t in ${GPU_NCU_TARGETS:-compress decode prefill_sv prefill_gemm prefill_fold}; do
+  for t in ${GPU_NCU_TARGETS:-compress decode prefill}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
       decode) step ncu_decode ncu_one decode kvarn_decode_partials ;;
-      prefill_sv) step ncu_prefill_sv ncu_one prefill kvarn_prefill_sv ;;
-      prefill_gemm) step ncu_prefill_gemm ncu_one prefill "device_kernel|kscore_sm90" ;;
-      prefill_fold) step ncu_prefill_fold ncu_one prefill kvarn_kscore_fold ;;
+      prefill) step ncu_prefill ncu_one prefill kvarn_prefill_fused ;;
     esac
+  done
+fi
+
+# 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
+#     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt
+if [ -n "${GPU_SANITIZE:-}" ]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for t in $GPU_SANITIZE; do
+    for tool in memcheck racecheck; do
+      step "sanitize_${tool}_$t" timeout "${GPU_SANITIZE_LIMIT:-150}" "$SAN" --tool "$tool" --error-exitcode 3 \
+        --kernel-name regex:kvarn_ python3 tools/ncu_targets.py "$t"
+    done
   done
 fi
 

@@ -61,13 +61,25 @@ def prefill() -> None:
     cache.append(0, k, torch.randn_like(k))
     for _ in range(REPEATS):
         kn = torch.randn(1, Hkv, C, D, device="cuda", dtype=torch.float16, generator=g)
-        cache.append(0, kn, torch.randn_like(kn))
         q = torch.randn(1, Hq, C, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
-        kc.prefill_attention(q, cache, 0)
+        kc.prefill_attention(q, kn, torch.randn_like(kn), cache, 0)
     torch.cuda.synchronize()
 
 
-TARGETS = {"compress": compress, "decode": decode, "prefill": prefill}
+def prefill_small() -> None:
+    """Small shapes for compute-sanitizer: every phase of the fused kernel (tiles, sink, window, chunk),
+    both cache dtypes, GQA 4, a chunk that straddles tiles, ragged row blocks."""
+    for dtype, D in ((torch.float16, 128), (torch.bfloat16, 64)):
+        cache = kc.KVarNCache(1, 1, 2, D, window=128, sink_tokens=128, dtype=dtype, device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for n in (300, 77, 1):
+            k = torch.randn(1, 2, n, D, device="cuda", dtype=dtype, generator=g)
+            q = torch.randn(1, 8, n, D, device="cuda", dtype=dtype, generator=g) * 0.3
+            kc.prefill_attention(q, k, torch.randn_like(k), cache, 0)
+    torch.cuda.synchronize()
+
+
+TARGETS = {"compress": compress, "decode": decode, "prefill": prefill, "prefill_small": prefill_small}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in TARGETS:
