@@ -15,6 +15,17 @@ Storage per layer (all on ``device``):
 * ``window_k`` / ``window_v``: [batch, num_kv_heads, window, head_dim] in ``dtype``, valid prefix
   ``window_len`` (oldest first).
 * ``sink_k`` / ``sink_v``: [batch, num_kv_heads, sink_tokens, head_dim], valid prefix ``sink_len``.
+
+Lengths are kept twice, always equal between calls: on the host (every sequence of the batch has the
+same lengths) and on the device, int32 ``device_lengths()`` [num_layers, 3, batch] (n_tiles,
+window_len, sink_len), which the kernels read, so that CUDA graphs stay valid while a sequence grows.
+
+Writes on CUDA (:mod:`kvarn_cutlass.ops.append`): ``append`` is one kernel launch, two when a tile
+completes (compressed on the GPU straight from the window and the chunk), with no torch op; its
+checks set bits of a device-side error flag. Outside a :meth:`KVarNCache.deferred_checks` block the
+flag is read back at once (one 4-byte copy, the call's only synchronization); inside one it is read
+when the block ends. A failed append commits nothing: lengths and live tokens stay as they were (bytes
+past the live lengths, e.g. unused pool slots, may change).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import torch
 
 from . import codec
 from .format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, TileSpec
+from .ops.append import INPUT_ORDER, Backup, error_message, plan_append
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -43,10 +55,23 @@ class _Layer:
     sink_v: torch.Tensor
     sink_len: int
     tile_tokens: int
+    lens: torch.Tensor  # int32 [3, batch] on the device: n_tiles, window_len, sink_len
+    device: object = None  # the prepared append launches of these buffers (ops.append)
 
     @property
     def seq_len(self) -> int:
         return self.sink_len + self.n_tiles * self.tile_tokens + self.window_len
+
+
+@dataclass
+class _Block:
+    """An open deferred_checks block: the lengths at its start, the layers whose window (and sink) got
+    a backup and by whom ("host": copied by the host, valid; "device": append_compress was given the
+    buffers, valid only if that layer committed a tile since), and errors the host found."""
+
+    lengths: list
+    backed_up: dict
+    host_bits: int = 0
 
 
 def _positive_int(name: str, value) -> int:
@@ -112,17 +137,29 @@ class KVarNCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_seq_len = max_seq_len
         capacity = 0 if max_seq_len is None else max(0, math.ceil((max_seq_len - sink_tokens) / T))
-        self._layers = [self._new_layer(capacity) for _ in range(num_layers)]
-        # int32 [2] error bits (inputs, compression) while a deferred_checks block is open, else None
-        self._deferred: torch.Tensor | None = None
+        self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)
+        self._layers = [self._new_layer(capacity, self._lens[i]) for i in range(num_layers)]
+        self._init_write_state()
 
     # --- construction helpers ------------------------------------------------------------------
-    def _new_layer(self, tile_capacity: int) -> _Layer:
+    def _init_write_state(self) -> None:
+        # int32 error bits of the device-side checks (zero unless an append failed and is not yet raised)
+        self._errors = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # append_commit's count of finished blocks (the last one commits; it resets the count)
+        self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._writer = None  # ops.append.DeviceAppender, built at the first append on CUDA
+        self._backups: dict[int, Backup] = {}  # per layer, allocated when a block or step graph needs one
+        self._deferred: _Block | None = None
+        self._unchecked = None  # a step graph (kvarn_cutlass.step_graph) with replays not yet checked
+
+    def _new_layer(self, tile_capacity: int, lens: torch.Tensor | None = None) -> _Layer:
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
         z = lambda n: torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
         tiles = torch.zeros(B, tile_capacity, H, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device)
-        return _Layer(tiles, self._identity_table(tile_capacity), 0, z(self.window), z(self.window), 0, z(self.sink_tokens), z(self.sink_tokens), 0,
-                      self.spec.tile_tokens)
+        if lens is None:
+            lens = torch.zeros(3, B, dtype=torch.int32, device=self.device)
+        return _Layer(tiles, self._identity_table(tile_capacity), 0, z(self.window), z(self.window), 0,
+                      z(self.sink_tokens), z(self.sink_tokens), 0, self.spec.tile_tokens, lens)
 
     def _identity_table(self, tile_capacity: int) -> torch.Tensor:
         B = self.batch_size
@@ -178,6 +215,12 @@ class KVarNCache:
         st = self._layer(layer)
         return {"window_k": st.window_k, "window_v": st.window_v, "sink_k": st.sink_k, "sink_v": st.sink_v}
 
+    def device_lengths(self) -> torch.Tensor:
+        """int32 [num_layers, 3, batch] on the cache's device: (n_tiles, window_len, sink_len) of each layer
+        and sequence, as the kernels read them (stable address; equal to the host-side lengths after
+        every call, and updated by the append kernels in stream order)."""
+        return self._lens
+
     def window_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [batch, num_kv_heads, window_len, head_dim] of the newest unquantized tokens."""
         st = self._layer(layer)
@@ -205,10 +248,14 @@ class KVarNCache:
 
     def allocated_nbytes(self) -> int:
         """Bytes allocated by the cache's tensors (pool capacity, window and sink buffers)."""
-        return sum(
+        total = sum(
             t.numel() * t.element_size()
             for st in self._layers
             for t in (st.tiles, st.window_k, st.window_v, st.sink_k, st.sink_v)
+        )
+        return total + sum(
+            t.numel() * t.element_size() for bk in self._backups.values()
+            for t in (bk.window_k, bk.window_v, bk.sink_k, bk.sink_v)
         )
 
     # --- mutation ------------------------------------------------------------------------------
@@ -231,10 +278,18 @@ class KVarNCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append n_new tokens to ``layer``.
 
-        k, v: [batch, num_kv_heads, n_new, head_dim], float16/bfloat16/float32 on the cache's
-        device, finite once converted to the cache dtype. On any error nothing is changed.
+        k, v: [batch, num_kv_heads, n_new, head_dim], float16/bfloat16/float32 on the cache's device,
+        stored in the cache dtype. Rejected (ValueError naming the input): NaN/Inf after conversion to
+        the cache dtype; for tokens that will be compressed (all but sink tokens) magnitudes above 2^48
+        (the codec's input range) and, with float16 scales, above 2^42 (``codec.MAX_INPUT_ABS_F16_SCALES``:
+        no tile holding one can be stored). Compression errors (float16 scale overflow) raise too. On
+        any error nothing is changed.
+
+        On CUDA: one kernel launch (two when a tile completes) and, outside a
+        :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
         """
         st = self._layer(layer)
+        self._require_checked()
         self.check_kv("k", k)
         self.check_kv("v", v)
         if k.shape != v.shape:
@@ -244,58 +299,113 @@ class KVarNCache:
             raise ValueError(
                 f"appending {n} tokens to layer {layer} (holding {st.seq_len}) exceeds max_seq_len={self.max_seq_len}"
             )
-        k = k.to(self.dtype)
-        v = v.to(self.dtype)
-        if self._deferred is None:
-            if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for both
-                name = "k" if not torch.isfinite(k).all() else "v"
-                raise ValueError(f"{name} contains NaN or Inf (after conversion to {self.dtype})")
-        else:  # noted on the device, raised when the deferred_checks block ends
-            bad = (~torch.isfinite(k).all()).to(torch.int32) + 2 * (~torch.isfinite(v).all()).to(torch.int32)
-            self._deferred[0].bitwise_or_(bad)
+        if k.dtype != self.dtype:
+            k = k.to(self.dtype)
+        if v.dtype != self.dtype:
+            v = v.to(self.dtype)
+        plan = plan_append(st.sink_len, st.window_len, n, self.sink_tokens, self.window, self.spec.tile_tokens)
+        if self._writer is not None or self.device.type == "cuda":
+            self._append_device(layer, st, k, v, plan)
+        else:
+            self._append_host(layer, st, k, v, plan)
 
+    def _append_device(self, layer: int, st: _Layer, k: torch.Tensor, v: torch.Tensor, plan) -> None:
+        n_sink, n_new, keep = plan
+        writer = self._writer
+        if writer is None:
+            from .ops.append import DeviceAppender
+
+            writer = self._writer = DeviceAppender(self)
+        if st.n_tiles + n_new > st.tiles.shape[1]:
+            self._grow(st, st.n_tiles + n_new)
+        blk = self._deferred
+        backup = None
+        if n_new and blk is not None and layer not in blk.backed_up:
+            backup = self._backup(layer)
+            blk.backed_up[layer] = "device"
+        writer.append(st, k, v, k.shape[2], n_new, backup)
+        if blk is None:
+            self._raise_device_errors()
+        st.n_tiles += n_new
+        st.sink_len += n_sink
+        st.window_len = keep
+
+    def _raise_device_errors(self) -> None:
+        bits = int(self._errors.item())  # the call's one synchronization
+        if bits:
+            self._errors.zero_()
+            raise ValueError(error_message(bits, self.dtype, self.spec))
+
+    def _input_errors(self, k: torch.Tensor, v: torch.Tensor, n_sink: int) -> int:
+        """The append kernels' input checks (ops.append.INPUT_ORDER bits) in torch, for the CPU path."""
+        bits = 0
+        f16_scales = self.spec.scale_dtype == torch.float16
+        for x, (nonfinite, out_of_range, bound) in zip((k, v), INPUT_ORDER):
+            if not bool(torch.isfinite(x).all()):
+                bits |= nonfinite
+            rest = x[:, :, n_sink:]
+            if rest.numel():
+                m = float(rest.abs().amax())
+                if m > codec.MAX_INPUT_ABS:
+                    bits |= out_of_range
+                if f16_scales and m > codec.MAX_INPUT_ABS_F16_SCALES:
+                    bits |= bound
+        return bits
+
+    def _append_host(self, layer: int, st: _Layer, k: torch.Tensor, v: torch.Tensor, plan) -> None:
+        n_sink, n_new, keep = plan
+        bits = self._input_errors(k, v, n_sink)
+        blk = self._deferred
+        if bits:
+            if blk is None:
+                raise ValueError(error_message(bits, self.dtype, self.spec))
+            blk.host_bits |= bits  # raised when the block ends, as on the device
+        if blk is not None and blk.host_bits:
+            # as on the device: a failed append, and every later one of the block, writes nothing; the
+            # host-side lengths move on as if it had succeeded (the block restores them)
+            if st.n_tiles + n_new > st.tiles.shape[1]:
+                self._grow(st, st.n_tiles + n_new)
+            st.n_tiles, st.sink_len, st.window_len = st.n_tiles + n_new, st.sink_len + n_sink, keep
+            return
         # Everything below computes new state first and commits only after compression succeeded.
-        n_sink = min(self.sink_tokens - st.sink_len, n)
         rest_k, rest_v = k[:, :, n_sink:], v[:, :, n_sink:]
-        stream_k = torch.cat((st.window_k[:, :, : st.window_len], rest_k), dim=2)
-        stream_v = torch.cat((st.window_v[:, :, : st.window_len], rest_v), dim=2)
         T = self.spec.tile_tokens
-        n_new_tiles = max(0, math.ceil((stream_k.shape[2] - self.window) / T))
-        records = None
-        if n_new_tiles:
-            records = self._compress(stream_k[:, :, : n_new_tiles * T], stream_v[:, :, : n_new_tiles * T])
-            if st.n_tiles + n_new_tiles > st.tiles.shape[1]:
-                self._grow(st, st.n_tiles + n_new_tiles)
-
+        if n_new:
+            stream_k = torch.cat((st.window_k[:, :, : st.window_len], rest_k), dim=2)
+            stream_v = torch.cat((st.window_v[:, :, : st.window_len], rest_v), dim=2)
+            records = self._compress(stream_k[:, :, : n_new * T], stream_v[:, :, : n_new * T])
+            if st.n_tiles + n_new > st.tiles.shape[1]:
+                self._grow(st, st.n_tiles + n_new)
+            if blk is not None and layer not in blk.backed_up:
+                self._backup_host(layer)
+                blk.backed_up[layer] = "host"
         if n_sink:
             st.sink_k[:, :, st.sink_len : st.sink_len + n_sink] = k[:, :, :n_sink]
             st.sink_v[:, :, st.sink_len : st.sink_len + n_sink] = v[:, :, :n_sink]
             st.sink_len += n_sink
-        if records is not None:
-            st.tiles[:, st.n_tiles : st.n_tiles + n_new_tiles] = records
-            st.n_tiles += n_new_tiles
-        keep = stream_k.shape[2] - n_new_tiles * T
-        st.window_k[:, :, :keep] = stream_k[:, :, n_new_tiles * T :]
-        st.window_v[:, :, :keep] = stream_v[:, :, n_new_tiles * T :]
+        if n_new:
+            st.tiles[:, st.n_tiles : st.n_tiles + n_new] = records
+            st.n_tiles += n_new
+            st.window_k[:, :, :keep] = stream_k[:, :, n_new * T :]
+            st.window_v[:, :, :keep] = stream_v[:, :, n_new * T :]
+        else:
+            st.window_k[:, :, st.window_len : keep] = rest_k
+            st.window_v[:, :, st.window_len : keep] = rest_v
         st.window_len = keep
+        self._store_lengths(st)
 
     def _compress(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [B, H, n_tiles*T, D] -> records uint8 [B, n_tiles, H, tile_nbytes].
-
-        On CUDA: one launch of the GPU compression kernel (byte-identical to the codec); it reads
-        back a 4-byte error flag, so a codec error (e.g. float16 scale overflow) raises here,
-        before the caller changes any state (inside ``deferred_checks``: the kernel ORs the error
-        into the block's flag and nothing is read back).
-        """
-        if self.device.type == "cuda":
-            from .ops.compress import compress_layer
-
-            flag = None if self._deferred is None else self._deferred[1:]
-            return compress_layer(k, v, self.spec, error_flag=flag)
+        """k, v [B, H, n_tiles*T, D] -> records uint8 [B, n_tiles, H, tile_nbytes] with the codec (the host path)."""
         B, H, n, D = k.shape
         T = self.spec.tile_tokens
         to_tiles = lambda x: x.reshape(B, H, n // T, T, D).transpose(1, 2)  # noqa: E731
         return codec.encode_tiles(to_tiles(k), to_tiles(v), self.spec)
+
+    def _store_lengths(self, st: _Layer) -> None:
+        """The host-side lengths of ``st`` into its device lengths (host paths: CPU appends, truncate)."""
+        st.lens[0].fill_(st.n_tiles)
+        st.lens[1].fill_(st.window_len)
+        st.lens[2].fill_(st.sink_len)
 
     def _grow(self, st: _Layer, needed: int) -> None:
         if self.max_seq_len is not None:
@@ -307,54 +417,80 @@ class KVarNCache:
         pool[:, : st.n_tiles] = st.tiles[:, : st.n_tiles]
         st.tiles, st.tile_table = pool, self._identity_table(new_cap)
 
+    # --- failure recovery ----------------------------------------------------------------------
+    def _backup(self, layer: int) -> Backup:
+        """The backup buffers of ``layer`` (allocated on first use)."""
+        bk = self._backups.get(layer)
+        if bk is None:
+            B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+            z = lambda n: torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
+            bk = self._backups[layer] = Backup(z(self.window), z(self.window), z(self.sink_tokens), z(self.sink_tokens))
+        return bk
+
+    def _backup_host(self, layer: int) -> None:
+        st, bk = self._layers[layer], self._backup(layer)
+        for name in ("window_k", "window_v", "sink_k", "sink_v"):
+            getattr(bk, name).copy_(getattr(st, name))
+
+    def _restore(self, lengths: list, backed_up: dict) -> None:
+        """Put every layer back to ``lengths`` [(n_tiles, window_len, sink_len)] per layer, with the windows
+        (and sinks) of ``backed_up`` layers from their backups where they changed; clear the error flag."""
+        device_tiles = self._lens[:, 0, 0].tolist()  # what the device committed (a synchronization)
+        for i, (st, (n_tiles, window_len, sink_len)) in enumerate(zip(self._layers, lengths)):
+            kind = backed_up.get(i)
+            if kind == "host" or (kind == "device" and device_tiles[i] != n_tiles):
+                bk = self._backups[i]
+                st.window_k.copy_(bk.window_k)
+                st.window_v.copy_(bk.window_v)
+                if kind == "host":
+                    st.sink_k.copy_(bk.sink_k)
+                    st.sink_v.copy_(bk.sink_v)
+            st.n_tiles, st.window_len, st.sink_len = n_tiles, window_len, sink_len
+        want = torch.tensor(lengths, dtype=torch.int32)[:, :, None].expand(self._lens.shape)
+        self._lens.copy_(want)
+        self._errors.zero_()
+
+    def _require_checked(self) -> None:
+        if self._unchecked is not None:
+            raise RuntimeError(
+                "this cache has replayed decode steps whose errors were not checked yet: call check() on the "
+                "StepGraph first (kvarn_cutlass.step_graph)"
+            )
+
     @contextlib.contextmanager
     def deferred_checks(self):
         """A block of appends that does not synchronize with the device.
 
-        ``append`` normally checks its inputs for NaN/Inf and reads back the compression kernel's
-        error flag before it changes anything: on a CUDA cache that is a host synchronization per
-        call (per layer and chunk in a model's forward pass). Inside this block the same checks
-        only set bits of a device-side flag, read once when the block ends. If a check failed, or
-        the block raises, every layer is restored to its state at the start of the block and the
-        error is raised then (ValueError, naming the input, for a failed check). Host-side checks
+        ``append`` normally checks its inputs and the compression's scales before it changes anything:
+        on a CUDA cache the checks run on the device and their error flag is read back per call (per
+        layer and chunk in a model's forward pass), a host synchronization. Inside this block the flag
+        is read once, when the block ends. If a check failed, or the block raises, every layer is
+        restored to its state at the start of the block (lengths, sink and window tokens, tiles) and
+        the error is raised then (ValueError naming the input for a failed check). Host-side checks
         (shapes, dtypes, devices, lengths) still raise at once. Blocks do not nest.
+
+        How: an append that fails, and every append after it in the block, commits nothing (the device
+        skips them); before the first append of a layer that rewrites its window (a tile completes;
+        or a ``truncate``) the window is copied into a per-layer backup (the first use allocates the
+        backup: two window-sized and two sink-sized buffers per layer), and the restore copies back the
+        backups of layers that changed.
         """
         if self._deferred is not None:
             raise RuntimeError("deferred_checks blocks do not nest")
-        saved = [
-            (st.n_tiles, st.sink_len, st.window_len, st.sink_k[:, :, : st.sink_len].clone(),
-             st.sink_v[:, :, : st.sink_len].clone(), st.window_k[:, :, : st.window_len].clone(),
-             st.window_v[:, :, : st.window_len].clone())
-            for st in self._layers
-        ]
-
-        def restore() -> None:
-            for st, (n_tiles, sink_len, window_len, sk, sv, wk, wv) in zip(self._layers, saved):
-                st.n_tiles, st.sink_len, st.window_len = n_tiles, sink_len, window_len
-                st.sink_k[:, :, :sink_len] = sk
-                st.sink_v[:, :, :sink_len] = sv
-                st.window_k[:, :, :window_len] = wk
-                st.window_v[:, :, :window_len] = wv
-
-        self._deferred = flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._require_checked()
+        blk = self._deferred = _Block([(st.n_tiles, st.window_len, st.sink_len) for st in self._layers], {})
         try:
             yield self
-            inputs, compression = flags.tolist()  # the block's one synchronization
+            bits = blk.host_bits | int(self._errors.item())  # the block's one synchronization
         except BaseException:
-            restore()
-            raise
-        finally:
             self._deferred = None
-        if inputs or compression:
-            restore()
-            if inputs:
-                what = f"{'k' if inputs & 1 else 'v'} contains NaN or Inf (after conversion to {self.dtype})"
-            else:
-                from .ops.compress import error_message
-
-                what = error_message(compression, self.spec.scale_dtype, self.spec.quantizer)
-            raise ValueError(f"{what}, in an append of a deferred_checks block; the cache is restored to its "
-                             "state at the start of the block")
+            self._restore(blk.lengths, blk.backed_up)
+            raise
+        self._deferred = None
+        if bits:
+            self._restore(blk.lengths, blk.backed_up)
+            raise ValueError(f"{error_message(bits, self.dtype, self.spec)}, in an append of a deferred_checks block; "
+                             "the cache is restored to its state at the start of the block")
 
     def replace_layers(self, contents: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Replace the contents of layers, all or nothing (what SnapKV compaction re-assembles).
@@ -368,6 +504,7 @@ class KVarNCache:
         """
         if self._deferred is not None:
             raise RuntimeError("replace_layers cannot run inside a deferred_checks block")
+        self._require_checked()
         if not isinstance(contents, dict):
             raise TypeError(f"contents must be a dict {{layer: (k, v)}}, got {type(contents).__name__}")
         staged = {}
@@ -394,6 +531,7 @@ class KVarNCache:
             for name in ("window_k", "window_v", "sink_k", "sink_v"):
                 getattr(st, name).copy_(getattr(new, name))
             st.n_tiles, st.window_len, st.sink_len = new.n_tiles, new.window_len, new.sink_len
+            st.lens.copy_(new.lens)
 
     def truncate(self, layer_or_all: int | None, new_len: int) -> None:
         """Drop the newest tokens so that the layer (or every layer, for ``None``) holds ``new_len``.
@@ -401,6 +539,7 @@ class KVarNCache:
         Only tokens still unquantized can be dropped: rewinding into compressed tiles raises
         ValueError, and then no layer is changed.
         """
+        self._require_checked()
         layers = range(self.num_layers) if layer_or_all is None else [layer_or_all]
         states = [self._layer(i) for i in layers]
         if isinstance(new_len, bool) or not isinstance(new_len, int) or new_len < 0:
@@ -414,12 +553,17 @@ class KVarNCache:
                     f"new_len={new_len} rewinds layer {i} into compressed tiles (they end at token {tiles_end}); "
                     "only the fp16 window can be truncated"
                 )
-        for st in states:
+        blk = self._deferred
+        for i, st in zip(layers, states):
+            if blk is not None and i not in blk.backed_up:  # later appends overwrite what is cut off
+                self._backup_host(i)
+                blk.backed_up[i] = "host"
             if new_len >= st.sink_len + st.n_tiles * self.spec.tile_tokens:
                 st.window_len = new_len - st.sink_len - st.n_tiles * self.spec.tile_tokens
             else:  # no tiles yet: the cut falls inside the sink
                 st.window_len = 0
                 st.sink_len = new_len
+            self._store_lengths(st)
 
     def __repr__(self) -> str:
         return (

@@ -57,6 +57,16 @@ TINY_RMS = 2.0**-100
 # Largest accepted input magnitude: rotated values grow by at most sqrt(256) = 16 and their squares,
 # summed over 256 entries, must stay finite in float32 (2^(2*(48+4)+8) = 2^112 < 2^128).
 MAX_INPUT_ABS = 2.0**48
+# Largest magnitude a token can have and still be stored in a tile with float16 scales (any preset,
+# quantizer, head_dim, sinkhorn_iters); KVarNCache rejects larger tokens when they arrive. Proof: every
+# stored scale is finite, so at most 65504 (values >= 65520 round to inf). K half: each channel's
+# stored min and step bound the normalized values u = y / row_scale: uniform |u| < 65520 * (1 + 15);
+# lloyd_max |u| <= |mean| + sqrt(T) * RMS < 65520 * (1 + sqrt(128)). V half likewise over channels
+# (uniform 1 + 3 or 1 + 15, lloyd_max 1 + sqrt(D) <= 17). So |u| < 17 * 65520 < 2^21 and every rotated
+# value |y| = |u| * scale < 2^21 * 2^16 = 2^37 (up to float32 rounding). The WHT is orthonormal, so a
+# token with some |x_c| = m has ||y||_2 >= m (1 - 2^-20) and hence a rotated value >= m / sqrt(D) -
+# above 2^37 once m > sqrt(256) * 2^37 = 2^41. 2^42 leaves a factor of 2 for rounding.
+MAX_INPUT_ABS_F16_SCALES = 2.0**42
 FLOAT_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -48,12 +48,18 @@ SHAPES = sorted({(T, D) for (_, _, T) in PRESETS.values() for D in HEAD_DIMS}, r
 def test_compress_compiles_every_shape(arch, T, D):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, 2)
     m = build(spec, arch)
-    (name,) = spec.kernel_names
-    res = m.resources[name]
-    assert res.registers <= 128, res  # 512 threads per block
+    name, append_compress, commit, snapshot = spec.kernel_names
+    for kernel in (name, append_compress):
+        res = m.resources[kernel]
+        assert res.registers <= 128, res  # 512 threads per block
+        if (T, D) == (128, 128):
+            assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+    if arch == "sm_90":  # the append's compression blocks: no spills in any shape (sm_90, 2026-12)
+        assert m.resources[append_compress].spill_store_bytes == 0, m.resources[append_compress]
+    for kernel in (commit, snapshot):  # 256 threads; copies and integer checks only
+        res = m.resources[kernel]
+        assert res.registers <= 64 and res.spill_store_bytes == 0 and res.stack_bytes == 0, res
     assert C.smem_bytes(T, D) <= 163 * 1024  # sm_80's opt-in limit per block
-    if (T, D) == (128, 128):
-        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
 
 
 # lloyd_max on sm_90 only, one V width per shape (both widths for every head_dim): the quantizer
@@ -65,23 +71,26 @@ LM_SHAPES = [(T, D, 2 if T == 128 else 4) for T, D in SHAPES]
 def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, v_bits, "lloyd_max")
     m = build(spec, "sm_90")
-    (name,) = spec.kernel_names
-    assert name.endswith("_lm")
-    res = m.resources[name]
-    assert res.registers <= 128, res  # 512 threads per block
-    if (T, D) == (128, 128):
-        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+    assert all(name.endswith("_lm") for name in spec.kernel_names)
+    for name in spec.kernel_names[:2]:  # the codec's kernel and the append's
+        res = m.resources[name]
+        assert res.registers <= 128, res  # 512 threads per block
+        if (T, D) == (128, 128):
+            assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
 
 
 def test_compress_quantizer_is_part_of_the_spec():
     uniform = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
     assert uniform == C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform")
-    assert uniform.kernel_names == ("kvarn_compress_t128_d128_f16_s16_v2",)  # unchanged by the quantizer option
+    # unchanged by the quantizer option; the cache dtypes' modules also hold the append kernels
+    assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2"
+                                         for r in ("compress", "append_compress", "append_commit", "append_snapshot"))
+    assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == ("kvarn_compress_t128_d128_f32_s16_v2",)
     assert not any(k.startswith("KVARN_LM_") for k, _ in uniform.defines)
     for v_bits in (2, 4):
         lm = C.compress_spec(128, 128, torch.float16, torch.float16, v_bits, "lloyd_max")
         assert lm.name != C.compress_spec(128, 128, torch.float16, torch.float16, v_bits).name
-        assert lm.kernel_names == (f"kvarn_compress_t128_d128_f16_s16_v{v_bits}_lm",)
+        assert lm.kernel_names[0] == f"kvarn_compress_t128_d128_f16_s16_v{v_bits}_lm"
         defines = dict(lm.defines)
         assert defines["KVARN_QUANT"] == "1" and dict(uniform.defines)["KVARN_QUANT"] == "0"
         # the literals are exact: they parse back to format.lloyd_max_thresholds bit for bit
@@ -113,7 +122,8 @@ def _ptx(defines: dict) -> str:
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"compress.cu", 0, [], [])[1]
     try:
         opts = [b"-arch=compute_90", b"--std=c++17", b"-default-device", b"--fmad=false"]
-        opts += [f"-I{d}".encode() for d in cuda_include_dirs()]
+        opts += [f"-I{d}".encode() for d in (str(C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path.parent),
+                                              *cuda_include_dirs())]
         opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -149,9 +159,12 @@ def test_compress_registered():
     fam = registry.families()
     assert "compress" in fam
     names = {n for s in fam["compress"] for n in s.kernel_names}
-    assert len(names) == 2 * 3 * 3 * 2 * 2 * 2  # (T, v_bits) presets x D x input dtype x scale dtype x quantizer
+    per_input_dtype = 2 * 2 * 3 * 2 * 2  # T x v_bits (the presets) x D x scale dtype x quantizer
+    # the codec's kernel for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
+    assert len(names) == 3 * per_input_dtype + 3 * 2 * per_input_dtype
     assert C.kernel_name(128, 128, torch.float16, torch.float16, 2) in names
     assert C.kernel_name(64, 256, torch.float32, torch.float32, 4, "lloyd_max") in names
+    assert C.kernel_name(64, 256, torch.bfloat16, torch.float32, 4, "lloyd_max", "append_commit") in names
 
 
 # ================================================================ CPU: argument checks ===========

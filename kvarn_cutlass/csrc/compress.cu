@@ -37,10 +37,17 @@
 //   codec raises on the min first), so the host reads its min bits before its step bits.
 //
 // Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32,
-// with the suffix _lm for lloyd_max.
+// with the suffix _lm for lloyd_max. The modules of the cache dtypes (in = f16|bf16) also hold the
+// cache's append kernels, kvarn_append_{compress,commit,snapshot}_... (the append section below):
+// the same compress_impl, fed from the cache's window and the appended chunk.
+//
+// Append error bits (besides bits 0-9 above): 10 k / 11 v magnitude > 2^42 with float16 scales,
+// 12 tile pool full.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#include "append_plan.cuh"
 
 typedef unsigned char u8;
 
@@ -82,6 +89,10 @@ enum {
   KVC_ERR_K_RANGE = 1 << 7,
   KVC_ERR_V_NONFINITE = 1 << 8,
   KVC_ERR_V_RANGE = 1 << 9,
+  // the cache's append only (see the append section below)
+  KVC_ERR_K_BOUND = 1 << 10,
+  KVC_ERR_V_BOUND = 1 << 11,
+  KVC_ERR_CAPACITY = 1 << 12,
 };
 
 namespace kvc {
@@ -232,13 +243,20 @@ struct Shape {
   static constexpr int kKPitch = T + 4;
 };
 
-template <int T, int D, typename IN, typename SC, int VB, bool LM>
-__device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const IN* __restrict__ v_in,
-                                              long long k_sb, long long k_sh, long long k_st,
-                                              long long v_sb, long long v_sh, long long v_st,
-                                              u8* __restrict__ out, long long o_sb, long long o_si, long long o_sh,
-                                              int n_heads, int n_tiles, int iters, Sections sec,
-                                              float inv_sqrt_d, int* __restrict__ err) {
+// The tile of compress_tiles / compress_layer: token t of the half at src[t * st].
+template <typename IN>
+struct StridedTile {
+  const IN* __restrict__ src;
+  long long st;
+  __device__ __forceinline__ IN operator()(int t, int c) const { return src[(long long)t * st + c]; }
+};
+
+// One record half: the tile `tile(t, c)` (t < T, c < D, values of type IN) is compressed into the
+// record at dst (K half if !is_v, else V half). The arithmetic does not depend on where the tile
+// comes from: every source gives the same bytes for the same values.
+template <int T, int D, typename IN, typename SC, int VB, bool LM, typename Tile>
+__device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
+                                              Sections sec, float inv_sqrt_d, int* __restrict__ err) {
   using S = Shape<T, D>;
   constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = KVC_NT, W = KVC_W;
   extern __shared__ float4 smem_f4[];
@@ -252,16 +270,6 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
   u8* codes = reinterpret_cast<u8*>(ysm);
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const bool is_v = blockIdx.y != 0;
-  const long long rec = blockIdx.x;
-  const int h = (int)(rec % n_heads);
-  const long long bt = rec / n_heads;
-  const int tile = (int)(bt % n_tiles);
-  const long long b = bt / n_tiles;
-  const IN* src = is_v ? v_in + b * v_sb + h * v_sh + (long long)tile * T * v_st
-                       : k_in + b * k_sb + h * k_sh + (long long)tile * T * k_st;
-  const long long st = is_v ? v_st : k_st;
-  u8* dst = out + b * o_sb + (long long)tile * o_si + h * o_sh;
 
   // ---- load, check, WHT ------------------------------------------------------------------------
   float y[N];
@@ -270,7 +278,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
   for (int k = 0; k < NK; ++k) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      const float x = to_f32(src[(long long)(w + W * k) * st + lane + 32 * j]);
+      const float x = to_f32(tile(w + W * k, lane + 32 * j));
       nonfinite |= !is_finite(x);
       toolarge |= fabsf(x) > 0x1p48f;
       y[k * NJ + j] = x;
@@ -704,6 +712,270 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
   if (errbits) atomicOr(err, errbits);
 }
 
+
+// The layer kernel's block: record (b, tile, head) = blockIdx.x, half = blockIdx.y, from strided input.
+template <int T, int D, typename IN, typename SC, int VB, bool LM>
+__device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in, const IN* __restrict__ v_in,
+                                                     long long k_sb, long long k_sh, long long k_st,
+                                                     long long v_sb, long long v_sh, long long v_st,
+                                                     u8* __restrict__ out, long long o_sb, long long o_si, long long o_sh,
+                                                     int n_heads, int n_tiles, int iters, Sections sec,
+                                                     float inv_sqrt_d, int* __restrict__ err) {
+  const bool is_v = blockIdx.y != 0;
+  const long long rec = blockIdx.x;
+  const int h = (int)(rec % n_heads);
+  const long long bt = rec / n_heads;
+  const int tile = (int)(bt % n_tiles);
+  const long long b = bt / n_tiles;
+  const StridedTile<IN> src{is_v ? v_in + b * v_sb + h * v_sh + (long long)tile * T * v_st
+                                 : k_in + b * k_sb + h * k_sh + (long long)tile * T * k_st,
+                            is_v ? v_st : k_st};
+  u8* dst = out + b * o_sb + (long long)tile * o_si + h * o_sh;
+  compress_impl<T, D, IN, SC, VB, LM>(src, is_v, dst, iters, sec, inv_sqrt_d, err);
+}
+
+// ==== the cache's append (kvarn_cutlass/ops/append.py) ============================================
+//
+// Two kernels per append of n tokens to one layer, both reading the layer's lengths from the device
+// (int32 lens[3][batch]: n_tiles, window_len, sink_len of each sequence), so that one launch serves
+// any length (CUDA graphs):
+//
+// * append_compress (only needed when a tile completes): blocks [0, batch * max_new * heads) x 2
+//   halves compress tile i < n_new of (b, head) from the stream window[0, wl) ++ chunk[n_sink, n)
+//   straight into pool slot tile_table[b][n_tiles + i] (no staging copy); then batch * heads *
+//   aux_parts "aux" blocks x 2 check every chunk token (below) and, given a backup buffer, copy the
+//   window as it is into it (what a failed deferred block restores). Nothing visible changes.
+// * append_commit, grid (batch * heads, 2 halves), 256 threads: writes the sink and window. With no
+//   tile completing the window only grows: chunk tokens go to window[wl, ...) beyond the live
+//   length, so the block checks them as it writes. With tiles, the window is rewritten in place in
+//   rounds (append_plan.cuh) from tokens the compress launch has checked. The block that finishes
+//   last commits the new lengths, only if the error flag is still clean.
+//
+// Error protocol: *err is OR-ed, never cleared by the kernels. A block that finds it set does no
+// work, and append_commit commits nothing then, so a failed append changes no length and no live
+// token: the only writes are pool records past n_tiles and window/sink tokens past the live lengths
+// (plus the window rewrite, which runs only on a clean flag after every check). The caller reads
+// the flag where it chooses (kvarn_cutlass/cache.py).
+//
+// Checks of each chunk token, in the cache dtype (what the window keeps): NaN/Inf (bits 6 / 8);
+// tokens that will be compressed (not sink tokens) also |x| > 2^48 (bits 7 / 9, the codec's input
+// limit) and, with float16 scales, |x| > 2^42 (bits 10 / 11): no tile holding such a token can be
+// stored with float16 scales (codec.MAX_INPUT_ABS_F16_SCALES gives the bound's proof). The
+// comparisons are on the raw bits, exact.
+//
+// Assumes every sequence of the batch has the same lengths (what KVarNCache keeps): then every
+// (b, head) takes the same branch, and the checks of a no-tile append and its writes, which all lie
+// past the live lengths, happen in one launch.
+
+template <typename IN>
+struct CacheBits;
+template <>
+struct CacheBits<__half> {
+  static constexpr unsigned kInf = 0x7c00u;       // |bits| >= kInf: Inf or NaN
+  static constexpr unsigned kAbove48 = 0x7bffu;   // no finite float16 exceeds 2^42 (max 65504)
+  static constexpr unsigned kAbove42 = 0x7bffu;
+};
+template <>
+struct CacheBits<__nv_bfloat16> {
+  static constexpr unsigned kInf = 0x7f80u;
+  static constexpr unsigned kAbove48 = 0x5780u;   // the bits of 2^48: |x| > 2^48 <=> |bits| > 0x5780
+  static constexpr unsigned kAbove42 = 0x5480u;   // the bits of 2^42
+};
+
+// Error bits of 8 cache-dtype values (16 bytes). `compressed`: the token will be compressed.
+template <typename IN, bool F16_SCALES>
+__device__ __forceinline__ int check_vec(const uint4 x, const bool compressed, const bool is_v) {
+  using L = CacheBits<IN>;
+  const unsigned words[4] = {x.x, x.y, x.z, x.w};
+  bool nonfinite = false, range = false, bound = false;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const unsigned m = (words[e >> 1] >> (16 * (e & 1))) & 0x7fffu;
+    const bool finite = m < L::kInf;
+    nonfinite |= !finite;
+    range |= finite && m > L::kAbove48;
+    bound |= finite && m > L::kAbove42;
+  }
+  int bits = nonfinite ? (is_v ? KVC_ERR_V_NONFINITE : KVC_ERR_K_NONFINITE) : 0;
+  if (compressed && range) bits |= is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE;
+  if (compressed && F16_SCALES && bound) bits |= is_v ? KVC_ERR_V_BOUND : KVC_ERR_K_BOUND;
+  return bits;
+}
+
+// 16-byte vector c of row r of a [rows, D] token matrix with row stride st (elements).
+template <typename IN>
+__device__ __forceinline__ uint4 row_vec(const IN* base, long long st, int r, int c) {
+  return reinterpret_cast<const uint4*>(base + (long long)r * st)[c];
+}
+
+// True in every thread when the error flag is set (one atomic read, one barrier).
+__device__ __forceinline__ bool block_sees_error(int* err) {
+  return __syncthreads_or(threadIdx.x == 0 && atomicOr(err, 0) != 0) != 0;
+}
+
+// OR a thread's error bits into the flag: one atomic per warp that found any. Every lane calls it.
+__device__ __forceinline__ void or_error(int* err, int bits) {
+  bits = __reduce_or_sync(KVC_FULL, bits);
+  if ((threadIdx.x & 31) == 0 && bits) {
+    atomicOr(err, bits);
+    __threadfence();  // before this block reports itself done (append_commit's counter)
+  }
+}
+
+// The stream of one (b, head, half) seen as tile i: token t is stream position first + t.
+template <typename IN, int D>
+struct StreamTile {
+  const IN* __restrict__ window;  // [window, D] of this (b, head)
+  const IN* __restrict__ chunk;   // row r at chunk + r * st
+  long long st;
+  int first, wl, n_sink;
+  __device__ __forceinline__ IN operator()(int t, int c) const {
+    const int p = first + t;
+    return p < wl ? window[(long long)p * D + c] : chunk[(long long)(p - wl + n_sink) * st + c];
+  }
+};
+
+struct Lens {
+  int n_tiles, window_len, sink_len;
+};
+__device__ __forceinline__ Lens read_lens(const int* lens, int batch, int b) {
+  return Lens{lens[b], lens[batch + b], lens[2 * batch + b]};
+}
+
+template <int T, int D, typename IN, typename SC, int VB, bool LM>
+__device__ __forceinline__ void append_compress(const IN* __restrict__ k, const IN* __restrict__ v,
+                                                long long k_sb, long long k_sh, long long k_st,
+                                                long long v_sb, long long v_sh, long long v_st,
+                                                const IN* __restrict__ win_k, const IN* __restrict__ win_v,
+                                                u8* __restrict__ pool, const int* __restrict__ table,
+                                                const int* __restrict__ lens, int* __restrict__ err,
+                                                IN* __restrict__ backup_k, IN* __restrict__ backup_v,
+                                                int batch, int n, int sink_cap, int window, int heads, int cap,
+                                                int max_new, int aux_parts, int aux_rows, int iters, Sections sec,
+                                                float inv_sqrt_d) {
+  constexpr int VPR = D * (int)sizeof(IN) / 16;  // 16-byte vectors per token row
+  const bool is_v = blockIdx.y != 0;
+  const int n_compress = batch * max_new * heads;
+  const int blk = blockIdx.x;
+  const bool compress = blk < n_compress;
+  const int rest = compress ? blk / heads : (blk - n_compress) / heads;
+  const int h = compress ? blk % heads : (blk - n_compress) % heads;
+  const int b = compress ? rest / max_new : rest / aux_parts;
+  const Lens ln = read_lens(lens, batch, b);
+  const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
+  const long long bh = (long long)b * heads + h;
+  const IN* chunk = is_v ? v + b * v_sb + h * v_sh : k + b * k_sb + h * k_sh;
+  const long long st = is_v ? v_st : k_st;
+  const IN* win = (is_v ? win_v : win_k) + bh * window * D;
+  if (compress) {
+    const int i = rest % max_new;
+    if (i >= pl.n_new) return;
+    if (block_sees_error(err)) return;
+    if (ln.n_tiles + pl.n_new > cap) {
+      if (threadIdx.x == 0) atomicOr(err, KVC_ERR_CAPACITY);
+      return;
+    }
+    const StreamTile<IN, D> tile{win, chunk, st, i * T, ln.window_len, pl.n_sink};
+    const long long slot = table[(long long)b * cap + ln.n_tiles + i];
+    const int nbytes = sec.col_scale + D * (int)sizeof(SC);
+    compress_impl<T, D, IN, SC, VB, LM>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec, inv_sqrt_d, err);
+    return;
+  }
+  // aux block: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead
+  const int part = rest % aux_parts;
+  if (pl.n_new == 0) return;
+  if (block_sees_error(err)) return;
+  const int lo = part * aux_rows, hi = min(n, lo + aux_rows);
+  int bits = 0;
+  for (int q = threadIdx.x; q < (hi - lo) * VPR; q += KVC_NT) {
+    const int r = lo + q / VPR;
+    bits |= check_vec<IN, sizeof(SC) == 2>(row_vec(chunk, st, r, q % VPR), r >= pl.n_sink, is_v);
+  }
+  IN* backup = is_v ? backup_v : backup_k;
+  if (part == 0 && backup != nullptr) {
+    const uint4* src = reinterpret_cast<const uint4*>(win);
+    uint4* dst = reinterpret_cast<uint4*>(backup + bh * window * D);
+    for (int q = threadIdx.x; q < ln.window_len * VPR; q += KVC_NT) dst[q] = src[q];
+  }
+  or_error(err, bits);
+}
+
+#define KVA_COMMIT_THREADS 256
+
+template <int T, int D, typename IN, bool F16_SCALES>
+__device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN* __restrict__ v,
+                                              long long k_sb, long long k_sh, long long k_st,
+                                              long long v_sb, long long v_sh, long long v_st,
+                                              IN* __restrict__ win_k, IN* __restrict__ win_v,
+                                              IN* __restrict__ sink_k, IN* __restrict__ sink_v,
+                                              int* __restrict__ lens, int* __restrict__ err, int* __restrict__ counter,
+                                              int batch, int n, int sink_cap, int window, int heads) {
+  constexpr int VPR = D * (int)sizeof(IN) / 16;
+  constexpr int NT = KVA_COMMIT_THREADS;
+  const int tid = threadIdx.x;
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads;
+  const bool is_v = blockIdx.y != 0;
+  const Lens ln = read_lens(lens, batch, b);
+  const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
+  const long long bh = (long long)b * heads + h;
+  const IN* chunk = is_v ? v + b * v_sb + h * v_sh : k + b * k_sb + h * k_sh;
+  const long long st = is_v ? v_st : k_st;
+  uint4* win = reinterpret_cast<uint4*>((is_v ? win_v : win_k) + bh * window * D);
+  uint4* sink = reinterpret_cast<uint4*>((is_v ? sink_v : sink_k) + bh * sink_cap * D);
+  int bits = 0;
+  if (!block_sees_error(err)) {
+    const bool self_check = pl.n_new == 0;  // with tiles, append_compress checked every chunk token
+    for (int q = tid; q < pl.n_sink * VPR; q += NT) {
+      const int r = q / VPR, c = q % VPR;
+      const uint4 x = row_vec(chunk, st, r, c);
+      if (self_check) bits |= check_vec<IN, F16_SCALES>(x, false, is_v);
+      sink[(ln.sink_len + r) * VPR + c] = x;
+    }
+    if (pl.n_new == 0) {  // the window grows: tokens past the live length, checked here
+      for (int q = tid; q < (pl.stream_len - ln.window_len) * VPR; q += NT) {
+        const int r = q / VPR, c = q % VPR;
+        const uint4 x = row_vec(chunk, st, pl.n_sink + r, c);
+        bits |= check_vec<IN, F16_SCALES>(x, true, is_v);
+        win[(ln.window_len + r) * VPR + c] = x;
+      }
+    } else {  // in-place rewrite: window[j] = stream[s + j], in rounds of s (append_plan.cuh)
+      const int s = pl.n_new * T, rounds = kva_rounds(pl, T);
+      for (int round = 0; round < rounds; ++round) {
+        const int lo = round * s, hi = min(lo + s, pl.keep);
+        for (int q = tid; q < (hi - lo) * VPR; q += NT) {
+          const int j = lo + q / VPR, c = q % VPR, p = s + j;
+          win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
+        }
+        __syncthreads();  // this round's reads before the next round's writes
+      }
+    }
+  }
+  or_error(err, bits);
+  // the block that finishes last commits the lengths of every sequence, if no block found an error
+  __shared__ int last;
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __shared__ int clean;
+  if (tid == 0) {
+    atomicExch(counter, 0);
+    clean = atomicOr(err, 0) == 0;
+  }
+  __syncthreads();
+  if (!clean) return;
+  for (int bb = tid; bb < batch; bb += NT) {
+    const Lens l = read_lens(lens, batch, bb);
+    const KvaPlan p = kva_plan(l.sink_len, l.window_len, n, sink_cap, window, T);
+    lens[bb] = l.n_tiles + p.n_new;
+    lens[batch + bb] = p.keep;
+    lens[2 * batch + bb] = l.sink_len + p.n_sink;
+  }
+}
+
 }  // namespace kvc
 
 #define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
@@ -716,8 +988,41 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
       int* __restrict__ err) {                                                                                      \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
-    kvc::compress_impl<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, n_heads, \
-                                         n_tiles, iters, sec, inv_sqrt_d, err);                                   \
+    kvc::compress_layer_block<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, \
+                                                    n_heads, n_tiles, iters, sec, inv_sqrt_d, err);              \
+  }
+
+// The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above).
+#define KVC_APPEND_KERNELS(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                           \
+  extern "C" __global__ void __launch_bounds__(KVC_NT)                                                             \
+      kvarn_append_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                     \
+      const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
+      long long v_sb, long long v_sh, long long v_st, const IN* __restrict__ win_k, const IN* __restrict__ win_v,  \
+      u8* __restrict__ pool, const int* __restrict__ table, const int* __restrict__ lens, int* __restrict__ err,   \
+      IN* __restrict__ backup_k, IN* __restrict__ backup_v, int batch, int n, int sink_cap, int window, int heads,  \
+      int cap, int max_new, int aux_parts, int aux_rows, int iters, int off_k_codes, int off_chan_step,            \
+      int off_chan_min, int off_row_scale, int off_v_codes, int off_tok_step, int off_tok_min, int off_col_scale,  \
+      float inv_sqrt_d) {                                                                                           \
+    kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
+                      off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
+    kvc::append_compress<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, win_k, win_v, pool, table, \
+                                               lens, err, backup_k, backup_v, batch, n, sink_cap, window, heads,   \
+                                               cap, max_new, aux_parts, aux_rows, iters, sec, inv_sqrt_d);         \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(KVA_COMMIT_THREADS)                                                 \
+      kvarn_append_commit_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                       \
+      const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
+      long long v_sb, long long v_sh, long long v_st, IN* __restrict__ win_k, IN* __restrict__ win_v,              \
+      IN* __restrict__ sink_k, IN* __restrict__ sink_v, int* __restrict__ lens, int* __restrict__ err,             \
+      int* __restrict__ counter, int batch, int n, int sink_cap, int window, int heads) {                          \
+    kvc::append_commit<T, D, IN, sizeof(SC) == 2>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, win_k, win_v, sink_k,  \
+                                                  sink_v, lens, err, counter, batch, n, sink_cap, window, heads);  \
+  }                                                                                                                 \
+  /* lens -> saved, unless the error flag is set (a step graph's record of the last clean state) */                \
+  extern "C" __global__ void kvarn_append_snapshot_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(              \
+      const int* __restrict__ lens, int* __restrict__ saved, int* __restrict__ err, int count) {                   \
+    if (kvc::block_sees_error(err)) return;                                                                         \
+    for (int i = threadIdx.x; i < count; i += blockDim.x) saved[i] = lens[i];                                      \
   }
 
 
@@ -746,3 +1051,7 @@ __device__ __forceinline__ void compress_impl(const IN* __restrict__ k_in, const
 #error "KVARN_QUANT must be 0 (uniform) or 1 (lloyd_max)"
 #endif
 KVC_KERNEL_X(KVARN_T, KVARN_D, KVC_IN, KVC_SC, KVARN_VB, KVC_QUANT)
+#if KVARN_IN != 2
+#define KVC_APPEND_KERNELS_X(...) KVC_APPEND_KERNELS(__VA_ARGS__)
+KVC_APPEND_KERNELS_X(KVARN_T, KVARN_D, KVC_IN, KVC_SC, KVARN_VB, KVC_QUANT)
+#endif

@@ -115,12 +115,20 @@ _QUANT_SUFFIX = {"uniform": "", "lloyd_max": "_lm"}
 
 def kernel_name(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
-    quantizer: str = "uniform",
+    quantizer: str = "uniform", role: str = "compress",
 ) -> str:
+    """The symbol of a kernel of the module; ``role``: ``compress`` (the codec's contract) or, in the
+    modules of the cache dtypes float16 / bfloat16 only, one of :data:`APPEND_ROLES` (the cache's
+    append, :mod:`kvarn_cutlass.ops.append`)."""
     return (
-        f"kvarn_compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
+        f"kvarn_{role}_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
         f"{_QUANT_SUFFIX[quantizer]}"
     )
+
+
+# The append kernels in the modules of the cache dtypes (compress.cu, the append section).
+APPEND_ROLES = ("append_compress", "append_commit", "append_snapshot")
+APPEND_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _float_literals(values) -> str:
@@ -152,9 +160,15 @@ def compress_spec(
         if v_bits == 2:
             defines["KVARN_LM_THR2"] = _float_literals(lloyd_max_thresholds(2))
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
+    names = (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),)
+    if in_dtype in APPEND_DTYPES:
+        names += tuple(
+            kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role)
+            for role in APPEND_ROLES
+        )
     return KernelSpec(
         "compress.cu",
-        (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),),
+        names,
         defines=defines,
         # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
         options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),

@@ -393,6 +393,17 @@ class PreparedLaunch:
         self._device = kernel.module.device_index
         self._stream_of = kernel._current_stream
 
+    def set_arg(self, index: int, value: int | float) -> None:
+        """Replace argument ``index`` for later launches: an int address or int for ``ptr``/integer
+        entries, a float for ``f32``/``f64``. Unchecked (the hot path of a launch whose pointers or
+        sizes change per call): the caller passes values of the declared kind and range."""
+        self._holders[index].value = value
+
+    def set_grid(self, x: int, y: int = 1, z: int = 1) -> None:
+        """Replace the grid dimensions for later launches (unchecked: positive ints)."""
+        cfg = self._config
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = x, y, z
+
     def launch(self, stream: Any = None) -> None:
         """Enqueue the kernel on ``stream`` (default: torch's current stream of the module's device).
 
