@@ -266,8 +266,9 @@ class KVarNCache:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in codec.FLOAT_INPUT_DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(codec.FLOAT_INPUT_DTYPES)}")
-        want = (self.batch_size, self.num_kv_heads, self.head_dim)
-        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want or x.shape[2] < 1:
+        s = x.shape
+        if len(s) != 4 or s[0] != self.batch_size or s[1] != self.num_kv_heads or s[3] != self.spec.head_dim or s[2] < 1:
+            want = (self.batch_size, self.num_kv_heads, self.head_dim)
             raise ValueError(
                 f"{name} must have shape [batch={want[0]}, num_kv_heads={want[1]}, n_new>=1, head_dim={want[2]}], "
                 f"got {list(x.shape)}"
@@ -289,11 +290,13 @@ class KVarNCache:
         :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
         """
         st = self._layer(layer)
-        self._require_checked()
+        if self._unchecked is not None:
+            self._require_checked()
         self.check_kv("k", k)
-        self.check_kv("v", v)
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        if not (isinstance(v, torch.Tensor) and v.shape == k.shape and v.dtype == k.dtype and v.device == k.device):
+            self.check_kv("v", v)  # (v like k passes whenever k does)
+            if k.shape != v.shape:
+                raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
         n = k.shape[2]
         if self.max_seq_len is not None and st.seq_len + n > self.max_seq_len:
             raise ValueError(

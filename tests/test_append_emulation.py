@@ -34,6 +34,7 @@ from kvarn_cutlass.ops import compress as C
 from kvarn_cutlass.runtime.spec import CSRC_DIR
 from kvarn_cutlass.step_graph import StepAppends
 
+from _append_scenarios import assert_same_state, error_scenario, feed_and_compare, lengths_consistent, scenario_chunks, state
 from _helpers import realistic_kv
 
 
@@ -234,31 +235,7 @@ def _pair(**kw):
     return host, dev
 
 
-def _state(cache) -> list:
-    """Everything a read can see, per layer, plus the device lengths."""
-    out = []
-    for i, layer in enumerate(cache._layers):
-        out.append((
-            (layer.n_tiles, layer.window_len, layer.sink_len),
-            cache.device_lengths()[i].clone(),
-            layer.tiles[:, : layer.n_tiles].clone(),
-            *[t.clone() for t in cache.window_kv(i) + cache.sink_kv(i)],
-        ))
-    return out
-
-
-def _assert_same(a: list, b: list, what: str = "") -> None:
-    assert len(a) == len(b)
-    for i, (la, lb) in enumerate(zip(a, b)):
-        assert la[0] == lb[0], f"{what} layer {i}: lengths {la[0]} != {lb[0]}"
-        for x, y in zip(la[1:], lb[1:]):
-            assert x.shape == y.shape and torch.equal(x, y), f"{what} layer {i}: contents differ"
-
-
-def _lengths_consistent(cache) -> None:
-    for i, layer in enumerate(cache._layers):
-        want = torch.tensor([layer.n_tiles, layer.window_len, layer.sink_len], dtype=torch.int32)
-        assert torch.equal(cache.device_lengths()[i], want[:, None].expand(3, cache.batch_size)), i
+_state, _assert_same, _lengths_consistent = state, assert_same_state, lengths_consistent
 
 
 # ---- device path == host path -------------------------------------------------------------------------
@@ -285,6 +262,19 @@ def test_device_path_equals_host_path(config, chunks, seed):
         dev.append(0, k, v)
         _assert_same(_state(host), _state(dev), f"seed {seed}, chunks {chunks}")
         _lengths_consistent(dev)
+
+
+@pytest.mark.parametrize("preset,D,scale_dtype,quantizer,dtype", [
+    ("k4v2_g64", 64, torch.float16, "uniform", torch.float16),
+    ("k4v4_g64", 64, torch.float32, "lloyd_max", torch.bfloat16),
+])
+def test_gpu_scenario_on_emulated_kernels(preset, D, scale_dtype, quantizer, dtype):
+    # the scenario of tests/test_append_gpu.py's byte-identity test, on the emulated kernels
+    T = kc.format.PRESETS[preset][2]
+    host, dev = _pair(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=D, preset=preset, window=2 * T,
+                      sink_tokens=T, dtype=dtype, scale_dtype=scale_dtype, quantizer=quantizer, device="cpu")
+    feed_and_compare(host, dev, scenario_chunks(T, 2 * T), seed=3)
+    assert dev.num_tiles(0) >= 8
 
 
 def test_device_path_token_by_token_across_tile_boundaries_and_launch_count():
@@ -319,57 +309,12 @@ def test_chunk_longer_than_the_window_and_than_the_sink():
 
 
 # ---- errors -------------------------------------------------------------------------------------------
-def _poison(kind: str, x: torch.Tensor, row: int) -> None:
-    value = {"nan": float("nan"), "inf": float("inf"), "range": 2.0**49, "bound": 2.0**43, "fine": 2.0**41}[kind]
-    x[0, 0, row, 3] = value
-
-
 @pytest.mark.parametrize("kind", ["nan", "inf", "range", "bound"])
-@pytest.mark.parametrize("where", ["window", "tile", "sink_only_nan"])
+@pytest.mark.parametrize("where", ["window", "tile", "sink"])
 @pytest.mark.parametrize("tensor", ["k", "v"])
 def test_errors_match_the_host_path_and_change_nothing(kind, where, tensor):
-    kw = dict(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128, sink_tokens=64,
-              dtype=torch.bfloat16, device="cpu")
-    host, dev = _pair(**kw)
-    g = torch.Generator().manual_seed(7)
-    first = realistic_kv(1, 2, 40, 64, generator=g, dtype=torch.bfloat16), realistic_kv(1, 2, 40, 64, generator=g,
-                                                                                         dtype=torch.bfloat16)
-    for c in (host, dev):
-        c.append(0, *first)
-    n = {"window": 30, "tile": 200, "sink_only_nan": 20}[where]
-    k, v = realistic_kv(1, 2, n, 64, generator=g, dtype=torch.bfloat16), realistic_kv(1, 2, n, 64, generator=g,
-                                                                                      dtype=torch.bfloat16)
-    row = {"window": n - 1, "tile": 50, "sink_only_nan": 5}[where]  # sink rows: 0..23 of the second chunk
-    _poison(kind, k if tensor == "k" else v, row)
-    before = _state(dev)
-    sink_row_accepted = where == "sink_only_nan" and kind in ("range", "bound")
-    if sink_row_accepted:  # sink tokens are never compressed: only NaN/Inf are rejected there
-        host.append(0, k, v)
-        dev.append(0, k, v)
-        _assert_same(_state(host), _state(dev))
-        return
-    with pytest.raises(ValueError) as want:
-        host.append(0, k, v)
-    with pytest.raises(ValueError) as got:
-        dev.append(0, k, v)
-    assert str(got.value) == str(want.value)
-    assert str(got.value).startswith(tensor)
-    _assert_same(before, _state(dev), "eager")
-    assert int(dev._errors) == 0
-    # deferred: raised at the end, both layers restored
-    for c in (host, dev):
-        with pytest.raises(ValueError, match="deferred_checks.*restored") as e:
-            with c.deferred_checks():
-                c.append(1, *first)
-                c.append(0, k, v)
-                c.append(0, k[:, :, :3], v[:, :, :3])
-                c.append(1, *first)
-        assert str(e.value).startswith(str(want.value))
-    _assert_same(before, _state(dev), "deferred")
-    _assert_same(_state(host), _state(dev))
-    dev.append(0, *first)  # the cache keeps working
-    host.append(0, *first)
-    _assert_same(_state(host), _state(dev))
+    error_scenario(lambda: _pair(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128,
+                                 sink_tokens=64, dtype=torch.bfloat16, device="cpu"), kind, where, tensor)
 
 
 def test_f16_scale_bound_only_with_f16_scales():
@@ -526,3 +471,75 @@ def test_step_appends_capacity_is_checked_before_the_step():
         _step(appends)
     appends.check()
     assert dev.seq_len(0) == 130 and dev.num_tiles(0) == 2
+
+
+# ---- the host side of the real launcher, with no-op launches ---------------------------------------------
+class _NoOpLaunch:
+    """A PreparedLaunch stand-in: the same ctypes argument holders, a launch that records the arguments."""
+
+    set_arg = kc.runtime.module.PreparedLaunch.set_arg
+    set_args = kc.runtime.module.PreparedLaunch.set_args
+
+    def __init__(self, name, signature):
+        import ctypes
+
+        self.name, self.signature = name, signature
+        self._holders = [ctypes.c_double(0) if e.startswith("f") else ctypes.c_int64(0) for e in signature]
+        self.grid, self.log = None, []
+
+    def set_grid(self, x, y=1, z=1):
+        self.grid = (x, y, z)
+
+    def launch(self, stream=None):
+        args = {e.split()[1]: h.value for e, h in zip(self.signature, self._holders)}
+        self.log.append((self.name, self.grid, args))
+
+
+class _NoOpAppender(A.DeviceAppender):
+    """ops.append.DeviceAppender with its kernels replaced by _NoOpLaunch: its host code, without a GPU."""
+
+    def __init__(self, cache):
+        self.cache, self.spec, self.device, self.log = cache, cache.spec, cache.device, []
+
+    def _prepare(self, st, k, v, n, max_new, backup):
+        a = _NoOpLaunch("append_compress", A.APPEND_COMPRESS_SIGNATURE)
+        b = _NoOpLaunch("append_commit", A.APPEND_COMMIT_SIGNATURE)
+        a.log = b.log = self.log
+        a.set_arg(A._A["cap"], st.tiles.shape[1])
+        b.set_grid(self.cache.batch_size * self.cache.num_kv_heads, 2)
+        return a, b
+
+
+def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch():
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, D, T = 2, 4, 128, 128
+    c = kc.KVarNCache(1, B, H, D, window=256, dtype=torch.float16, max_seq_len=4096)
+    c._writer = _NoOpAppender(c)
+    g = torch.Generator().manual_seed(12)
+    one = [realistic_kv(B, H, 1, D, generator=g) for _ in range(2)]
+    c.append(0, *one)  # prepares the launches
+    with c.deferred_checks():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                c.append(0, *one)
+        ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
+        assert ops == [], ops
+        chunk = torch.zeros(B, H, 2 * T + 300, D, dtype=torch.float16)[:, :, 7 : 7 + 300]  # a strided view
+        log = c._writer.log
+        del log[:]
+        c.append(0, chunk, chunk)  # 21 + 300 tokens: 65 over the window, one tile completes
+    (a_name, a_grid, a), (b_name, b_grid, b) = log
+    assert (a_name, b_name) == ("append_compress", "append_commit")
+    assert c.num_tiles(0) == 1 and c.seq_len(0) == 321  # (the no-op kernels committed nothing on the device)
+    assert a["max_new"] == 1 and a["n"] == b["n"] == 300 and a["aux_parts"] == 2
+    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 1)
+    assert a["k"] == chunk.data_ptr() and a["k_st"] == D and a["k_sh"] == (2 * T + 300) * D
+    assert a["backup_k"] == c._backups[0].window_k.data_ptr()  # the block's first tile: window backed up
+    # eager: the one torch op is the read of the error flag
+    del log[:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        c.append(0, *one)
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert ops <= {"aten::item", "aten::_local_scalar_dense"} and ops, ops
+    assert [x[0] for x in log] == ["append_commit"]

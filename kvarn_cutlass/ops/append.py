@@ -109,7 +109,7 @@ def _index(signature: tuple[str, ...]) -> dict[str, int]:
 
 
 _A = _index(APPEND_COMPRESS_SIGNATURE)
-_B = _index(APPEND_COMMIT_SIGNATURE)
+_B_N = _index(APPEND_COMMIT_SIGNATURE)["n"]
 _SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
 
 
@@ -202,54 +202,43 @@ class DeviceAppender:
         return ls
 
     @staticmethod
-    def _ready(x: torch.Tensor, aliases) -> torch.Tensor:
-        """x with the layout the kernels read (16-byte aligned rows, contiguous channels), not overlapping
-        the cache's own buffers (the kernels rewrite them while reading x)."""
+    def _ready(x: torch.Tensor, aliases) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        """(x, its address, its strides) with the layout the kernels read (16-byte aligned rows, contiguous
+        channels) and not a view of the cache's own buffers, which the kernels rewrite while reading x
+        (each buffer is an allocation of its own, so a view of one starts inside it)."""
         p = x.data_ptr()
-        s = x.stride()
-        end = p + 2 * (1 + sum((d - 1) * st for d, st in zip(x.shape, s)))  # 2-byte cache dtypes
         for lo, hi in aliases:
-            if p < hi and lo < end:
-                return x.clone(memory_format=torch.contiguous_format)
+            if lo <= p < hi:
+                x = x.clone(memory_format=torch.contiguous_format)
+                return x, x.data_ptr(), x.stride()
+        s = x.stride()
         if s[3] != 1 or p % 16 or (s[0] | s[1] | s[2]) % 8:
-            return x.contiguous()
-        return x
+            x = x.contiguous()
+            return x, x.data_ptr(), x.stride()
+        return x, p, s
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
         that append_compress fills with the window before the append, when a tile completes."""
         ls = self._launches(st, k, v, n)
-        k = self._ready(k, ls.aliases)
-        v = self._ready(v, ls.aliases)
-        kp, vp = k.data_ptr(), v.data_ptr()
-        ks, vs = k.stride(), v.stride()
+        k, kp, ks = self._ready(k, ls.aliases)
+        v, vp, vs = self._ready(v, ls.aliases)
         if n_new:
             a = ls.compress
             aux_parts = -(-n // AUX_ROWS)
-            self._set_common(a, _A, kp, vp, ks, vs, n)
+            a.set_args(0, kp, vp, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+            a.set_arg(_A["n"], n)
             a.set_arg(_A["max_new"], n_new)
             a.set_arg(_A["aux_parts"], aux_parts)
             a.set_arg(_A["backup_k"], 0 if backup is None else backup.window_k.data_ptr())
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
-            H, B = self.cache.num_kv_heads, self.cache.batch_size
-            a.set_grid(B * H * (n_new + aux_parts), 2)
+            a.set_grid(self.cache.batch_size * self.cache.num_kv_heads * (n_new + aux_parts), 2)
             a.launch()
         b = ls.commit
-        self._set_common(b, _B, kp, vp, ks, vs, n)
+        b.set_args(0, kp, vp, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        b.set_arg(_B_N, n)
         b.launch()
-
-    @staticmethod
-    def _set_common(launch, index, kp, vp, ks, vs, n) -> None:
-        launch.set_arg(0, kp)
-        launch.set_arg(1, vp)
-        launch.set_arg(2, ks[0])
-        launch.set_arg(3, ks[1])
-        launch.set_arg(4, ks[2])
-        launch.set_arg(5, vs[0])
-        launch.set_arg(6, vs[1])
-        launch.set_arg(7, vs[2])
-        launch.set_arg(index["n"], n)
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels

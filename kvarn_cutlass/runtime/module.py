@@ -399,6 +399,12 @@ class PreparedLaunch:
         sizes change per call): the caller passes values of the declared kind and range."""
         self._holders[index].value = value
 
+    def set_args(self, first: int, *values: int | float) -> None:
+        """:meth:`set_arg` for arguments ``first``, ``first + 1``, ... (as unchecked)."""
+        holders = self._holders
+        for i, value in enumerate(values, first):
+            holders[i].value = value
+
     def set_grid(self, x: int, y: int = 1, z: int = 1) -> None:
         """Replace the grid dimensions for later launches (unchecked: positive ints)."""
         cfg = self._config
