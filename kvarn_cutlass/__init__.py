@@ -22,6 +22,7 @@ _LAZY = {
     "decode_attention": ("kvarn_cutlass.decode", "decode_attention"),
     "decode_attention_ragged": ("kvarn_cutlass.decode", "decode_attention_ragged"),
     "DecodeGraph": ("kvarn_cutlass.decode", "DecodeGraph"),
+    "StepGraph": ("kvarn_cutlass.step_graph", "StepGraph"),
     "snapkv_compact": ("kvarn_cutlass.compact", "snapkv_compact"),
     "dequantize_layer": ("kvarn_cutlass.ops.dequant", "dequantize_layer"),
     "hf": ("kvarn_cutlass.hf", None),

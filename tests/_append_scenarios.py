@@ -51,17 +51,22 @@ def lengths_consistent(cache) -> None:
         assert torch.equal(got, want[:, None].expand(3, cache.batch_size)), (i, got, want)
 
 
-def inputs(cache, n: int, g: torch.Generator, form: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [batch, heads, n, head_dim] on the CPU in one of the forms append accepts: ``cache`` (the
-    cache dtype, contiguous), ``view`` (a token range of a longer buffer: strided heads) or ``float32``."""
+def inputs(cache, n: int, g: torch.Generator, form: str, device=None):
+    """k, v [batch, heads, n, head_dim] in one of the forms append accepts: ``cache`` (the cache dtype,
+    contiguous), ``view`` (a token range of a longer buffer: strided heads, an offset start) or
+    ``float32``. On the CPU; with ``device``, also the same values on it in the same form:
+    ``(k, v, k_device, v_device)``."""
     B, H, D = cache.batch_size, cache.num_kv_heads, cache.head_dim
     if form == "view":
-        k = realistic_kv(B, H, n + 9, D, generator=g, dtype=cache.dtype)[:, :, 5 : 5 + n]
-        v = realistic_kv(B, H, n + 9, D, generator=g, dtype=cache.dtype)[:, :, 4 : 4 + n]
-        return k, v
+        kb = realistic_kv(B, H, n + 9, D, generator=g, dtype=cache.dtype)
+        vb = realistic_kv(B, H, n + 9, D, generator=g, dtype=cache.dtype)
+        pick = lambda kb, vb: (kb[:, :, 5 : 5 + n], vb[:, :, 4 : 4 + n])  # noqa: E731
+        out = pick(kb, vb)
+        return out if device is None else (*out, *pick(kb.to(device), vb.to(device)))
     k = realistic_kv(B, H, n, D, generator=g, dtype=cache.dtype) * 1.5
     v = realistic_kv(B, H, n, D, generator=g, dtype=cache.dtype)
-    return (k.float(), v.float()) if form == "float32" else (k, v)
+    out = (k.float(), v.float()) if form == "float32" else (k, v)
+    return out if device is None else (*out, out[0].to(device), out[1].to(device))
 
 
 def feed_and_compare(host, dev, chunks: list[int], seed: int, forms=("cache", "view", "float32")) -> None:
@@ -69,9 +74,9 @@ def feed_and_compare(host, dev, chunks: list[int], seed: int, forms=("cache", "v
     g = torch.Generator().manual_seed(seed)
     for i, n in enumerate(chunks):
         for layer in range(min(2, host.num_layers)):
-            k, v = inputs(host, n, g, forms[i % len(forms)])
+            k, v, kd, vd = inputs(host, n, g, forms[i % len(forms)], dev.device)
             host.append(layer, k, v)
-            dev.append(layer, k.to(dev.device), v.to(dev.device))
+            dev.append(layer, kd, vd)
         assert_same_state(state(host), state(dev), f"seed {seed}, after chunk {i} ({n} tokens)")
         lengths_consistent(dev)
 

@@ -1,0 +1,221 @@
+"""GPU tests of the cache's device append (``ops.append``, the append section of ``csrc/compress.cu``) and of
+step graphs (``kvarn_cutlass.step_graph``). All marked ``gpu``.
+
+* Byte identity: a CUDA cache and a CPU cache (host path: the codec) fed the same chunks hold the same
+  records, windows, sinks and lengths after every append: every preset x head_dim x scale dtype x
+  quantizer, both cache dtypes, chunks on and off tile boundaries, single tokens into a full window,
+  a chunk longer than the window, sink tokens, batch 2, strided and float32 inputs, growing and
+  preallocated pools, eager and inside deferred blocks.
+* Errors: NaN/Inf, |x| > 2^48, |x| > 2^42 with float16 scales, in window, tile and sink tokens, and
+  compression overflows: the host path's message, eager and deferred, and no visible change.
+* Step graphs: 1000 replayed decode steps bit-identical to eager appends and decode_attention,
+  across tile boundaries; a failed step restored.
+
+The scenarios run on emulated kernels in tests/test_append_emulation.py (CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import kvarn_cutlass as kc
+from kvarn_cutlass.cache import KVarNCache
+from kvarn_cutlass.format import HEAD_DIMS, PRESETS, QUANTIZERS
+
+from _append_scenarios import (assert_same_state, error_scenario, feed_and_compare, inputs, lengths_consistent,
+                               scenario_chunks, state)
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.getbasetemp() / "kvarn-kernel-cache"
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+
+
+def _pair(**kw):
+    return KVarNCache(**kw, device="cpu"), KVarNCache(**kw, device="cuda")
+
+
+COMBOS = [
+    (q, p, D, sd, (torch.float16, torch.bfloat16)[i % 2])
+    for i, (q, p, D, sd) in enumerate(itertools.product(QUANTIZERS, PRESETS, HEAD_DIMS, (torch.float16, torch.float32)))
+]
+
+
+@pytest.mark.parametrize("quantizer,preset,D,scale_dtype,dtype", COMBOS)
+def test_gpu_append_is_byte_identical_to_the_host_path(quantizer, preset, D, scale_dtype, dtype):
+    T = PRESETS[preset][2]
+    seed = zlib.crc32(repr((quantizer, preset, D, scale_dtype, dtype)).encode())
+    chunks = scenario_chunks(T, 2 * T)
+    kw = dict(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=D, preset=preset, window=2 * T, sink_tokens=T,
+              dtype=dtype, scale_dtype=scale_dtype, quantizer=quantizer,
+              max_seq_len=None if seed % 2 else T + sum(chunks))  # growing and preallocated pools
+    host, dev = _pair(**kw)
+    feed_and_compare(host, dev, chunks, seed)
+    assert dev.num_tiles(0) >= 8
+
+
+@pytest.mark.parametrize("quantizer,preset,D", [("uniform", "k4v2_g128", 128), ("lloyd_max", "k4v4_g64", 256),
+                                                ("uniform", "k4v2_g64", 64)])
+def test_gpu_append_in_a_deferred_block_is_byte_identical(quantizer, preset, D):
+    T = PRESETS[preset][2]
+    host, dev = _pair(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=D, preset=preset, window=2 * T, sink_tokens=0,
+                      dtype=torch.bfloat16, quantizer=quantizer)
+    with dev.deferred_checks():
+        feed_and_compare(host, dev, scenario_chunks(T, 2 * T), seed=21)
+    assert_same_state(state(host), state(dev), "after the block")
+
+
+def test_gpu_append_of_the_caches_own_window():
+    # the kernels rewrite the window while reading the chunk: a view of the window is copied first
+    host, dev = _pair(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128)
+    g = torch.Generator().manual_seed(4)
+    k, v = inputs(host, 128, g, "cache")
+    for c in (host, dev):
+        c.append(0, k.to(c.device), v.to(c.device))
+        c.append(0, *c.window_kv(0))  # 128 + 128 tokens: two tiles complete, the window is rewritten
+    assert_same_state(state(host), state(dev))
+    assert dev.num_tiles(0) == 2
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "range", "bound"])
+@pytest.mark.parametrize("where", ["window", "tile", "sink"])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_gpu_append_errors_match_the_host_path_and_change_nothing(kind, where, tensor):
+    error_scenario(lambda: _pair(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=128, preset="k4v2_g128",
+                                 window=256, sink_tokens=128, dtype=torch.bfloat16), kind, where, tensor)
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_gpu_append_compression_overflow(quantizer):
+    # 1e12 < 2^42 passes the arrival checks; its tile overflows float16 scales when compressed
+    host, dev = _pair(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=64,
+                      dtype=torch.bfloat16, quantizer=quantizer)
+    g = torch.Generator().manual_seed(5)
+    first = inputs(host, 100, g, "cache")
+    for c in (host, dev):
+        c.append(0, *[x.to(c.device) for x in first])
+    huge = torch.full((1, 2, 64, 64), 1e12, dtype=torch.bfloat16)
+    before = state(dev)
+    with pytest.raises(ValueError, match="scale_dtype=torch.float32") as want:
+        host.append(0, huge, huge)
+    with pytest.raises(ValueError) as got:
+        dev.append(0, huge.cuda(), huge.cuda())
+    assert str(got.value) == str(want.value)
+    assert_same_state(before, state(dev), "eager")
+    with pytest.raises(ValueError, match="overflows torch.float16.*deferred_checks.*restored"):
+        with dev.deferred_checks():
+            dev.append(0, *[x.cuda() for x in first])
+            dev.append(0, huge.cuda(), huge.cuda())
+            dev.append(0, *[x.cuda() for x in first])
+    assert_same_state(before, state(dev), "deferred")
+    lengths_consistent(dev)
+
+
+# ---- step graphs ------------------------------------------------------------------------------------------
+STEP_CASES = [("k4v2_g128", 128, 0, "uniform", torch.float16), ("k4v4_g64", 64, 64, "lloyd_max", torch.bfloat16)]
+
+
+def _step_caches(preset, D, sink, quantizer, dtype, steps):
+    T = PRESETS[preset][2]
+    kw = dict(num_layers=3, batch_size=2, num_kv_heads=2, head_dim=D, preset=preset, window=2 * T, sink_tokens=sink,
+              dtype=dtype, quantizer=quantizer, device="cuda", max_seq_len=sink + 300 + steps)
+    eager, graphed = KVarNCache(**kw), KVarNCache(**kw)
+    g = torch.Generator().manual_seed(D + sink)
+    for layer in range(3):
+        k, v = inputs(eager, sink + 300, g, "cache")
+        for c in (eager, graphed):
+            c.append(layer, k.cuda(), v.cuda())
+    return eager, graphed
+
+
+def _step_inputs(graph, g):
+    L, B, Hq, _, D = graph.q.shape
+    H = graph.k.shape[2]
+    q = torch.randn(L, B, Hq, 1, D, generator=g, device="cuda").to(graph.q.dtype)
+    k = (torch.randn(L, B, H, 1, D, generator=g, device="cuda") * 2).to(graph.k.dtype)
+    v = torch.randn(L, B, H, 1, D, generator=g, device="cuda").to(graph.k.dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("preset,D,sink,quantizer,dtype", STEP_CASES)
+def test_gpu_step_graph_replays_bit_identical_to_eager(preset, D, sink, quantizer, dtype):
+    steps = 1000
+    eager, graphed = _step_caches(preset, D, sink, quantizer, dtype, steps)
+    graph = kc.StepGraph(graphed, num_q_heads=8, dtype=dtype)
+    assert_same_state(state(eager), state(graphed), "capture changed the cache")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    tiles = eager.num_tiles(0)
+    for step in range(steps):
+        q, k, v = _step_inputs(graph, g)
+        graph.q.copy_(q)
+        graph.k.copy_(k)
+        graph.v.copy_(v)
+        out = graph.replay()
+        for layer in range(3):
+            eager.append(layer, k[layer], v[layer])
+            want = kc.decode_attention(q[layer], eager, layer)
+            assert torch.equal(out[layer], want), f"step {step}, layer {layer}: graph and eager outputs differ"
+        if step % 97 == 0:
+            graph.check()
+            assert_same_state(state(eager), state(graphed), f"step {step}")
+            lengths_consistent(graphed)
+    graph.check()
+    assert_same_state(state(eager), state(graphed), "end")
+    assert eager.num_tiles(0) >= tiles + steps // PRESETS[preset][2] - 1
+
+
+@pytest.mark.parametrize("preset,D,sink,quantizer,dtype", STEP_CASES[:1])
+def test_gpu_step_graph_failed_step_is_restored(preset, D, sink, quantizer, dtype):
+    T = PRESETS[preset][2]
+    eager, graphed = _step_caches(preset, D, sink, quantizer, dtype, 600)
+    graph = kc.StepGraph(graphed, num_q_heads=4, dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    failed = None
+    for step in range(400):
+        q, k, v = _step_inputs(graph, g)
+        full = graphed._layers[0].window_len == graphed.window  # this step completes a tile in every layer
+        if failed is None and full and step > T:
+            failed = step
+            before = state(graphed)
+            graph.k.copy_(k)
+            graph.k[1, 0, 1, 0, 5] = float("inf")  # layer 1 fails; layer 0 rewrote its window already
+            graph.replay()
+            for _ in range(5):  # later steps commit nothing
+                graph.replay()
+            with pytest.raises(RuntimeError, match="check"):
+                graphed.append(0, k[0], v[0])
+            with pytest.raises(ValueError, match=r"^k contains NaN or Inf .*replayed step.*restored"):
+                graph.check()
+            assert_same_state(before, state(graphed), f"restored before step {step}")
+            lengths_consistent(graphed)
+            continue
+        graph.q.copy_(q)
+        graph.k.copy_(k)
+        graph.v.copy_(v)
+        out = graph.replay()
+        for layer in range(3):
+            eager.append(layer, k[layer], v[layer])
+            assert torch.equal(out[layer], kc.decode_attention(q[layer], eager, layer)), (step, layer)
+    assert failed is not None
+    graph.check()
+    assert_same_state(state(eager), state(graphed), "end")
+
+
+def test_gpu_step_graph_bad_arguments():
+    c = KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device="cuda")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        kc.StepGraph(c, num_q_heads=4)
+    c = KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device="cuda", max_seq_len=256)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        kc.StepGraph(c, num_q_heads=3)
+    with c.deferred_checks():
+        with pytest.raises(RuntimeError, match="deferred_checks"):
+            kc.StepGraph(c, num_q_heads=4)
