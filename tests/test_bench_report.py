@@ -234,6 +234,35 @@ def test_random_record_cells_and_missing_fields(tmp_path):
     assert "2031-02-03T04:05:06+00:00" in md, why
 
 
+def test_append_rows_and_prefill_compress_render_as_recorded(tmp_path):
+    seed = random.randrange(2**32)
+    rng, why = random.Random(seed), f"random.Random({seed})"
+    keys = ("gpu_us", "host_us", "amortized_gpu_us", "amortized_host_us", "checked_us", "static_fp16_gpu_us",
+            "static_fp16_host_us")
+    rows = []
+    for batch in (1, 16):
+        row = {"batch": batch, **{k: round(rng.uniform(0.5, 300), 3) for k in keys}}
+        del row[rng.choice(keys)]  # a missing field renders as "-"
+        rows.append(row)
+    pre = {"prompt_tokens": 16384, "chunk_tokens": 512, "prefill_compress_ms": round(rng.uniform(0.2, 20), 3),
+           "gpu_ms": round(rng.uniform(0.2, 20), 3), "host_ms": round(rng.uniform(0.2, 20), 3), "target_ms": 1.0}
+    prov = {"gpu": "NVIDIA H200", "date": "2031-02-03T04:05:06+00:00"}
+    doc = {"sections": {"append": {"provenance": prov, "results": {"rows": rows, "targets": {"gpu_us": 5.0}}},
+                        "compress": {"provenance": prov, "results": {"compress": [], "prefill_compress": pre}}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    md = render_markdown(load_record(path))
+    cells = _table(md, ["batch", "GPU µs", "host µs"])
+    columns = ("GPU µs", "host µs", "GPU µs (128, amortized)", "host µs (128, amortized)", "checked µs",
+               "static fp16 GPU µs", "static fp16 host µs")
+    assert [int(c["batch"]) for c in cells] == [1, 16], why
+    for row, cell in zip(rows, cells):
+        for key, col in zip(keys, columns):
+            assert (float(cell[col]) == row[key]) if key in row else cell[col] == "-", (why, key)
+    assert f"{pre['prefill_compress_ms']} ms on the stream" in md and f"GPU alone {pre['gpu_ms']} ms" in md, why
+    assert "Other sections" not in md, why
+
+
 @pytest.mark.parametrize("content, message", [
     ("not json", "is not JSON"),
     ('{"sections": {"decode": {"rows": []}}}', "is not a benchmark record"),

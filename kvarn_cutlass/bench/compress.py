@@ -17,16 +17,35 @@ Prediction: ~12 us per layer at batch 1 (16 blocks on 16 of 132 SMs; target <= 2
 at batch 16 (256 blocks, one 512-thread block per SM: two waves), ~4 us for D=64 and ~25 us for
 D=256 at batch 1. Splitting a half across a thread-block cluster (sm_90) is the next step if the
 batch-1 latency matters.
+
+``prefill_compress``: the appends of a 16k-token prompt in 512-token chunks (one layer, 8 KV heads,
+head_dim 128, k4v2_g128, window 256, fp16; chunks are token-range views of the prompt as a model's
+forward pass gives them) inside one ``deferred_checks`` block: ``prefill_compress_ms`` is the wall
+time on the stream (CUDA events; host launch gaps included), ``gpu_ms`` the same work queued behind a
+sleep kernel (GPU alone), ``host_ms`` the host's time for the 32 calls. Each chunk is two launches
+(compression of 4 tiles per head straight from window and chunk; the window rewrite).
+
+Section ``append`` (same module): ``KVarNCache.append`` of one token per layer (the decode step's
+write) on the same layer shape at batch 1 and 16: per call ``gpu_us`` (queued behind a sleep
+kernel: the GPU alone) and ``host_us`` (wall time of the call, no synchronization: inside
+``deferred_checks``) for appends that complete no tile (one launch), and ``amortized_*`` over 128
+consecutive appends of which one completes a tile (two launches there, one compression); ``checked_us``
+is a no-tile append outside a block (wall time including its read of the error flag, one sync);
+``static_fp16_*`` the same token copied into a static fp16 cache (two ``copy_``), for reference.
+Targets (issue 16): gpu_us <= 5 and host_us <= 15 at batch 1; prefill_compress_ms <= 1.0.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import BenchOptions, register_section
-from .timing import rotation_count, time_cuda
+import statistics
+import time
 
-__all__ = ["run"]
+from . import BenchOptions, register_section
+from .timing import rotation_count, time_cuda, time_queued
+
+__all__ = ["run", "run_append"]
 
 _KV_HEADS = 8
 _Q_HEADS = 32
@@ -99,8 +118,58 @@ def _rotate_case(rows: int, head_dim: int, out_f32: bool, opts: BenchOptions) ->
     }
 
 
+def _prefill_compress(opts: BenchOptions) -> dict[str, Any]:
+    import torch
+
+    from ..cache import KVarNCache
+
+    P, C, H, D = 16384, 512, _KV_HEADS, 128
+    g = torch.Generator(device="cuda").manual_seed(P + C)
+    k = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    k[..., :4] *= 6  # outlier channels
+    v = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+
+    def prompt(cache: KVarNCache) -> None:
+        for s in range(0, P, C):
+            cache.append(0, k[:, :, s:s + C], v[:, :, s:s + C])
+
+    def fresh() -> KVarNCache:
+        return KVarNCache(1, 1, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
+
+    def wall_ms() -> float:
+        cache = fresh()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with cache.deferred_checks():
+            a.record()
+            prompt(cache)
+            b.record()
+            b.synchronize()
+        return a.elapsed_time(b)
+
+    def queued() -> tuple[float, float]:
+        cache = fresh()
+        with cache.deferred_checks():
+            return time_queued(lambda: prompt(cache), lead_us=lead)
+
+    wall_ms()  # warm-up: module load, prepared launches
+    t0 = time.perf_counter()
+    wall_ms()
+    lead = 4e6 * (time.perf_counter() - t0) + 1000.0
+    reps = 2 if opts.quick else 7
+    walls = [wall_ms() for _ in range(reps)]
+    q = [queued() for _ in range(reps)]
+    return {
+        "prompt_tokens": P, "chunk_tokens": C, "kv_heads": H, "head_dim": D, "preset": "k4v2_g128", "window": 256,
+        "prefill_compress_ms": round(statistics.median(walls), 3),
+        "gpu_ms": round(statistics.median(x[0] for x in q) / 1000.0, 3),
+        "host_ms": round(statistics.median(x[1] for x in q) / 1000.0, 3),
+        "target_ms": 1.0,
+    }
+
+
 def run(opts: BenchOptions) -> dict[str, Any]:
-    """Results: per compression case microseconds per layer (GPU, eager, checked), tiles/s; rotation cases."""
+    """Results: per compression case microseconds per layer (GPU, eager, checked), tiles/s; rotation cases;
+    the appends of a chunked 16k prompt (``prefill_compress``)."""
     cases = [(1, 128, "k4v2_g128")]
     if not opts.quick:
         cases += [(16, 128, "k4v2_g128"), (1, 64, "k4v2_g128"), (1, 256, "k4v2_g128"), (1, 128, "k4v4_g64")]
@@ -110,14 +179,95 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if not opts.quick:
         rot_cases += [(512 * _Q_HEADS, 128, False), (_Q_HEADS * 16, 64, True), (_Q_HEADS * 16, 256, True)]
     rotate = [_rotate_case(r, d, f, opts) for r, d, f in rot_cases]
+    prefill = _prefill_compress(opts)
     return {
         "method": "CUDA-event medians; graph_us = one launch replayed in a CUDA graph (GPU time); "
                   "eager_us = compress_layer with a deferred error flag; checked_us = default call (flag read back)",
         "compress": compress,
         "rotate": rotate,
+        "prefill_compress_ms": prefill["prefill_compress_ms"],
+        "prefill_compress": prefill,
         "target_us_per_layer": 20.0,
         "prediction_us_per_layer": {"b1_d128": 12.0, "b16_d128": 25.0, "b1_d64": 4.0, "b1_d256": 25.0},
     }
 
 
 register_section("compress", run, "GPU tile compression per layer (Qwen3-8B shape and variants) and the row-WHT kernels")
+
+
+def _append_case(batch: int, opts: BenchOptions) -> dict[str, Any]:
+    import torch
+
+    from ..cache import KVarNCache
+
+    H, D, T, W = _KV_HEADS, 128, 128, 256
+    rounds = 3 if opts.quick else 11
+    P = 1000
+    cache = KVarNCache(1, batch, H, D, window=W, dtype=torch.float16, device="cuda", max_seq_len=P + (rounds + 4) * T)
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    kv = lambda n: tuple(torch.randn(batch, H, n, D, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
+                         for _ in range(2))
+    cache.append(0, *kv(P))
+    while cache.positions(0)["window"][1] - cache.positions(0)["window"][0] != W - T + 1:
+        cache.append(0, *kv(1))  # to just after a compression: the next T - 1 appends complete no tile
+    toks = [kv(1) for _ in range(T)]
+
+    def no_tile() -> None:
+        for i in range(T - 1):
+            cache.append(0, *toks[i])
+
+    def completing() -> None:
+        cache.append(0, *toks[T - 1])
+
+    with cache.deferred_checks():  # a warm-up round, which also sizes the lead
+        t0 = time.perf_counter()
+        no_tile()
+        completing()
+        lead = 4e6 * (time.perf_counter() - t0) + 500.0
+    plain, amortized = [], []
+    for _ in range(rounds):
+        with cache.deferred_checks():
+            a = time_queued(no_tile, lead)
+            b = time_queued(completing, lead)
+        plain.append((a[0] / (T - 1), a[1] / (T - 1)))
+        amortized.append(((a[0] + b[0]) / T, (a[1] + b[1]) / T))
+    n_checked = 16  # outside a block: each call reads the error flag back
+    t0 = time.perf_counter()
+    for i in range(n_checked):
+        cache.append(0, *toks[i])
+    checked_us = (time.perf_counter() - t0) * 1e6 / n_checked
+    static_k = torch.zeros(batch, H, 2 * T, D, device="cuda", dtype=torch.float16)
+    static_v = torch.zeros_like(static_k)
+
+    def static() -> None:
+        for i in range(T - 1):
+            static_k[:, :, i : i + 1].copy_(toks[i][0])
+            static_v[:, :, i : i + 1].copy_(toks[i][1])
+
+    static()
+    s = [time_queued(static, lead) for _ in range(rounds)]
+    med = lambda xs, j: round(statistics.median(x[j] for x in xs), 3)  # noqa: E731
+    return {
+        "batch": batch, "kv_heads": H, "head_dim": D, "preset": "k4v2_g128", "window": W,
+        "gpu_us": med(plain, 0), "host_us": med(plain, 1),
+        "amortized_gpu_us": med(amortized, 0), "amortized_host_us": med(amortized, 1),
+        "checked_us": round(checked_us, 3),
+        "static_fp16_gpu_us": round(statistics.median(x[0] for x in s) / (T - 1), 3),
+        "static_fp16_host_us": round(statistics.median(x[1] for x in s) / (T - 1), 3),
+        "rounds": rounds,
+    }
+
+
+def run_append(opts: BenchOptions) -> dict[str, Any]:
+    """Results: per batch, GPU and host microseconds of a one-token append (no tile completing; amortized
+    over 128 appends with one compression), the checked (synchronizing) call, a static fp16 write."""
+    return {
+        "method": "gpu_us: the appends queued behind a sleep kernel, CUDA events (GPU alone); host_us: wall time of "
+                  "the calls inside deferred_checks (no sync); amortized_*: over 128 appends including one that "
+                  "completes a tile; checked_us: wall time of an append outside a block (its flag read included)",
+        "rows": [_append_case(b, opts) for b in ((1,) if opts.quick else (1, 16))],
+        "targets": {"gpu_us": 5.0, "host_us": 15.0},
+    }
+
+
+register_section("append", run_append, "KVarNCache.append of one token per layer: GPU and host time, no tile and amortized")

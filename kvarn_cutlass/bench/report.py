@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # Sections in report (and default run) order: the copy ceiling first, as the decode/GEMM rows refer to it.
-SECTION_ORDER: tuple[str, ...] = ("copy", "compress", "gemm", "prefill", "decode", "launch")
+SECTION_ORDER: tuple[str, ...] = ("copy", "compress", "append", "gemm", "prefill", "decode", "launch")
 
 MISSING = "-"
 
@@ -347,6 +347,33 @@ def _compress_md(doc: dict[str, Any]) -> str | None:
     return "\n".join(out)
 
 
+def _append_md(doc: dict[str, Any]) -> str | None:
+    res = _results(doc, "append")
+    pre = (_results(doc, "compress") or {}).get("prefill_compress")
+    if res is None and not isinstance(pre, dict):
+        return None
+    out = ["## Cache writes", ""]
+    if res is not None:
+        if res.get("method"):
+            out += [f"Method: {res['method']}.", ""]
+        rows = [r for r in res.get("rows", []) if isinstance(r, dict)]
+        out.append("One-token `append` per layer (8 KV heads, head_dim 128, window 256):")
+        out.append("")
+        out.append(_table(["batch", "GPU µs", "host µs", "GPU µs (128, amortized)", "host µs (128, amortized)",
+                           "checked µs", "static fp16 GPU µs", "static fp16 host µs"],
+                          [[_fmt(r.get(k)) for k in ("batch", "gpu_us", "host_us", "amortized_gpu_us", "amortized_host_us",
+                                                      "checked_us", "static_fp16_gpu_us", "static_fp16_host_us")]
+                           for r in rows], left=1))
+        targets = res.get("targets") or {}
+        if targets:
+            out += ["", "Targets at batch 1: " + ", ".join(f"{k} <= {_fmt(v)}" for k, v in sorted(targets.items())) + "."]
+    if isinstance(pre, dict):
+        out += ["", f"Appends of a {_fmt(pre.get('prompt_tokens'))}-token prompt in {_fmt(pre.get('chunk_tokens'))}-token "
+                    f"chunks: {_fmt(pre.get('prefill_compress_ms'))} ms on the stream (GPU alone {_fmt(pre.get('gpu_ms'))} "
+                    f"ms, host {_fmt(pre.get('host_ms'))} ms; target {_fmt(pre.get('target_ms'))} ms)."]
+    return "\n".join(out)
+
+
 def _memory_md(images: list[str]) -> str:
     out = ["## Memory per token", "",
            "K and V of one token of one KV head, from the tile record layout (`kvarn_cutlass.format.TileSpec`, "
@@ -409,7 +436,8 @@ def render_markdown(doc: dict[str, Any], images: dict[str, list[str]] | None = N
         parts.append(intro.strip())
     parts.append(_provenance_block(doc))
     for md in (_decode_md(doc, images.get("decode", [])), _prefill_md(doc, images.get("prefill", [])),
-               _gemm_md(doc, images.get("gemm", [])), _compress_md(doc), _memory_md(images.get("memory", [])),
+               _gemm_md(doc, images.get("gemm", [])), _compress_md(doc), _append_md(doc),
+               _memory_md(images.get("memory", [])),
                _copy_launch_md(doc)):
         if md:
             parts.append(md)

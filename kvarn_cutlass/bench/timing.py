@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "l2_cache_bytes", "rotation_count", "time_cuda"]
+__all__ = ["Timing", "l2_cache_bytes", "rotation_count", "time_cuda", "time_queued"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,51 @@ def time_cuda(
         calls = 1
     torch.cuda.synchronize()
     return _stats([s.elapsed_time(e) * 1000.0 / calls for s, e in zip(starts, ends)], calls, graph)
+
+
+_sleep_cycles_per_us: dict[int, float] = {}
+
+
+def _cycles_per_us(device: int) -> float:
+    """Clock of ``torch.cuda._sleep`` on ``device``, measured once (cycles per microsecond)."""
+    import torch
+
+    rate = _sleep_cycles_per_us.get(device)
+    if rate is None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # clocks up
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        rate = _sleep_cycles_per_us[device] = cycles / (a.elapsed_time(b) * 1000.0)
+    return rate
+
+
+def time_queued(fn: Callable[[], Any], lead_us: float) -> tuple[float, float]:
+    """(GPU microseconds, host microseconds) of one call of ``fn``, which must only enqueue work.
+
+    The call is made while a sleep kernel of ``lead_us`` keeps the GPU busy, so the work it enqueues
+    runs back to back afterwards: CUDA events around it then time the GPU alone, without the host's
+    launch gaps (what the same work costs inside a CUDA graph, less the graph's own per-node cost),
+    and the wall time of the call is its host time. Raises RuntimeError if the host took more than
+    0.8 x ``lead_us`` (the GPU may then have waited for it): pass a longer lead.
+    """
+    import time
+
+    import torch
+
+    rate = _cycles_per_us(torch.cuda.current_device())
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(lead_us * rate))
+    a.record()
+    t0 = time.perf_counter()
+    fn()
+    host_us = (time.perf_counter() - t0) * 1e6
+    b.record()
+    b.synchronize()
+    if host_us > 0.8 * lead_us:
+        raise RuntimeError(f"the host took {host_us:.0f} us behind a {lead_us:.0f} us lead: pass a longer lead_us")
+    return a.elapsed_time(b) * 1000.0, host_us
