@@ -73,6 +73,16 @@ def test_gpu_append_in_a_deferred_block_is_byte_identical(quantizer, preset, D):
     assert_same_state(state(host), state(dev), "after the block")
 
 
+@pytest.mark.parametrize("preset,D,dtype", [("k4v2_g128", 128, torch.float16), ("k4v4_g64", 256, torch.bfloat16)])
+def test_gpu_first_chunk_fills_the_sink_and_completes_tiles(preset, D, dtype):
+    # one append that fills the sink and compresses tiles from the same chunk, then single tokens
+    T = PRESETS[preset][2]
+    host, dev = _pair(num_layers=1, batch_size=3, num_kv_heads=2, head_dim=D, preset=preset, window=T, sink_tokens=2 * T,
+                      dtype=dtype)
+    feed_and_compare(host, dev, [2 * T + 3 * T + 17, 1, 1, T - 17, 1, 300], seed=D)
+    assert dev.num_tiles(0) >= 6 and dev.positions(0)["sink"] == (0, 2 * T)
+
+
 def test_gpu_append_of_the_caches_own_window():
     # the kernels rewrite the window while reading the chunk: a view of the window is copied first
     host, dev = _pair(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128)
