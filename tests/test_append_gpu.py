@@ -33,12 +33,6 @@ HAS_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    root = tmp_path_factory.getbasetemp() / "kvarn-kernel-cache"
-    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
-
-
 def _pair(**kw):
     return KVarNCache(**kw, device="cpu"), KVarNCache(**kw, device="cuda")
 

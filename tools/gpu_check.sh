@@ -110,7 +110,7 @@ if [ -n "${GPU_TUNE:-}" ]; then
 fi
 
 limit=${GPU_TEST_LIMIT:-120}
-for group in ${GPU_TEST_GROUPS:-runtime compress rotate gemm decode prefill hf}; do
+for group in ${GPU_TEST_GROUPS:-runtime compress append rotate gemm decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
   step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \

@@ -12,6 +12,7 @@ steady-state launch):
 * ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_partials_* / _combine_*);
 * ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_sv_*, kvarn_kscore_*,
   the CUTLASS GEMM ``kscore_sm90*``).
+* ``prefill_small`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).
 
 ``tools/gpu_check.sh`` runs them when GPU_NCU=1 and writes the reports to $OUT/ncu.txt.
 """
@@ -79,7 +80,41 @@ def prefill_small() -> None:
     torch.cuda.synchronize()
 
 
-TARGETS = {"compress": compress, "decode": decode, "prefill": prefill, "prefill_small": prefill_small}
+def append_small() -> None:
+    """Small shapes for compute-sanitizer (racecheck: the in-place window rewrite in rounds): both cache
+    dtypes, a sink, single tokens into a full 2-tile window (two rounds), a chunk completing several tiles,
+    deferred and checked appends, a rejected token, and a step graph's kernels run eagerly."""
+    from kvarn_cutlass.step_graph import StepAppends
+
+    for dtype, D in ((torch.float16, 128), (torch.bfloat16, 64)):
+        cache = kc.KVarNCache(2, 2, 2, D, window=256, sink_tokens=128, dtype=dtype, device="cuda", max_seq_len=2048)
+        g = torch.Generator(device="cuda").manual_seed(2)
+        kv = lambda n: [torch.randn(2, 2, n, D, device="cuda", dtype=dtype, generator=g) for _ in range(2)]  # noqa: E731
+        with cache.deferred_checks():
+            for n in (300, 77, 1, 1, 200):
+                cache.append(0, *kv(n))
+        for _ in range(140):
+            cache.append(1, *kv(1))
+        bad = kv(3)
+        bad[0][0, 0, 1, 0] = float("nan")
+        try:
+            cache.append(0, *bad)
+        except ValueError:
+            pass
+        k = torch.zeros(2, 2, 2, 1, D, device="cuda", dtype=dtype)
+        steps = StepAppends(cache, k, torch.zeros_like(k))
+        for _ in range(130):
+            k.normal_()
+            steps.enqueue_snapshot()
+            for layer in range(2):
+                steps.enqueue(layer)
+            steps.advance()
+        steps.check()
+    torch.cuda.synchronize()
+
+
+TARGETS = {"compress": compress, "decode": decode, "prefill": prefill, "prefill_small": prefill_small,
+           "append_small": append_small}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in TARGETS:
