@@ -93,7 +93,7 @@ def append_small() -> None:
         with cache.deferred_checks():
             for n in (300, 77, 1, 1, 200):
                 cache.append(0, *kv(n))
-        for _ in range(140):
+        for _ in range(400):  # past the sink, into a full window: tiles complete, the window is rewritten
             cache.append(1, *kv(1))
         bad = kv(3)
         bad[0][0, 0, 1, 0] = float("nan")
