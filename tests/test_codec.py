@@ -236,6 +236,40 @@ def test_decode_bad_records():
         kc.decode_tiles(torch.zeros(spec.tile_nbytes, dtype=torch.int8), spec)
 
 
+@pytest.mark.parametrize("spec", [None, "k4v2_g64", {"preset": "k4v2_g64"}])
+def test_encode_and_decode_name_a_bad_spec(spec):
+    with pytest.raises(TypeError, match=f"spec must be a kvarn_cutlass.TileSpec, got {type(spec).__name__}"):
+        kc.encode_tiles(torch.zeros(64, 64), torch.zeros(64, 64), spec)
+    with pytest.raises(TypeError, match="spec must be a kvarn_cutlass.TileSpec"):
+        kc.decode_tiles(torch.zeros(kc.TileSpec("k4v2_g64", 64).tile_nbytes, dtype=torch.uint8), spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool, torch.complex64, torch.float16, torch.bfloat16,
+                                   "float32", None, float])
+def test_decode_rejects_a_dtype_it_cannot_compute_in(dtype):
+    """Integer dtypes used to return zeros, complex was accepted, bool and strings failed deep inside."""
+    spec = kc.TileSpec("k4v2_g64", 64)
+    rec = kc.encode_tiles(torch.ones(64, 64), torch.ones(64, 64), spec)
+    with pytest.raises(TypeError, match=r"^dtype"):
+        kc.decode_tiles(rec, spec, dtype)
+    with pytest.raises(TypeError, match=r"^dtype"):
+        codec.dequantize_rotated(codec.unpack_fields(rec, spec), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_dtypes_agree(dtype):
+    seed = 31
+    g = torch.Generator().manual_seed(seed)
+    spec = kc.TileSpec("k4v4_g64", 64)
+    rec = kc.encode_tiles(torch.randn(2, 64, 64, generator=g), torch.randn(2, 64, 64, generator=g), spec)
+    k64, v64 = kc.decode_tiles(rec, spec, torch.float64)
+    k, v = kc.decode_tiles(rec, spec, dtype)
+    assert k.dtype == v.dtype == dtype
+    # float32 arithmetic on float16 fields: a few float32 ulps of the float64 reconstruction
+    assert torch.allclose(k.double(), k64, rtol=1e-5, atol=1e-5), f"seed={seed}"
+    assert torch.allclose(v.double(), v64, rtol=1e-5, atol=1e-5), f"seed={seed}"
+
+
 # --- lloyd_max quantizer ---------------------------------------------------------------------------
 QUANTIZERS = list(kc.format.QUANTIZERS)
 # Half an ulp of the storage dtype, relative, and the smallest float16 subnormal's half (absolute).
