@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "check_scale"]
+
+
+def check_scale(scale, name: str = "scale") -> float:
+    """``scale`` as a float, if it is a positive finite real number (a softmax scale, a multiplier).
+
+    Raises TypeError naming ``name`` for a value that is not a real number (bools, strings, tensors)
+    and ValueError for NaN, an infinity, zero or a negative value: an infinite softmax scale turns
+    every score into +-inf or NaN, zero makes attention uniform and a negative one inverts it, all
+    silently. ``None`` (a default such as ``head_dim ** -0.5``) is the caller's to resolve first.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a positive finite number, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
+    return value
 
 
 def check_device(device, name: str = "device") -> torch.device:
