@@ -103,12 +103,12 @@ def test_compress_compiles_every_dtype_variant_sm90(in_dtype, scale_dtype, v_bit
     assert set(spec.kernel_names) <= set(m.resources)
 
 
-def _ptx(defines: dict) -> str:
+def _ptx(defines: dict, extra_source: str = "") -> str:
     from cuda.bindings import nvrtc
 
     from kvarn_cutlass.runtime.compiler import cuda_include_dirs
 
-    src = (C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path).read_text()
+    src = (C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path).read_text() + extra_source
     defines = dict(defines)
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"compress.cu", 0, [], [])[1]
     try:
@@ -196,10 +196,14 @@ def test_error_messages_follow_codec_order():
         C.error_message(1 << 1, f16, "nearest")
 
 
-def test_smem_bytes_matches_kernel_formula():
-    # Shape::kSmemFloats = T*D + W*D + 3*D + 4*W + 4*(D/32), W = 16
-    assert C.smem_bytes(128, 128) == 4 * (128 * 128 + 16 * 128 + 3 * 128 + 64 + 16)
-    assert max(C.smem_bytes(T, D) for T, D in SHAPES) == C.smem_bytes(128, 256)
+def test_smem_bytes_is_the_kernels_own_constant():
+    """The launch's dynamic shared memory is what the compiled kernel says it carves up: each shape's
+    ``kvc::Shape<T, D>::kSmemBytes``, read from the PTX of a probe compiled with the kernel source."""
+    probe = "".join(f"\n__device__ int kvarn_probe_smem_{T}_{D} = kvc::Shape<{T}, {D}>::kSmemBytes;" for T, D in SHAPES)
+    ptx = _ptx(C.compress_spec(128, 128, torch.float16, torch.float16, 2).defines, probe)
+    compiled = {(int(t), int(d)): int(n) for t, d, n in re.findall(r"kvarn_probe_smem_(\d+)_(\d+) = (\d+);", ptx)}
+    assert set(compiled) == set(SHAPES)
+    assert {(T, D): C.smem_bytes(T, D) for T, D in SHAPES} == compiled
 
 
 # ================================================================ GPU: byte identity ============
