@@ -31,12 +31,12 @@ def check_device(device, name: str = "device") -> torch.device:
 
     Normalizes the spellings of one device to one value, so that comparing it with a tensor's
     ``.device`` works: ``"cpu:0"`` -> ``cpu`` (CPU tensors carry no index), ``"cuda"`` ->
-    ``cuda:<current device>``. Raises TypeError for a value that is not a device or a str, and
-    ValueError naming ``name`` for an unknown device string or a device that torch cannot use
-    here (``"cuda"`` on a CPU-only torch, a GPU index past the last one).
+    ``cuda:<current device>``, an int ``i`` -> ``cuda:i`` (torch's convention). Raises TypeError
+    naming ``name`` for any other type, and ValueError naming it for an unknown device string or a
+    device that torch cannot use here (``"cuda"`` on a CPU-only torch, a GPU index past the last one).
     """
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+        raise TypeError(f"{name} must be a str, torch.device or CUDA device index, got {type(device).__name__}")
     try:
         requested = torch.device(device)
     except RuntimeError as e:

@@ -221,7 +221,7 @@ def test_failed_compression_leaves_cache_unchanged():
         ({"max_seq_len": -4}, ValueError, "max_seq_len"),
         ({"quantizer": "lloydmax"}, ValueError, "quantizer"),
         ({"device": "gpu"}, ValueError, "device='gpu' is not a device"),
-        ({"device": None}, TypeError, "device must be a str or torch.device, got NoneType"),
+        ({"device": None}, TypeError, "device must be a str, torch.device or CUDA device index, got NoneType"),
         ({"device": 1.5}, TypeError, "device must be"),
     ],
 )
