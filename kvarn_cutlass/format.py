@@ -114,7 +114,9 @@ def lloyd_max_thresholds(bits: int) -> tuple[float, ...]:
 
 
 def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
+    # Compared one by one with values of the allowed type rather than by ``in``: an unhashable value
+    # (a list) would raise "unhashable type" against a dict and an array would compare elementwise.
+    if not any(isinstance(value, type(a)) and value == a for a in allowed):
         raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}")
 
 

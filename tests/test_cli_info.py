@@ -50,29 +50,32 @@ def test_info_text_is_one_line_per_field_and_exits_zero_as_a_process(tmp_path):
     assert "no CUDA GPU" in lines[0]
 
 
-def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypatch):
-    rng = random.Random()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
     root = tmp_path / "cache"
     expected_bytes, expected_files = 0, 0
     for i in range(rng.randint(3, 8)):
         d = root / f"kind{i % 3}" / f"sub{i}"
         d.mkdir(parents=True, exist_ok=True)
         n = rng.randint(0, 5000)
-        (d / f"entry{i}.bin").write_bytes(os.urandom(n))
+        (d / f"entry{i}.bin").write_bytes(rng.randbytes(n))
         expected_bytes += n
         expected_files += 1
     (root / "link").symlink_to(root / "kind0")  # a link is neither followed nor counted
     (root / "file-link").symlink_to(d / f"entry{i}.bin")
     if hasattr(os, "mkfifo"):
         os.mkfifo(root / "fifo")  # nor are other non-regular files
-    assert directory_size(root) == (expected_bytes, expected_files)
+    assert directory_size(root) == (expected_bytes, expected_files), f"seed={seed}"
     monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
     info = _info_json(capsys)
-    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes, "files": expected_files}
+    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes,
+                                    "files": expected_files}, f"seed={seed}"
 
 
-def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch):
-    rng = random.Random()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
     n = rng.randint(5, 40)
     statuses = [rng.choice(["tuned", "untuned"]) for _ in range(n)]
     table = {"schema": 1, "arch": "sm90", "default": {},
@@ -81,7 +84,7 @@ def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch):
     monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path))
     summary = gemm_config_summary(90)
     assert summary == {"arch": "sm90", "path": str(tmp_path / "sm90.json"), "buckets": n,
-                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}
+                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}, f"seed={seed}"
 
 
 def test_gemm_config_summary_of_the_committed_table():

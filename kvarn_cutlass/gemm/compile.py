@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..runtime.diskcache import read_cache_file, write_cache_file
 from .config import GemmConfig
 from .emit import ARGS_FIELDS, QUERY, emit_source, entry_name
 
@@ -258,14 +259,11 @@ class HostLib:
             hit = cls._loaded.get(digest)
             if hit is not None:
                 return hit
-            d = _rt().cache_root() / f"sm_{binary.arch}a" / "gemm_so"
-            d.mkdir(parents=True, exist_ok=True)
-            path = d / f"{binary.config.name}-{digest}.so"
-            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest()[:16] != digest:
-                fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(binary.host_so)
-                os.replace(tmp, path)
+            path = _rt().cache_root() / f"sm_{binary.arch}a" / "gemm_so" / f"{binary.config.name}-{digest}.so"
+            # dlopen needs a file: rewrite it when absent, unreadable, not a file or not these bytes
+            have, _ = read_cache_file(path)
+            if have is None or hashlib.sha256(have).hexdigest()[:16] != digest:
+                write_cache_file(path, binary.host_so)
             lib = cls(ctypes.CDLL(str(path)), binary.entry)
             cls._loaded[digest] = lib
             return lib

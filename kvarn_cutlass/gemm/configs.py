@@ -1,4 +1,4 @@
-"""Config selection from ``gemm_configs/sm<arch>.json``.
+"""Config selection from ``gemm_configs/sm<arch>.json`` (package data, see :func:`config_dir`).
 
 Schema (``schema: 1``)::
 
@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import warnings
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,13 @@ class UntunedConfigWarning(UserWarning):
 
 
 def config_dir() -> Path:
-    """``$KVARN_CUTLASS_GEMM_CONFIGS`` or the repository's ``gemm_configs/``."""
+    """``$KVARN_CUTLASS_GEMM_CONFIGS``, else the tables shipped in the package (``kvarn_cutlass/gemm_configs/``,
+    package data: an installed wheel has them too; in a checkout ``gemm_configs/`` at the repository root
+    links to the same directory, which ``kvarn-cutlass tune`` updates)."""
     env = os.environ.get(CONFIG_ENV, "").strip()
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "gemm_configs"
+    return Path(os.fspath(resources.files("kvarn_cutlass") / "gemm_configs"))
 
 
 def m_bucket(M: int) -> int:
