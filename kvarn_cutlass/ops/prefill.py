@@ -2,8 +2,7 @@
 
 One NVRTC module per variant: the record layout (``format.TileSpec``: head_dim, tile tokens, V bits,
 scale dtype, quantizer; every section offset is passed as a define), the cache and query dtypes, and
-the launch config (:class:`FusedConfig`: rows per warp, warps, tokens per block, blocks per SM the
-registers are sized for). Configs are emitted here and chosen from the tuned table
+the launch config (:class:`FusedConfig`: rows per consumer warp, tokens per block). Configs are emitted here and chosen from the tuned table
 ``gemm_configs/prefill_sm<arch>.json`` (written by ``kvarn-cutlass tune --kernel prefill``), else from
 :data:`DEFAULT_CONFIGS`. The kernel reports its own shared-memory size (the module global
 ``kvarn_prefill_smem_bytes``), so the layout formula exists once, in the .cu file.
@@ -44,61 +43,51 @@ _SIG = (
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Launch shape of the fused kernel.
+    """Launch shape of the fused kernel: 4 consumer warps (the MMAs) and 4 producer warps (copies and
+    dequantization), 256 threads, one CTA per SM.
 
-    rows_per_warp: query rows of one warp (16 or 32: one or two m16 MMA tiles; 32 reuses each K/V
-        fragment twice, at twice the accumulator registers).
-    warps: warps per CTA (4 or 8); a CTA owns rows_per_warp * warps rows of one KV head.
+    rows_per_warp: query rows of one consumer warp (16 or 32: one or two m16 MMA tiles; 32 reuses each
+        K/V fragment twice, at twice the accumulator registers); a CTA owns 4 * rows_per_warp rows of
+        one KV head.
     block_n: tokens per score block (32 or 64; a tile is T / block_n blocks).
-    min_blocks: CTAs per SM the register allocation is sized for (``__launch_bounds__``).
     """
 
-    rows_per_warp: int = 16
-    warps: int = 4
+    rows_per_warp: int = 32
     block_n: int = 64
-    min_blocks: int = 2
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rows_per_warp", (16, 32)), ("warps", (4, 8)), ("block_n", (32, 64)),
-                              ("min_blocks", (1, 2))):
+        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
     @property
     def rows(self) -> int:
         """Query rows per CTA."""
-        return self.rows_per_warp * self.warps
+        return 4 * self.rows_per_warp
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 256
 
     @property
     def name(self) -> str:
-        return f"r{self.rows_per_warp}w{self.warps}n{self.block_n}b{self.min_blocks}"
+        return f"r{self.rows_per_warp}n{self.block_n}"
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
-        """Whether the config is valid for (head_dim, tile_tokens): registers (D=256 keeps 16 rows per warp,
-        since two m16 tiles would need 256 accumulator registers) and registers per SM."""
+        """Whether the config is valid for (head_dim, tile_tokens): D=256 keeps 16 rows per warp (two m16
+        tiles would need 256 accumulator registers) and 32-token blocks (shared memory)."""
         if tile_tokens % self.block_n:
             return False
-        if head_dim == 256 and self.rows_per_warp != 16:
-            return False
-        return self.threads * self.min_blocks <= 256  # 255 registers per thread at most 256 threads per SM
+        return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32)
 
 
 # Tuner candidates (``kvarn-cutlass tune --kernel prefill``), filtered by FusedConfig.fits per bucket.
-CANDIDATES = tuple(
-    FusedConfig(r, w, n, b)
-    for r in (16, 32) for w in (4, 8) for n in (32, 64) for b in (1, 2)
-    if 32 * w * b <= 256
-)
-# Untuned fallback per head_dim: no register spills in the sm_90 build (ptxas), two CTAs per SM where
-# the shared memory allows it.
+CANDIDATES = tuple(FusedConfig(r, n) for r in (16, 32) for n in (32, 64))
+# Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
-    64: FusedConfig(32, 4, 64, 2),
-    128: FusedConfig(16, 4, 64, 2),
-    256: FusedConfig(16, 4, 32, 1),
+    64: FusedConfig(32, 64),
+    128: FusedConfig(32, 64),
+    256: FusedConfig(16, 32),
 }
 
 
@@ -134,9 +123,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "CACHE_BF16": int(cache_dtype == torch.bfloat16),
         "Q_BF16": int(q_dtype == torch.bfloat16),
         "ROWS_PER_WARP": config.rows_per_warp,
-        "NUM_WARPS": config.warps,
         "BLOCK_N": config.block_n,
-        "MIN_BLOCKS": config.min_blocks,
     }
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
