@@ -168,6 +168,7 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
     [[ "$1" =~ ${GPU_PPL_ROWS:-.} ]] && step "$1" ppl "${@:2}"
   }
   ppl_row ppl_k4v2_w256 --preset k4v2_g128 --window 256
+  ppl_row ppl_k4v2_w256_prefill --preset k4v2_g128 --window 256 --method prefill --chunk 512
   ppl_row ppl_k4v4_w256 --preset k4v4_g128 --window 256
   ppl_row ppl_k4v2_w128 --preset k4v2_g128 --window 128
   ppl_row ppl_k4v4_w128 --preset k4v4_g128 --window 128
