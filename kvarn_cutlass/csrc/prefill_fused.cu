@@ -37,7 +37,7 @@
 //
 // Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
-// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, BLOCK_N, OFF_* and RECORD_BYTES,
+// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, BLOCK_N, OFF_* and RECORD_BYTES,
 // KERNEL_NAME.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -49,7 +49,7 @@ constexpr int D = HEAD_DIM;
 constexpr int T = TILE_TOKENS;
 constexpr int VB = V_BITS;
 constexpr int RPW = ROWS_PER_WARP;
-constexpr int NC = 4;                 // consumer warps
+constexpr int NC = CONSUMER_WARPS;    // consumer warps (4 or 8)
 constexpr int NP = 4;                 // producer warps (one warpgroup)
 constexpr int BN = BLOCK_N;
 constexpr int NT = (NC + NP) * 32;    // threads
@@ -64,6 +64,7 @@ constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
+static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");

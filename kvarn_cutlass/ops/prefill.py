@@ -2,8 +2,8 @@
 
 One NVRTC module per variant: the record layout (``format.TileSpec``: head_dim, tile tokens, V bits,
 scale dtype, quantizer; every section offset is passed as a define), the cache and query dtypes, and
-the launch config (:class:`FusedConfig`: rows per consumer warp, tokens per block). Configs are emitted here and chosen from the tuned table
-``gemm_configs/prefill_sm<arch>.json`` (written by ``kvarn-cutlass tune --kernel prefill``), else from
+the launch config (:class:`FusedConfig`: rows per consumer warp, consumer warps, tokens per block). Configs are emitted here and chosen from the tuned table
+``gemm_configs/prefill_sm<arch>.json`` (written by ``python -m kvarn_cutlass.ops.prefill_tune``), else from
 :data:`DEFAULT_CONFIGS`. The kernel reports its own shared-memory size (the module global
 ``kvarn_prefill_smem_bytes``), so the layout formula exists once, in the .cu file.
 """
@@ -43,46 +43,53 @@ _SIG = (
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Launch shape of the fused kernel: 4 consumer warps (the MMAs) and 4 producer warps (copies and
-    dequantization), 256 threads, one CTA per SM.
+    """Launch shape of the fused kernel: consumer warps (the MMAs) and 4 producer warps (record copies and
+    dequantization), one CTA per SM.
 
     rows_per_warp: query rows of one consumer warp (16 or 32: one or two m16 MMA tiles; 32 reuses each
-        K/V fragment twice, at twice the accumulator registers); a CTA owns 4 * rows_per_warp rows of
-        one KV head.
+        K/V fragment twice, at twice the accumulator registers).
+    consumer_warps: 4 or 8 (8: two consumer warps per scheduler, so one's softmax overlaps the other's
+        MMAs; needs 16 rows per warp to fit the 168 registers of 384 threads). A CTA owns
+        consumer_warps * rows_per_warp rows of one KV head.
     block_n: tokens per score block (32 or 64; a tile is T / block_n blocks).
     """
 
     rows_per_warp: int = 32
     block_n: int = 64
+    consumer_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64))):
+        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
     @property
     def rows(self) -> int:
         """Query rows per CTA."""
-        return 4 * self.rows_per_warp
+        return self.consumer_warps * self.rows_per_warp
 
     @property
     def threads(self) -> int:
-        return 256
+        return 32 * (self.consumer_warps + 4)
 
     @property
     def name(self) -> str:
-        return f"r{self.rows_per_warp}n{self.block_n}"
+        return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}"
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
-        """Whether the config is valid for (head_dim, tile_tokens): D=256 keeps 16 rows per warp (two m16
-        tiles would need 256 accumulator registers) and 32-token blocks (shared memory)."""
+        """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
+        sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers),
+        4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
-        return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32)
+        if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
+            return False
+        return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32 and self.consumer_warps == 4)
 
 
-# Tuner candidates (``kvarn-cutlass tune --kernel prefill``), filtered by FusedConfig.fits per bucket.
-CANDIDATES = tuple(FusedConfig(r, n) for r in (16, 32) for n in (32, 64))
+# Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
+CANDIDATES = tuple(FusedConfig(r, n, c) for c in (4, 8) for r in (16, 32) for n in (32, 64)
+                   if c == 4 or r == 16)
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
     64: FusedConfig(32, 64),
@@ -123,6 +130,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "CACHE_BF16": int(cache_dtype == torch.bfloat16),
         "Q_BF16": int(q_dtype == torch.bfloat16),
         "ROWS_PER_WARP": config.rows_per_warp,
+        "CONSUMER_WARPS": config.consumer_warps,
         "BLOCK_N": config.block_n,
     }
     for section in spec.section_names():
@@ -171,7 +179,7 @@ def select_config(spec: TileSpec, arch: str = "sm90") -> FusedConfig:
 @functools.lru_cache(maxsize=None)
 def _warn_untuned(key: str, arch: str) -> None:
     warnings.warn(f"no tuned fused-prefill config for {key} on {arch}; using the default "
-                  "(run `kvarn-cutlass tune --kernel prefill` on the GPU)", UntunedPrefillConfigWarning, stacklevel=3)
+                  "(run `python -m kvarn_cutlass.ops.prefill_tune` on the GPU)", UntunedPrefillConfigWarning, stacklevel=3)
 
 
 def fused_specs() -> list[KernelSpec]:
