@@ -153,6 +153,7 @@ if [ -n "${GPU_SANITIZE:-}" ]; then
   for t in $GPU_SANITIZE; do
     for tool in memcheck racecheck; do
       step "sanitize_${tool}_$t" timeout "${GPU_SANITIZE_LIMIT:-150}" "$SAN" --tool "$tool" --error-exitcode 3 \
+        --report-api-errors no \
         --kernel-name kns=kvarn_ python3 tools/ncu_targets.py "$t"
     done
   done
