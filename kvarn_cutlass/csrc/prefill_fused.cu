@@ -11,7 +11,7 @@
 //
 // Warp specialization: CONSUMER_WARPS warps compute, 4 producer warps stage operands. The work is one
 // sequence of BLOCK_N-token blocks (the tiles' blocks, then the exact tokens' blocks) through a
-// two-stage ring of shared-memory buffers; named barriers FULL[s] (producers -> consumers) and
+// three-stage ring of shared-memory buffers; named barriers FULL[s] (producers -> consumers) and
 // EMPTY[s] (consumers -> producers) hand each stage over, so dequantization overlaps the MMAs.
 //
 // Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
@@ -62,6 +62,7 @@ constexpr int QS = D + 8;             // row stride (halves) of Q and token-majo
 constexpr int KS = BN + 8;            // row stride (halves) of the channel-major dequantized K
 constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
+constexpr int NSTAGE = 3;             // stages of the producer -> consumer ring
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
@@ -72,7 +73,8 @@ static_assert(D == 64 || D == 128 || D == 256, "head_dim");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and two stages. A stage holds a tile block (kd [D][KS] f16,
-// vd [BN][QS] f16, tokf [BN] f32, 3 f32 scalars) or an exact block (K and V [BN][QS], cache dtype).
+// vd [BN][QS] f16, tokf [BN] f32, 3 f32 scalars) or an exact block (K and V [BN][QS], cache dtype);
+// NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_REC = 2 * REC;
 constexpr int SM_PAR = D * 8 + D * 4 + T * 8 + T * 4;  // kp [D], cr [D], vp [T], rs [T] (see Params)
@@ -88,7 +90,7 @@ constexpr int OFF_SM_PAR = OFF_SM_REC + SM_REC;
 constexpr int OFF_SM_LUT = OFF_SM_PAR + SM_PAR;
 constexpr int OFF_SM_ROWF = OFF_SM_LUT + SM_LUT;
 constexpr int OFF_SM_STAGE = (OFF_SM_ROWF + SM_ROWF + 15) / 16 * 16;
-constexpr int SMEM_TOTAL = OFF_SM_STAGE + 2 * ST_BYTES;
+constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
 
 // The launcher reads this from the module (one source for the layout above).
 extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
@@ -180,13 +182,18 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 
+// frexp's exponent of a positive finite float (x = m * 2^e, m in [0.5, 1)) from its bits; subnormals
+// count as 2^-126 (the callers clamp their exponents far inside that range anyway).
+__device__ __forceinline__ int frexp_exponent(float x) {
+    return max(1, (__float_as_int(x) >> 23) & 0xff) - 126;
+}
+// 2^e, exactly, for an int e in [-126, 127]
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+
 // Exponent that brings a bound into [2^14, 2^15): bound * 2^-e in that range (bound = 0 -> 0).
 __device__ __forceinline__ int f16_range_exponent(float bound) {
     if (!(bound > 0.f)) return 0;
-    int e;
-    frexpf(bound, &e);  // bound = m * 2^e, m in [0.5, 1)
-    e -= 15;
-    return max(-100, min(100, e));
+    return max(-100, min(100, frexp_exponent(bound) - 15));
 }
 
 #if LLOYD_MAX
@@ -198,7 +205,7 @@ __constant__ float v_codebook[1 << VB] = V_CODEBOOK;
 __device__ __forceinline__ int row_scale_exponent(float amax) {
     if (!(amax > 0.f)) return 0;
     int e;
-    frexpf(amax, &e);
+    frexpf(amax, &e);  // frexp_exponent here makes ptxas spill the consumers (255 registers); once per row
     return max(-120, min(120, 8 - e));
 }
 
@@ -272,7 +279,7 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
 #pragma unroll
         for (int e = 0; e < QE; ++e) amax = fmaxf(amax, fabsf(x[e]));
         const int p = row_scale_exponent(warp_max(amax));
-        const float s = ldexpf(1.f, p);
+        const float s = exp2i(p);
         u32 w[QE / 2];
 #pragma unroll
         for (int e = 0; e < QE; e += 2) w[e / 2] = ROTATE ? pack_f16(x[e] * s, x[e + 1] * s) : pack_cache(x[e] * s, x[e + 1] * s);
@@ -280,7 +287,7 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
         if constexpr (QE == 2) *reinterpret_cast<u32*>(dst) = w[0];
         else if constexpr (QE == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        if (lane == 0) sRowf[rr] = ldexpf(scale_log2, -p);
+        if (lane == 0) sRowf[rr] = scale_log2 * exp2i(-p);
     }
 }
 
@@ -446,10 +453,11 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 
 // --- synchronization ----------------------------------------------------------------------------
 // Named barriers (0 is __syncthreads, unused after the roles split).
-constexpr int BAR_FULL = 1;   // + stage: producers arrive, consumers wait
-constexpr int BAR_EMPTY = 3;  // + stage: consumers arrive, producers wait
-constexpr int BAR_PROD = 5;   // producers only
-constexpr int BAR_CONS = 6;   // consumers only
+constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers wait
+constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait
+constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
+constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
+static_assert(BAR_CONS < 16, "16 named barriers");
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -485,7 +493,7 @@ __device__ __forceinline__ TileFactors tile_factors(const u8* rec, int lane) {
     f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, warp_max(kstep), warp_max(kmin)));
     f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, warp_max(vstep), warp_max(vmin)));
     f.cmax = warp_max(cmax);
-    f.fv = f.cmax * ldexpf(1.f, f.ev);
+    f.fv = f.cmax * exp2i(f.ev);
     return f;
 }
 
@@ -509,7 +517,7 @@ struct Params {
 __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 
 __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
-    const float kmul = ldexpf(1.f, -f.ek), vmul = ldexpf(1.f, -f.ev), kinv = ldexpf(1.f, f.ek);
+    const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), kinv = exp2i(f.ek);
     const float cinv = 1.f / f.cmax;
     for (int c = ptid; c < D; c += PT) {
         const float step = scale_at(rec + OFF_CHAN_STEP, c) * kmul, mn = scale_at(rec + OFF_CHAN_MIN, c) * kmul;
@@ -841,8 +849,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         float fv_run = 0.f, ratio = 1.f, rescale = 1.f;
         ratio_t cr[CPW / 2];
         const u8* rec = sRec;
-        for (int bi = 0; bi < sc.nb; ++bi) {
-            const int s = bi & 1;
+        for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
             u8* st = sStage + s * ST_BYTES;
             if (bi < sc.nba) {
                 const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
@@ -860,7 +867,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     bar_sync(BAR_PROD, PT);  // parameters written
                     load_col_ratios(P, cr, ptid);
                 }
-                if (bi >= 2) bar_sync(BAR_EMPTY + s, NT);  // the consumers are done with this stage
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);  // the consumers are done with this stage
                 dequant_k(rec, P, sLut, st, t0, ptid);
                 dequant_v(rec, P, cr, sLut, st + ST_KD, t0, ptid);
                 float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
@@ -872,7 +879,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
                 bar_arrive(BAR_FULL + s, NT);
             } else {
-                if (bi >= 2) bar_sync(BAR_EMPTY + s, NT);
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, ptid);
                 cp_async_wait_all();
                 bar_arrive(BAR_FULL + s, NT);
@@ -917,14 +924,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
     for (int bi = 0; bi < sc.nb; ++bi) {
-        const int s = bi & 1;
+        const int s = bi % NSTAGE;
         const u8* stg = sStage + s * ST_BYTES;
         bar_sync(BAR_FULL + s, NT);
         if (bi < sc.nba) {
             const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
             attend_block<true>(sQw, stg, stg + ST_KD, tokf, tokf[BN], tokf[BN + 1], st, acc, lane, 0, 0, 0, false);
             const float fv_run = tokf[BN + 2];
-            if (bi + 2 < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
             if (bi == sc.nba - 1) {  // the tiles are done: back to the original domain, q unrotated
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
@@ -945,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 attend_block<false>(sQw, stg, stg + BN * QS * 2, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
                                     need_mask);
             }
-            if (bi + 2 < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
         }
     }
 
