@@ -49,11 +49,19 @@ def test_sections_tile_the_record_in_order(preset, head_dim, scale_dtype):
         ({"head_dim": 128.0}, "head_dim"),
         ({"scale_dtype": torch.bfloat16}, "scale_dtype"),
         ({"sinkhorn_iters": -1}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": kc.format.MAX_SINKHORN_ITERS + 1}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": 10**6}, "sinkhorn_iters"),  # a hang in the codec before it had a bound
     ],
 )
 def test_bad_spec_names_the_argument(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         kc.TileSpec(**kwargs)
+
+
+def test_sinkhorn_iters_bound_is_inclusive_and_reaches_the_cache():
+    assert kc.TileSpec(sinkhorn_iters=kc.format.MAX_SINKHORN_ITERS).sinkhorn_iters == kc.format.MAX_SINKHORN_ITERS
+    with pytest.raises(ValueError, match=r"sinkhorn_iters must be an int in \[0, 64\], got 1000000"):
+        kc.KVarNCache(1, 1, 2, 128, sinkhorn_iters=10**6)
 
 
 def test_unknown_section():
