@@ -81,6 +81,34 @@ def test_help_exits_zero_with_usage(name, capsys):
         assert action.help, f"{name} {action.option_strings[-1]} has no help text"
 
 
+HEAVY_MODULES = ("torch", "numpy", "transformers", "cuda", "cutlass", "cutlass_library")
+
+_HELP_IMPORTS = """
+import contextlib, io, json, sys
+from kvarn_cutlass import cli
+loaded = {}
+for argv in [["--help"]] + [[name, "--help"] for name in sorted(cli.COMMANDS)]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli.main(argv)
+        except SystemExit:
+            pass
+    loaded[" ".join(argv)] = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:]))
+print(json.dumps(loaded))
+"""
+
+
+def test_help_imports_no_heavy_module():
+    """--help of the tool and of every command answers without importing torch (seconds to import),
+    numpy, transformers or the CUDA/CUTLASS bindings: a fresh interpreter, its modules checked."""
+    proc = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, *HEAVY_MODULES], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    assert set(loaded) == {"--help"} | {f"{name} --help" for name in COMMANDS}
+    assert all(mods == [] for mods in loaded.values()), loaded
+
+
 def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..format import PRESETS
+from ..presets import PRESETS
 from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int, resolve_device
 
 NAME = "demo"

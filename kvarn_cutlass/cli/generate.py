@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from ..format import PRESETS, QUANTIZERS
+from ..presets import PRESETS, QUANTIZERS
 from .argtypes import existing_dir, existing_file, non_negative_int, positive_int, resolve_device
 
 NAME = "generate"
