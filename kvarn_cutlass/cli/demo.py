@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 from ..presets import PRESETS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int, resolve_device
+from .argtypes import (existing_dir, existing_file, int_at_least, non_negative_float, positive_int, read_text_file,
+                       resolve_device)
 
 NAME = "demo"
 DEFAULT_BUDGET_S = 50.0
@@ -53,7 +54,7 @@ ROPE_THETA = 1e6
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="end-to-end demo: quantized cache, prefill, decode, accuracy, memory, speed",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda if torch sees a CUDA device, else cpu")
     p.add_argument("--model", type=existing_dir, default=None, metavar="DIR",
                    help="take Q/K/V from every attention layer of this transformers model instead of the generator")
     p.add_argument("--text", type=existing_file, default=None, metavar="FILE",
@@ -137,6 +138,7 @@ def model_qkv(model_dir: str, n: int | None, text: str | None, device: str):
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    body = _package_text() if text is None else read_text_file(text, "--text")  # a bad file fails before loading
     config = AutoConfig.from_pretrained(model_dir)
     max_pos = getattr(config, "max_position_embeddings", None)
     if n is None:
@@ -160,7 +162,6 @@ def model_qkv(model_dir: str, n: int | None, text: str | None, device: str):
         tokenizer = None
     if tokenizer is not None:
         source = "the kvarn_cutlass package's Python sources" if text is None else text
-        body = _package_text() if text is None else Path(text).read_text(encoding="utf-8")
         ids = tokenizer(body, add_special_tokens=False, return_tensors="pt").input_ids[:, :n]
         if ids.shape[1] < n:
             raise ValueError(f"the text gives {ids.shape[1]} tokens, fewer than --tokens {n}")
