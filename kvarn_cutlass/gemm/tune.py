@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime
 import itertools
 import json
@@ -173,7 +172,9 @@ def compile_all(configs: list[GemmConfig], jobs: int) -> dict[str, str]:
     failures, with a progress line per config on stderr."""
     failed: dict[str, str] = {}
     print(f"compiling {len(configs)} kernels with {jobs} jobs", file=sys.stderr)
-    with cf.ProcessPoolExecutor(max_workers=jobs) as ex:
+    from ..cli.workers import worker_pool
+
+    with worker_pool(jobs) as ex:
         for i, (cd, err) in enumerate(ex.map(_compile_one, [c.to_dict() for c in configs]), 1):
             name = GemmConfig.from_dict(cd).name
             if err:
