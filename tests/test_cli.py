@@ -323,6 +323,7 @@ def _binary_file(tmp_path: Path) -> Path:
     (["perplexity", "--text", "BINARY"], 1, ["--text", "weights.bin", "not UTF-8", "offset 13"]),
     (["perplexity", "--text", "TEXT", "--method", "decode", "--window", "0"], 1, ["--window 0", "--method sim"]),
     (["perplexity", "--text", "TEXT", "--method", "prefill", "--window", "0"], 1, ["--window 0", "--method prefill"]),
+    (["demo", "--no-compile", "--text", "BINARY"], 1, ["--text", "weights.bin", "not UTF-8", "offset 13"]),
 ])
 def test_bad_inputs_fail_before_the_model_loads(argv, status, fragments, capsys, tmp_path, no_model_load):
     text = tmp_path / "eval.txt"
