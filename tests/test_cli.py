@@ -312,7 +312,8 @@ def no_model_load(monkeypatch):
 
 def _binary_file(tmp_path: Path) -> Path:
     path = tmp_path / "weights.bin"
-    path.write_bytes(b"PK\x03\x04\x14\x00\x08\x08\x00\x00\xd0\x9fX\xff\xfe")  # 0xd0 0x9f is UTF-8 (a Cyrillic letter); 0xff at 13 never is
+    # 0xd0 0x9f is UTF-8 (a Cyrillic letter); 0xff, at offset 13, never is
+    path.write_bytes(b"PK\x03\x04\x14\x00\x08\x08\x00\x00\xd0\x9fX\xff\xfe")
     return path
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvarn_cutlass import cli
-from kvarn_cutlass.cli import build, main
+from kvarn_cutlass.cli import main
 from kvarn_cutlass.cli.progress import Progress
 
 REPO = Path(__file__).resolve().parents[1]

@@ -57,7 +57,8 @@ ROPE_THETA = 1e6
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="end-to-end demo: quantized cache, prefill, decode, accuracy, memory, speed",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda if torch sees a CUDA device, else cpu")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): cuda if torch sees a CUDA device, else cpu")
     p.add_argument("--model", type=existing_dir, default=None, metavar="DIR",
                    help="take Q/K/V from every attention layer of this transformers model instead of the generator")
     p.add_argument("--text", type=existing_file, default=None, metavar="FILE",
@@ -223,8 +224,8 @@ def demo_gemm_config(chunk: int, group: int):
 
 def _child_main(config_json: str, log_path: str) -> None:
     """Entry of the child process (its stderr is ``log_path``). SIGTERM (the demo was stopped)
-    unwinds through the compile's cleanup (nvcc's process group, the temporary directory, the cache
-    entry's lock) instead of killing the interpreter on the spot. A successful build removes the
+    unwinds through the compile's cleanup (nvcc killed, its temporary directory removed, the cache
+    entry's lock released) instead of killing the interpreter on the spot. A successful build removes the
     log; a failed one leaves it for whoever reads it: the demo, or the user when the demo had left
     the build running in the background and exited."""
 
@@ -603,7 +604,8 @@ def _start_compile(config, nvcc: str, budget: float) -> GemmCompile:
                  f"if it is not done when the demo has run {budget:g} s, it goes on in the background and the "
                  "next demo finds it in the kernel cache")
         print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({config.name}) with {nvcc} in a background "
-              f"process (a cold compile took 31 s on a free core of a 2-core machine); {after}", file=sys.stderr, flush=True)
+              f"process (a cold compile took 31 s on a free core of a 2-core machine); {after}",
+              file=sys.stderr, flush=True)
     return job
 
 

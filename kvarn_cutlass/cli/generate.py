@@ -9,7 +9,8 @@ import json
 import sys
 
 from ..presets import PRESETS, QUANTIZERS
-from .argtypes import existing_dir, existing_file, non_empty, non_negative_int, positive_int, read_text_file, resolve_device
+from .argtypes import (existing_dir, existing_file, non_empty, non_negative_int, positive_int, read_text_file,
+                       resolve_device)
 from .progress import Progress
 
 NAME = "generate"
@@ -32,9 +33,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=256, help="fp16 window in tokens (default 256)")
     p.add_argument("--sink", type=non_negative_int, default=0, help="leading tokens kept unquantized (default 0)")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size (default 512)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda if torch sees a CUDA device, else cpu")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto (default: float32 on CPU, float16 on CUDA), float32, float16 or bfloat16")
-    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="dtype of the window and sink tokens (default float16)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): cuda if torch sees a CUDA device, else cpu")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (default: float32 on CPU, float16 on CUDA), float32, float16 or bfloat16")
+    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16",
+                   help="dtype of the window and sink tokens (default float16)")
     p.add_argument("--cpu-attention", choices=("reference", "dequant"), default="reference",
                    help="CPU attention: float64 reference (default) or tiles decoded once + float32 SDPA (faster)")
     p.add_argument("--teacher-forced", action="store_true", help="also report teacher-forced agreement")

@@ -15,7 +15,8 @@ import json
 import sys
 
 from ..presets import PRESETS, QUANTIZERS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_int, positive_int, read_text_file, resolve_device
+from .argtypes import (existing_dir, existing_file, int_at_least, non_negative_int, positive_int, read_text_file,
+                       resolve_device)
 
 NAME = "perplexity"
 
@@ -47,8 +48,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=positive_int, default=512,
                    help="chunk size of --method prefill, query block of --method sim (default 512)")
     p.add_argument("--batch", type=positive_int, default=2, help="windows per forward pass (simulation) or per decode batch (default 2)")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto (default: float32 on CPU, float16 on CUDA), float32, float16 or bfloat16")
-    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="dtype of the window and sink tokens (default float16)")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (default: float32 on CPU, float16 on CUDA), float32, float16 or bfloat16")
+    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16",
+                   help="dtype of the window and sink tokens (default float16)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -96,7 +96,8 @@ def parse_bucket(key: str, table_key: bool = True) -> tuple[int, int, int, str]:
     if D not in D_BUCKETS:
         raise ValueError(f"{key!r}: head_dim {D} is not supported (the K-score GEMM takes head_dim {list(D_BUCKETS)})")
     if T not in T_BUCKETS:
-        raise ValueError(f"{key!r}: tiles of {T} tokens are not supported (the presets' tile sizes are {list(T_BUCKETS)})")
+        raise ValueError(f"{key!r}: tiles of {T} tokens are not supported "
+                         f"(the presets' tile sizes are {list(T_BUCKETS)})")
     if out not in OUT_BUCKETS:
         raise ValueError(f"{key!r}: output dtype {out!r} is not supported (one of {list(OUT_BUCKETS)})")
     if M < 1:
