@@ -351,7 +351,7 @@ def test_generate_reports_progress_and_says_when_no_tile_was_used(capsys, tmp_pa
     text = tmp_path / "eval.txt"
     text.write_text((SHARED / "data" / "code_eval.txt").read_text(encoding="utf-8")[:20000])
     assert main(["generate", "--model", str(MODEL), "--prompts-from", str(text), "--num-prompts", "2",
-                 "--prompt-tokens", "200", "--max-new-tokens", "2", "--window", "128", "--device", "cpu", "--json"]) == 0
+                 "--prompt-tokens", "130", "--max-new-tokens", "2", "--window", "128", "--device", "cpu", "--json"]) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     assert doc["prompts_without_tiles"] == 0 and all(r["tokens_in_tiles"] == 128 for r in doc["per_prompt"])
