@@ -34,7 +34,8 @@ def test_info_json_on_cpu_has_every_key_and_says_no_gpu(capsys, tmp_path, monkey
     assert info["gemm_configs"] == "none (no CUDA GPU)"
     assert info["torch"] == torch.__version__
     assert info["cuda_torch"] == (torch.version.cuda or "none (CPU build of torch)")
-    assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0}
+    assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0,
+                                    "status": "not created yet (made by the first compile)"}
     for key in INFO_KEYS:  # every field is filled, never null
         assert info[key] not in (None, "")
 
@@ -69,8 +70,35 @@ def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypat
     assert directory_size(root) == (expected_bytes, expected_files), f"seed={seed}"
     monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
     info = _info_json(capsys)
-    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes,
-                                    "files": expected_files}, f"seed={seed}"
+    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes, "files": expected_files,
+                                    "status": "ready"}, f"seed={seed}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere: the permission case cannot be built")
+def test_kernel_cache_that_is_not_writable_says_so(capsys, tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+        assert "is not writable" in _info_json(capsys)["kernel_cache"]["status"]
+    finally:
+        root.chmod(0o700)
+
+
+@pytest.mark.parametrize("where", ["the path", "a parent"])
+def test_kernel_cache_path_that_is_a_file_is_reported_unusable(where, capsys, tmp_path, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory\n")
+    root = blocker if where == "the path" else blocker / "kvarn" / "sub"
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+    cache = _info_json(capsys)["kernel_cache"]
+    assert cache["exists"] is False and cache["files"] == 0
+    assert cache["status"].startswith("unusable: ") and f"{blocker} is a file" in cache["status"]
+    assert "KVARN_CUTLASS_CACHE" in cache["status"]
+    assert main(["info"]) == 0  # the text report carries the same words
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("kernel_cache"))
+    assert f"{blocker} is a file" in line
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -59,6 +59,8 @@ def test_sections_tile_the_record_in_order(preset, head_dim, scale_dtype):
         ({"scale_dtype": np.array([1, 2])}, "scale_dtype="),
         ({"scale_dtype": "float16"}, "scale_dtype="),
         ({"sinkhorn_iters": np.array([1, 2])}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": kc.format.MAX_SINKHORN_ITERS + 1}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": 10**6}, "sinkhorn_iters"),  # a hang in the codec before it had a bound
     ],
 )
 def test_bad_spec_names_the_argument(kwargs, match):
@@ -70,6 +72,12 @@ def test_bad_spec_names_the_argument(kwargs, match):
 def test_cache_with_an_unhashable_spec_argument_names_it(kwargs):
     with pytest.raises(ValueError, match=f"{next(iter(kwargs))}="):
         kc.KVarNCache(1, 1, 1, 128, **kwargs)
+
+
+def test_sinkhorn_iters_bound_is_inclusive_and_reaches_the_cache():
+    assert kc.TileSpec(sinkhorn_iters=kc.format.MAX_SINKHORN_ITERS).sinkhorn_iters == kc.format.MAX_SINKHORN_ITERS
+    with pytest.raises(ValueError, match=r"sinkhorn_iters must be an int in \[0, 64\], got 1000000"):
+        kc.KVarNCache(1, 1, 2, 128, sinkhorn_iters=10**6)
 
 
 def test_unknown_section():

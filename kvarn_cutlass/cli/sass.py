@@ -9,9 +9,15 @@ from .emit import add_config_args, config_from_args
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("sass", help="compile a K-score GEMM config and write its SASS + summary")
+    p = subparsers.add_parser(
+        "sass", help="compile a K-score GEMM config and write its SASS + summary",
+        description="Compile the K-score GEMM of a shape bucket or config for sm_90a with nvcc (no GPU needed; "
+        "the kernel cache keeps the result) and print a JSON summary of its SASS: instruction count, IGMMA "
+        "(int8 wgmma) count and shapes, warpgroup barriers, local loads/stores, registers, spills, shared "
+        "memory, threads, Params size and compile time. -o writes the whole SASS listing (cuobjdump or "
+        "nvdisasm) to a file.")
     add_config_args(p)
-    p.add_argument("-o", "--output", help="write the SASS here (default: summary only)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the SASS listing here (default: the summary only)")
     return p
 
 
