@@ -9,7 +9,9 @@
 // cache dtype, causal inside the chunk (query i sees chunk token j <= i). Two phases share one online
 // softmax (running max m and sum l per row, in units of log2; `rowf` turns a raw dot product into one).
 //
-// Warp specialization: CONSUMER_WARPS warps compute, 4 producer warps stage operands. The work is one
+// Warp specialization: CONSUMER_WARPS warps compute, 4 producer warps stage operands (as one group, or
+// as two groups of 2 warps taking alternate tiles, so one group's per-tile work, the record's scale
+// reductions, overlaps the other's dequantization). The work is one
 // sequence of BLOCK_N-token blocks (the tiles' blocks, then the exact tokens' blocks) through a
 // three-stage ring of shared-memory buffers; named barriers FULL[s] (producers -> consumers) and
 // EMPTY[s] (consumers -> producers) hand each stage over, so dequantization overlaps the MMAs.
@@ -37,7 +39,8 @@
 //
 // Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
-// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, BLOCK_N, OFF_* and RECORD_BYTES,
+// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_GROUPS, BLOCK_N,
+// OFF_* and RECORD_BYTES,
 // KERNEL_NAME.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -54,6 +57,8 @@ constexpr int NP = 4;                 // producer warps (one warpgroup)
 constexpr int BN = BLOCK_N;
 constexpr int NT = (NC + NP) * 32;    // threads
 constexpr int PT = NP * 32;           // producer threads
+constexpr int NG = PRODUCER_GROUPS;   // producer groups (1 or 2), each its own tiles
+constexpr int GT = PT / NG;           // threads of a producer group
 constexpr int BM = NC * RPW;          // rows per CTA
 constexpr int MT = RPW / 16;          // m16 tiles per warp
 constexpr int SN = BN / 8;            // n8 tiles of a score block
@@ -62,10 +67,13 @@ constexpr int QS = D + 8;             // row stride (halves) of Q and token-majo
 constexpr int KS = BN + 8;            // row stride (halves) of the channel-major dequantized K
 constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
-constexpr int NSTAGE = 3;             // stages of the producer -> consumer ring
+// stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
+// tiles' blocks (tile g's blocks go to group g % 2)
+constexpr int NSTAGE = NG == 1 ? 3 : NG * BPT;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
+static_assert(NG == 1 || (NG == 2 && BPT <= 2), "PRODUCER_GROUPS is 1, or 2 with at most 2 blocks per tile");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");
@@ -73,16 +81,17 @@ static_assert(D == 64 || D == 128 || D == 256, "head_dim");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and two stages. A stage holds a tile block (kd [D][KS] f16,
-// vd [BN][QS] f16, tokf [BN] f32, 3 f32 scalars) or an exact block (K and V [BN][QS], cache dtype);
+// vd [BN][QS] f16, tokf [BN] f32, the tile factor) or an exact block (K and V [BN][QS], cache dtype);
 // NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_REC = 2 * REC;
-constexpr int SM_PAR = D * 8 + D * 4 + T * 8 + T * 4;  // kp [D], cr [D], vp [T], rs [T] (see Params)
+constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4;  // kp [D], cr [D], vp [T], rs [T] (see Params)
+constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
 constexpr int ST_KD = D * KS * 2;
 constexpr int ST_VD = BN * QS * 2;
-constexpr int ST_TILE = ST_KD + ST_VD + BN * 4 + 16;
+constexpr int ST_TILE = ST_KD + ST_VD + BN * 4 + 16;  // + the tile factor fV (first block of a tile)
 constexpr int ST_EXACT = 2 * BN * QS * 2;
 constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 15) / 16 * 16;
 constexpr int OFF_SM_REC = SM_Q;
@@ -143,6 +152,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -457,7 +468,8 @@ constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers 
 constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait
 constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
 constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
-static_assert(BAR_CONS < 16, "16 named barriers");
+constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
+static_assert(BAR_GROUP + NG <= 16, "16 named barriers");
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -519,7 +531,7 @@ __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
     const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), kinv = exp2i(f.ek);
     const float cinv = 1.f / f.cmax;
-    for (int c = ptid; c < D; c += PT) {
+    for (int c = ptid; c < D; c += GT) {
         const float step = scale_at(rec + OFF_CHAN_STEP, c) * kmul, mn = scale_at(rec + OFF_CHAN_MIN, c) * kmul;
         const float ratio = scale_at(rec + OFF_COL_SCALE, c) * cinv;
 #if SCALE_F32
@@ -530,7 +542,7 @@ __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f,
         reinterpret_cast<__half*>(P.cr)[c] = __float2half_rn(ratio);
 #endif
     }
-    for (int t = ptid; t < T; t += PT) {
+    for (int t = ptid; t < T; t += GT) {
         const float step = scale_at(rec + OFF_TOK_STEP, t) * vmul, mn = scale_at(rec + OFF_TOK_MIN, t) * vmul;
 #if SCALE_F32
         P.vp[t] = make_uint2(f2u(step), f2u(mn));
@@ -629,10 +641,10 @@ __device__ __forceinline__ u32 affine_scaled(__half2 v, uint2 p, ratio_t r) {
 __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const u8* lut, u8* sKd, int t0, int ptid) {
     constexpr int WPC = BN / 8;  // words per channel in a block
     constexpr int ITEMS = D * WPC;
-    static_assert(ITEMS % PT == 0, "whole items per producer thread");
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
 #pragma unroll 4
-    for (int it = 0; it < ITEMS / PT; ++it) {
-        const int item = ptid + it * PT;
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int c = item / WPC, wi = item - c * WPC;
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
         const uint2 kp = P.kp[c];
@@ -649,7 +661,7 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 // a producer thread always handles the same channels, so their col_scale ratios stay in registers.
 constexpr int CPW = 32 / VB;        // channels per V word
 constexpr int WPT = D / CPW;        // V words per token
-static_assert(PT % WPT == 0, "a producer thread keeps its channels");
+static_assert(GT % WPT == 0, "a producer thread keeps its channels");
 __device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[CPW / 2], int ptid) {
     const int c0 = (ptid % WPT) * CPW;
 #pragma unroll
@@ -659,10 +671,10 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
                                           const u8* lut, u8* sVd, int t0, int ptid) {
     constexpr int ROWB = D * VB / 8;  // bytes per token of codes
     constexpr int ITEMS = BN * WPT;
-    static_assert(ITEMS % PT == 0, "whole items per producer thread");
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
 #pragma unroll 2
-    for (int it = 0; it < ITEMS / PT; ++it) {
-        const int item = ptid + it * PT;
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int tt = item / WPT, wi = item - tt * WPT;
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
         const uint2 vp = P.vp[t0 + tt];
@@ -697,10 +709,10 @@ __device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, 
                                                  u8* sK, u8* sV, int ptid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per token row
     constexpr int ITEMS = BN * CPR;
-    static_assert(ITEMS % PT == 0, "whole items per producer thread");
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
     const int s0 = src.sink_len, s1 = src.sink_len + src.win_len;
-    for (int it = 0; it < ITEMS / PT; ++it) {
-        const int item = ptid + it * PT;
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int tt = item / CPR, ch = item - tt * CPR;
         const int e = e0 + tt;
         const cache_t* pk = src.chunk_k;
@@ -828,59 +840,62 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (warp >= NC) {
         // ================= producers =================
         const int ptid = tid - NC * 32;
+        const int pg = ptid / GT, gtid = ptid - pg * GT;  // producer group, thread within it
         Params P;
-        P.kp = reinterpret_cast<uint2*>(smem + OFF_SM_PAR);
+        P.kp = reinterpret_cast<uint2*>(smem + OFF_SM_PAR + pg * SM_PAR1);
         P.cr = P.kp + D;
         P.vp = reinterpret_cast<uint2*>(reinterpret_cast<float*>(P.cr) + D);
         P.rs = reinterpret_cast<float*>(P.vp + T);
         const ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
+        // records through a two-slot ring (tile g in slot g % 2): a group fetches tile g + 2 as soon as it is
+        // done with tile g, so each record has at least one other tile's time to land
         auto fetch = [&](int g) {
             const long long slot = tile_table[(long long)b * table_stride + g];
             const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
             u8* dst = sRec + (g & 1) * REC;
-            for (int i = ptid; i < REC / 16; i += PT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
             cp_async_commit();
         };
         if (n_tiles > 0) {
-            fetch(0);
             build_luts(sLut, ptid);
+            for (int g = 0; g < 2 && g < n_tiles; ++g)
+                if (g % NG == pg) fetch(g);
+            bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
-        float fv_run = 0.f, ratio = 1.f, rescale = 1.f;
         ratio_t cr[CPW / 2];
+        float fv_tile = 0.f;
         const u8* rec = sRec;
         for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
+            if (NG > 1 && s / BPT != pg) continue;  // another group's stage
             u8* st = sStage + s * ST_BYTES;
             if (bi < sc.nba) {
                 const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
                 if (t0 == 0) {  // a new tile: its record, factors and parameters
-                    cp_async_wait_all();
-                    bar_sync(BAR_PROD, PT);  // record g landed; every producer is done with tile g - 1
-                    if (g + 1 < n_tiles) fetch(g + 1);  // into the slot tile g - 1 used
+                    if (NG == 1 && g + 1 < n_tiles) cp_async_wait_group<1>();  // tile g + 1 may stay in flight
+                    else cp_async_wait_all();
+                    bar_sync(BAR_GROUP + pg, GT);  // record g landed
                     rec = sRec + (g & 1) * REC;
                     const TileFactors f = tile_factors(rec, lane);
-                    tile_params(rec, f, P, ptid);
-                    const float fv_new = fmaxf(fv_run, f.fv);
-                    rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
-                    ratio = f.fv / fv_new;
-                    fv_run = fv_new;
-                    bar_sync(BAR_PROD, PT);  // parameters written
-                    load_col_ratios(P, cr, ptid);
+                    tile_params(rec, f, P, gtid);
+                    bar_sync(BAR_GROUP + pg, GT);  // parameters written
+                    load_col_ratios(P, cr, gtid);
+                    fv_tile = f.fv;
                 }
                 if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);  // the consumers are done with this stage
-                dequant_k(rec, P, sLut, st, t0, ptid);
-                dequant_v(rec, P, cr, sLut, st + ST_KD, t0, ptid);
+                dequant_k(rec, P, sLut, st, t0, gtid);
+                dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);
                 float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
-                if (ptid < BN) tokf[ptid] = P.rs[t0 + ptid];
-                if (ptid == 0) {
-                    tokf[BN] = ratio;
-                    tokf[BN + 1] = t0 == 0 ? rescale : 1.f;
-                    tokf[BN + 2] = fv_run;
+                if (gtid < BN) tokf[gtid] = P.rs[t0 + gtid];
+                if (gtid == 0) tokf[BN] = fv_tile;  // the consumers keep the running max of the tile factors
+                if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + 2
+                    bar_sync(BAR_GROUP + pg, GT);
+                    if (g + 2 < n_tiles) fetch(g + 2);
                 }
                 bar_arrive(BAR_FULL + s, NT);
             } else {
                 if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);
-                load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, ptid);
+                load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, gtid);
                 cp_async_wait_all();
                 bar_arrive(BAR_FULL + s, NT);
             }
@@ -923,14 +938,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     else stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
+    float fv_run = 0.f, ratio = 1.f;
     for (int bi = 0; bi < sc.nb; ++bi) {
         const int s = bi % NSTAGE;
         const u8* stg = sStage + s * ST_BYTES;
         bar_sync(BAR_FULL + s, NT);
         if (bi < sc.nba) {
             const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
-            attend_block<true>(sQw, stg, stg + ST_KD, tokf, tokf[BN], tokf[BN + 1], st, acc, lane, 0, 0, 0, false);
-            const float fv_run = tokf[BN + 2];
+            float rescale = 1.f;
+            if (bi % BPT == 0) {  // a new tile: its factor against the running max (see the header)
+                const float fv_g = tokf[BN], fv_new = fmaxf(fv_run, fv_g);
+                rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
+                ratio = fv_g / fv_new;
+                fv_run = fv_new;
+            }
+            attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
             if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
             if (bi == sc.nba - 1) {  // the tiles are done: back to the original domain, q unrotated
 #pragma unroll

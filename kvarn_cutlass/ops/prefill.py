@@ -52,14 +52,19 @@ class FusedConfig:
         MMAs; needs 16 rows per warp to fit the 168 registers of 384 threads). A CTA owns
         consumer_warps * rows_per_warp rows of one KV head.
     block_n: tokens per score block (32 or 64; a tile is T / block_n blocks).
+    producer_groups: 1 (the 4 producer warps work on every tile together) or 2 (two groups of 2 warps take
+        alternate tiles, so one group's per-tile scale reductions overlap the other's dequantization;
+        needs at most 2 blocks per tile and shared memory for 2 stages per group).
     """
 
     rows_per_warp: int = 32
     block_n: int = 64
     consumer_warps: int = 4
+    producer_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8))):
+        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
+                              ("producer_groups", (1, 2))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
@@ -74,7 +79,7 @@ class FusedConfig:
 
     @property
     def name(self) -> str:
-        return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}"
+        return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
@@ -84,11 +89,13 @@ class FusedConfig:
             return False
         if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
             return False
+        if self.producer_groups == 2 and (tile_tokens // self.block_n > 2 or head_dim == 256):
+            return False
         return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32 and self.consumer_warps == 4)
 
 
 # Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
-CANDIDATES = tuple(FusedConfig(r, n, c) for c in (4, 8) for r in (16, 32) for n in (32, 64)
+CANDIDATES = tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
                    if c == 4 or r == 16)
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
@@ -131,6 +138,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "Q_BF16": int(q_dtype == torch.bfloat16),
         "ROWS_PER_WARP": config.rows_per_warp,
         "CONSUMER_WARPS": config.consumer_warps,
+        "PRODUCER_GROUPS": config.producer_groups,
         "BLOCK_N": config.block_n,
     }
     for section in spec.section_names():
