@@ -117,7 +117,16 @@ DESCRIPTION = (
 
 
 def bucket_arg(text: str) -> str:
-    """argparse type of --buckets: a key of the config table (see :func:`kvarn_cutlass.gemm.configs.parse_bucket`)."""
+    """argparse type of --buckets: a key of the GEMM config table (see :func:`kvarn_cutlass.gemm.configs.parse_bucket`)
+    or of the fused prefill kernel's (``D128_T128_V2``; :func:`kvarn_cutlass.ops.prefill_tune.parse_bucket`)."""
+    if text.startswith("D"):
+        from ..ops.prefill_tune import parse_bucket as parse_prefill_bucket
+
+        try:
+            parse_prefill_bucket(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
     try:
         parse_bucket(text)
     except ValueError as e:
@@ -134,6 +143,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--filter", type=regex, default=None, metavar="REGEX",
                    help="only candidates whose config name matches REGEX (re.search), e.g. a shortlist "
                         "(default: every candidate)")
+    p.add_argument("--kernel", choices=("gemm", "prefill"), default="gemm",
+                   help="gemm: the CUTLASS K-score GEMM (gemm_configs/sm90.json); prefill: the fused prefill "
+                        "kernel's configs (gemm_configs/prefill_sm90.json; buckets like D128_T128_V2; times one "
+                        "512-token chunk over a 16k context per candidate, checked against the torch path) "
+                        "(default: gemm)")
     p.add_argument("--dry-run", action="store_true", help="list the sweep, no compile, no GPU")
     p.add_argument("--jobs", type=positive_int, default=DEFAULT_JOBS, metavar="N",
                    help=f"parallel nvcc compiles (default {DEFAULT_JOBS}: half the CPU cores)")
@@ -195,6 +209,11 @@ def _write_json_atomic(path: Path, doc: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kernel == "prefill":
+        return _run_prefill(args)
+    if args.buckets and any(b.startswith("D") for b in args.buckets):
+        raise SystemExit(f"error: --buckets {' '.join(b for b in args.buckets if b.startswith('D'))}: prefill buckets "
+                         "need --kernel prefill")
     buckets = args.buckets or all_buckets()
     plan = {b: sweep(b) for b in buckets}
     if args.filter:
@@ -270,3 +289,25 @@ def run(args: argparse.Namespace) -> int:
     _write_json_atomic(out_path, table)
     print(f"wrote {out_path}: {len(tuned)} of {len(plan)} bucket(s) tuned; {summary}", file=sys.stderr)
     return 0
+
+
+def _run_prefill(args: argparse.Namespace) -> int:
+    from ..ops.prefill import CANDIDATES, FusedConfig
+    from ..ops.prefill_tune import DEFAULT_BUCKETS, parse_bucket as parse_prefill_bucket, run_tune
+
+    buckets = args.buckets or list(DEFAULT_BUCKETS)
+    wrong = [b for b in buckets if not b.startswith("D")]
+    if wrong:
+        raise SystemExit(f"error: --buckets {' '.join(wrong)}: GEMM buckets; --kernel prefill takes D<d>_T<t>_V<v>[_lm]")
+    if args.dry_run:
+        for b in buckets:
+            spec = parse_prefill_bucket(b)
+            cands = [c.name for c in CANDIDATES if c.fits(spec.head_dim, spec.tile_tokens)
+                     and (not args.filter or args.filter.search(c.name))]
+            print(f"{b}: {len(cands)} configs")
+            for c in cands:
+                print(f"  {c}")
+        return 0
+    require_sm90_gpu()
+    return run_tune(buckets, reps=args.runs, output=args.output)
+

@@ -81,6 +81,16 @@ class FusedConfig:
     def name(self) -> str:
         return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
 
+    @classmethod
+    def from_name(cls, name: str) -> "FusedConfig":
+        """The config of a :attr:`name` such as ``r32c4n64`` or ``r16c8n64g2``; ValueError otherwise."""
+        import re
+
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?", name) if isinstance(name, str) else None
+        if m is None:
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2], e.g. r32c4n64)")
+        return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1)
+
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
         sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers),
