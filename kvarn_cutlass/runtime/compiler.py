@@ -46,6 +46,7 @@ __all__ = [
     "kernel_resources",
     "cubin_symbols",
     "cubin_sm",
+    "cubin_global",
 ]
 
 COMPILER_ENV = "KVARN_CUTLASS_COMPILER"
@@ -349,6 +350,8 @@ _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
 _ELF64_SECTION = struct.Struct("<IIQQQQIIQQ")
 _ELF64_SYMBOL = struct.Struct("<IBBHQQ")
 _SHT_SYMTAB = 2
+_SHT_NOBITS = 8
+_STT_OBJECT = 1
 _STT_FUNC = 2
 # .nv.info attribute records: u8 format, u8 attribute, then a u16 value, or for format
 # EIFMT_SVAL a u16 size and that many bytes. The attributes read here hold (symbol index, value).
@@ -408,6 +411,31 @@ def cubin_symbols(cubin: bytes) -> set[str]:
         ValueError: ``cubin`` is not a 64-bit ELF image.
     """
     return {name for name, info in _elf_symbols(cubin, _elf_sections(cubin)) if info & 0xF == _STT_FUNC}
+
+
+def cubin_global(cubin: bytes, name: str) -> bytes:
+    """The initial bytes of the ``__device__`` variable ``name`` of a CUBIN (``extern "C"`` keeps the name).
+
+    A kernel source can export compile-time numbers the host needs (shared-memory sizes, block shapes)
+    as an initialized ``extern "C" __device__ const`` array; this reads them without a GPU.
+
+    Raises:
+        ValueError: ``cubin`` is not a 64-bit ELF image.
+        KeyError: no initialized variable ``name`` in the CUBIN.
+    """
+    sections = _elf_sections(cubin)
+    for sec in sections:
+        if sec.type != _SHT_SYMTAB:
+            continue
+        names_at = sections[sec.link].offset
+        for pos in range(sec.offset, sec.offset + sec.size, sec.entsize or _ELF64_SYMBOL.size):
+            st_name, st_info, _, st_shndx, st_value, st_size = _ELF64_SYMBOL.unpack_from(cubin, pos)
+            if st_info & 0xF == _STT_OBJECT and 0 < st_shndx < len(sections) and _cstr(cubin, names_at + st_name) == name:
+                data = sections[st_shndx]
+                if data.type == _SHT_NOBITS:
+                    break
+                return cubin[data.offset + st_value : data.offset + st_value + st_size]
+    raise KeyError(f"the CUBIN has no initialized __device__ variable {name!r}")
 
 
 def cubin_sm(cubin: bytes) -> int:
