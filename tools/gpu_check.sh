@@ -137,7 +137,7 @@ if [ -n "${GPU_NCU:-}" ]; then
   for t in ${GPU_NCU_TARGETS:-compress decode prefill_sv prefill_gemm prefill_fold}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
-      decode) step ncu_decode ncu_one decode kvarn_decode_partials ;;
+      decode) step ncu_decode ncu_one decode kvarn_decode_n ;;
       prefill_sv) step ncu_prefill_sv ncu_one prefill kvarn_prefill_sv ;;
       prefill_gemm) step ncu_prefill_gemm ncu_one prefill "device_kernel|kscore_sm90" ;;
       prefill_fold) step ncu_prefill_fold ncu_one prefill kvarn_kscore_fold ;;
