@@ -405,3 +405,16 @@ def test_lm_selectors_pair_with_the_packing_order():
         so = ((x >> 4) & 0x0F0F) | ((x >> 16) & 0xF0F0)
         for sel, par in ((se, 0), (so, 1)):
             assert _bytes(lut16(sel), True) == [int(table[nib[i, par]]) for i in (0, 2, 1, 3)]
+
+
+def test_identity_tile_table():
+    """Entry [b, g] is the pool slot b * cap + g; cached per pool, a new pool (other pointer) gets its own."""
+    pool = torch.zeros(3, 5, 2, 16, dtype=torch.uint8)
+    t = decode.identity_tile_table(pool)
+    assert t.dtype == torch.int32 and t.shape == (3, 5) and t.is_contiguous()
+    assert torch.equal(t.view(-1), torch.arange(15, dtype=torch.int32))
+    flat = pool.view(-1, 2, 16)
+    assert flat[int(t[2, 3])].data_ptr() == pool[2, 3].data_ptr()
+    assert decode.identity_tile_table(pool) is t
+    other = torch.zeros(2, 7, 2, 16, dtype=torch.uint8)
+    assert decode.identity_tile_table(other).shape == (2, 7)
