@@ -329,23 +329,15 @@ def _kernels(spec: TileSpec, device: torch.device):
     return ks
 
 
-_tables: dict = {}
-
-
 def identity_tile_table(pool: torch.Tensor) -> torch.Tensor:
     """int32 [B, cap] with entry [b, g] = b * cap + g: the record slot of tile g of sequence b in ``pool``
     [B, cap, Hkv, nbytes] (record (b, g, h) is ``pool.view(-1, Hkv, nbytes)[slot, h]``).
 
-    Cached per pool pointer and shape (a pool that moves gets a new table). Stands in for the cache's own
-    tile table until ``KVarNCache`` provides one; a paged pool passes its table instead."""
-    key = (pool.device, pool.data_ptr(), tuple(pool.shape))
-    t = _tables.get(key)
-    if t is None:
-        B, cap = pool.shape[:2]
-        if len(_tables) > 64:
-            _tables.clear()
-        t = _tables[key] = torch.arange(B * cap, dtype=torch.int32, device=pool.device).view(B, cap)
-    return t
+    Stands in for the cache's own tile table until ``KVarNCache`` provides one (a paged pool passes its
+    table instead); :class:`DecodePlan` keeps one per pool pointer and shape, since a captured graph
+    holds its address."""
+    B, cap = pool.shape[:2]
+    return torch.arange(B * cap, dtype=torch.int32, device=pool.device).view(B, cap)
 
 
 # --- low-level entry ---------------------------------------------------------------------------
@@ -518,6 +510,7 @@ class DecodePlan:
                                        device=self.device)
         self._ring = _PinnedRing((3, B))
         self._workspaces: dict[tuple[int, int], DecodeWorkspace] = {}
+        self._tables: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (pool pointer, shape) -> tile table
         self._prepared: dict = {}
 
     def refresh(self, layer: int | None = None) -> None:
@@ -558,8 +551,17 @@ class DecodePlan:
         return decode_attention_ragged(
             q, pool, buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"], self.lens[layer, 0], self.lens[layer, 1],
             self.lens[layer, 2], c.spec, scale=scale, out=out, workspace=self.workspace(G),
-            tile_table=identity_tile_table(pool), _prepared=self._prepared,
+            tile_table=self.tile_table(pool), _prepared=self._prepared,
         )
+
+    def tile_table(self, pool: torch.Tensor) -> torch.Tensor:
+        """The identity tile table of ``pool`` (:func:`identity_tile_table`), kept for the plan's lifetime per
+        pool pointer and shape: graphs captured with it stay valid, and a pool that grows gets a new one."""
+        key = (pool.data_ptr(), tuple(pool.shape))
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = identity_tile_table(pool)
+        return t
 
 
 _plans: "weakref.WeakKeyDictionary[KVarNCache, DecodePlan]" = weakref.WeakKeyDictionary()
