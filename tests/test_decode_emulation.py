@@ -257,7 +257,7 @@ def test_emulation_large_logits(quantizer):
     assert worst < 8e-4, worst
 
 
-@pytest.mark.parametrize("n", [1024, 16384, 131072])
+@pytest.mark.parametrize("n", [1024, 16384, 65536])
 def test_emulation_error_flat_in_depth(n):
     """Spread attention over deep contexts: the P' levels are relative to each warp chunk's own max, so
     the error does not grow with the number of tiles."""
