@@ -24,8 +24,9 @@ def test_variant_compiles(spec, arch):
         assert name in mod.resources
         res = mod.resources[name]
         # uniform: no spills; lloyd_max with G > 4 (the _n2 kernel: two 4-head blocks of scores and outputs,
-        # two table levels each) spills up to 64 bytes at its register bound (sm_90: <= 28, sm_80: <= 64)
-        limit = 64 if (name.endswith("_lm") and "_n2_" in name) else 0
+        # two table levels each) or head_dim 256 spills up to 64 bytes at its register bound (measured
+        # sm_90: <= 28, sm_80: <= 64)
+        limit = 64 if name.endswith("_lm") and ("_n2_" in name or "_d256_" in name) else 0
         assert res.spill_store_bytes is not None and res.spill_store_bytes <= limit, (name, res)
 
 
