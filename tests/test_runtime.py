@@ -619,3 +619,24 @@ def test_record_section_merges(tmp_path):
     assert doc["sections"]["launch"]["results"] == {"prepared_launch_us": 5.0}
     assert [p.name for p in path.parent.iterdir()] == ["h200.json"]
     assert gpu_slug("NVIDIA H200") == "h200" and gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+def test_cubin_global_reads_exported_numbers():
+    """An initialized extern "C" __device__ array comes back byte for byte; missing names raise KeyError."""
+    import struct
+
+    from kvarn_cutlass.runtime import cubin_global
+
+    src = (
+        'extern "C" __device__ const int exported_numbers[3] = {12345, -7, 1 << 30};\n'
+        'extern "C" __device__ int zeroed[4];\n'
+        'extern "C" __global__ void k(int* p) { p[threadIdx.x] = exported_numbers[threadIdx.x % 3] + zeroed[0]; }\n'
+    )
+    cubin = compile_cubin(src, "g.cu", "sm_90").cubin
+    assert struct.unpack("<3i", cubin_global(cubin, "exported_numbers")) == (12345, -7, 1 << 30)
+    with pytest.raises(KeyError, match="no_such_symbol"):
+        cubin_global(cubin, "no_such_symbol")
+    with pytest.raises(KeyError, match="zeroed"):  # not initialized: no bytes in the image
+        cubin_global(cubin, "zeroed")
+    with pytest.raises(ValueError, match="ELF"):
+        cubin_global(b"not an elf", "exported_numbers")

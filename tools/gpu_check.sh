@@ -147,7 +147,7 @@ if [ -n "${GPU_NCU:-}" ]; then
   for t in ${GPU_NCU_TARGETS:-compress decode prefill}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
-      decode) step ncu_decode ncu_one decode kvarn_decode_partials ;;
+      decode) step ncu_decode ncu_one decode kvarn_decode_n ;;
       prefill) step ncu_prefill ncu_one prefill kvarn_prefill_fused ;;
     esac
   done

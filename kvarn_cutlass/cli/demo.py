@@ -650,8 +650,9 @@ def run(args: argparse.Namespace) -> int:
             q16, k16, v16, scale = dev16[0]
             del cache
             result["speed"] = _gpu_speed(args, q16, k16, v16, scale)
-            result["gpu_kernels"] = ("prefill: fused attention kernel (mma.sync); decode: split-tile "
-                                     "partials + LSE combine in a CUDA graph; compression: GPU kernel in cache.append")
+            result["gpu_kernels"] = ("prefill: fused attention kernel (mma.sync); decode: one split-tile int8 "
+                                     "tensor-core kernel (partials merged by the last block) in a CUDA graph; "
+                                     "compression: GPU kernel in cache.append")
         else:
             result["gpu_kernels"] = ("not run: no CUDA device. The GPU compression, the decode kernels and the "
                                      "prefill kernels need an NVIDIA GPU (sm_80+; the CUTLASS K-score GEMM sm_90)")

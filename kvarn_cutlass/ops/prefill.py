@@ -223,7 +223,7 @@ def smem_bytes(cubin: bytes) -> int:
     """The kernel's dynamic shared memory, read from the module global ``kvarn_prefill_smem_bytes``."""
     from ..runtime.compiler import cubin_global
 
-    return int.from_bytes(cubin_global(cubin, SMEM_SYMBOL, 4), "little", signed=True)
+    return int.from_bytes(cubin_global(cubin, SMEM_SYMBOL)[:4], "little", signed=True)
 
 
 # --- launch ---------------------------------------------------------------------------------------
