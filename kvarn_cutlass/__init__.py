@@ -4,20 +4,25 @@ Data flow: ``format`` (tile layout) -> ``codec`` (encode/decode) -> ``cache`` (K
 ``reference`` (float64 oracle) -> ``runtime`` (compile/load/launch) -> ``gemm`` (CUTLASS K-score
 GEMM) -> ``prefill`` / ``decode`` -> ``hf`` (transformers integration) -> ``cli``.
 
-The GPU entry points and the transformers integration are imported on first use, so that
-``import kvarn_cutlass`` stays light and works without transformers installed.
+Everything but the preset and quantizer names is imported on first use, so that ``import
+kvarn_cutlass`` stays light (no torch until a tensor type is needed) and works without transformers.
 """
 
 from importlib import import_module
+from importlib.util import find_spec
 
-from . import reference
-from .cache import KVarNCache
-from .codec import decode_tiles, encode_tiles
-from .format import PRESETS, QUANTIZERS, TileSpec
+from .presets import PRESETS, QUANTIZERS
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute; None: the module itself). Imported on first access, so that importing
+# the package (and so the command line's --help) does not import torch.
 _LAZY = {
+    "KVarNCache": ("kvarn_cutlass.cache", "KVarNCache"),
+    "TileSpec": ("kvarn_cutlass.format", "TileSpec"),
+    "encode_tiles": ("kvarn_cutlass.codec", "encode_tiles"),
+    "decode_tiles": ("kvarn_cutlass.codec", "decode_tiles"),
+    "reference": ("kvarn_cutlass.reference", None),
     "prefill_attention": ("kvarn_cutlass.prefill", "prefill_attention"),
     "decode_attention": ("kvarn_cutlass.decode", "decode_attention"),
     "decode_attention_ragged": ("kvarn_cutlass.decode", "decode_attention_ragged"),
@@ -30,12 +35,15 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = import_module(module) if attr is None else getattr(import_module(module), attr)
+    elif find_spec(f"{__name__}.{name}") is not None:  # a submodule not imported yet (kvarn_cutlass.format)
+        value = import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'kvarn_cutlass' has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    value = import_module(module) if attr is None else getattr(import_module(module), attr)
     globals()[name] = value
     return value
 
 
-__all__ = ["PRESETS", "QUANTIZERS", "TileSpec", "encode_tiles", "decode_tiles", "KVarNCache", "reference", "__version__", *_LAZY]
+__all__ = ["PRESETS", "QUANTIZERS", "__version__", *_LAZY]

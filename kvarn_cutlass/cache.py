@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import codec
+from ._validate import check_device
 from .format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, TileSpec
 from .ops.append import INPUT_ORDER, Backup, error_message, plan_append
 
@@ -90,7 +91,8 @@ class KVarNCache:
         window: fp16 window in tokens: a multiple of the tile size, at least one tile (default 256).
         sink_tokens: 0 or a multiple of the tile size; the first tokens kept unquantized.
         dtype: float16 or bfloat16, the dtype of the window and sink.
-        device: where every tensor of the cache lives.
+        device: where every tensor of the cache lives (``cpu``, ``cpu:0``, ``cuda``, ``cuda:1``, a
+            ``torch.device``); stored normalized in ``device`` (``cpu``, ``cuda:<index>``).
         scale_dtype: float16 (default) or float32 for the scales inside tile records.
         sinkhorn_iters: variance-normalization iterations of the codec.
         max_seq_len: optional capacity in tokens; preallocates the tile pool (needed to capture
@@ -132,9 +134,7 @@ class KVarNCache:
         self.window = window
         self.sink_tokens = sink_tokens
         self.dtype = dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = check_device(device)
         self.max_seq_len = max_seq_len
         capacity = 0 if max_seq_len is None else max(0, math.ceil((max_seq_len - sink_tokens) / T))
         self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)

@@ -68,6 +68,9 @@ MAX_INPUT_ABS = 2.0**48
 # above 2^37 once m > sqrt(256) * 2^37 = 2^41. 2^42 leaves a factor of 2 for rounding.
 MAX_INPUT_ABS_F16_SCALES = 2.0**42
 FLOAT_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What decode computes in: the reconstruction's products and the inverse WHT's sums would lose bits
+# (and overflow above ~4096 for D=256) in a 16-bit dtype; decode in float32 and convert instead.
+DECODE_DTYPES = (torch.float32, torch.float64)
 
 
 # --- deterministic primitives ------------------------------------------------------------------
@@ -220,6 +223,21 @@ def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --- validation --------------------------------------------------------------------------------
+def check_spec(spec, name: str = "spec") -> None:
+    """Raise a TypeError naming ``name`` unless spec is a :class:`~kvarn_cutlass.format.TileSpec`."""
+    if not isinstance(spec, TileSpec):
+        raise TypeError(f"{name} must be a kvarn_cutlass.TileSpec, got {type(spec).__name__}")
+
+
+def check_decode_dtype(dtype, name: str = "dtype") -> None:
+    """Raise a TypeError naming ``name`` unless dtype is one of ``DECODE_DTYPES``."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype (torch.float32 or torch.float64), got {dtype!r}")
+    if dtype not in DECODE_DTYPES:
+        raise TypeError(f"{name}={dtype} is not supported; decode computes in {list(DECODE_DTYPES)} "
+                        "(decode in float32 and convert the result for another dtype)")
+
+
 def check_tile_input(name: str, x, spec: TileSpec) -> None:
     """Raise a ValueError/TypeError naming ``name`` unless x is a finite float [..., T, D] tensor."""
     if not isinstance(x, torch.Tensor):
@@ -245,6 +263,7 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, spec: TileSpec) -> torch.Tens
     Returns uint8 [..., spec.tile_nbytes] on the device of k, byte-identical for identical
     inputs on any machine. Raises ValueError/TypeError naming the argument on bad input.
     """
+    check_spec(spec)
     check_tile_input("k", k, spec)
     check_tile_input("v", v, spec)
     if k.shape != v.shape:
@@ -312,6 +331,8 @@ class TileFields:
 
 
 def check_records(rec, spec: TileSpec, name: str = "rec") -> None:
+    """Raise a TypeError/ValueError naming ``name`` (or ``spec``) unless rec is uint8 [..., spec.tile_nbytes]."""
+    check_spec(spec)
     if not isinstance(rec, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(rec).__name__}")
     if rec.dtype != torch.uint8 or rec.dim() < 1 or rec.shape[-1] != spec.tile_nbytes:
@@ -353,7 +374,9 @@ def unpack_fields(rec: torch.Tensor, spec: TileSpec) -> TileFields:
 
 
 def dequantize_rotated(f: TileFields, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [..., T, D] in the rotated domain, computed in ``dtype`` (codes through the codebook)."""
+    """K and V [..., T, D] in the rotated domain, computed in ``dtype`` (float32 or float64; codes
+    through the codebook)."""
+    check_decode_dtype(dtype)
     c = lambda t: t.to(dtype)  # noqa: E731
     k = c(f.row_scale)[..., :, None] * (c(f.chan_min)[..., None, :] + c(f.chan_step)[..., None, :] * c(f.k_values).transpose(-1, -2))
     v = c(f.col_scale)[..., None, :] * (c(f.tok_min)[..., :, None] + c(f.tok_step)[..., :, None] * c(f.v_values))
@@ -363,7 +386,9 @@ def dequantize_rotated(f: TileFields, dtype: torch.dtype = torch.float32) -> tup
 def decode_tiles(rec: torch.Tensor, spec: TileSpec, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Records uint8 [..., tile_nbytes] -> (k, v) [..., T, D] in the original (unrotated) domain.
 
-    Computed in ``dtype`` (float32 default; float64 for references).
+    Computed in ``dtype``: float32 (default) or float64 (for references); any other dtype raises a
+    TypeError naming ``dtype``.
     """
+    check_decode_dtype(dtype)
     k, v = dequantize_rotated(unpack_fields(rec, spec), dtype)
     return wht(k), wht(v)

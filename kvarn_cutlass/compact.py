@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from . import codec, reference
+from ._validate import check_scale
 from .cache import KVarNCache
 
 POOLS = ("avg", "max")
@@ -130,8 +131,8 @@ def _check_options(pool, kernel_size, scale, score_dtype) -> None:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be a positive odd int (1 = no pooling), got {kernel_size!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if scale is not None:
+        check_scale(scale)
     if score_dtype not in SCORE_DTYPES:
         raise ValueError(f"score_dtype must be one of {list(SCORE_DTYPES)}, got {score_dtype}")
 
@@ -195,7 +196,7 @@ def snapkv_compact(cache, queries, keep: int, *, pool: str = "avg", kernel_size:
             latter rounded down to whole tiles. A layer holding ``<= keep`` tokens, or no tiles,
             is left alone.
         pool: ``"avg"`` (SnapKV's default) or ``"max"``; kernel_size: odd pooling width (1: none).
-        scale: softmax scale of the scores, default 1/sqrt(head_dim).
+        scale: softmax scale of the scores, a positive finite number; default 1/sqrt(head_dim).
         score_dtype: float32 (default) or float64 for the attention scores.
 
     Returns a :class:`Compaction`. On bad arguments (ValueError/TypeError naming the argument) or any

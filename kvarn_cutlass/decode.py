@@ -1,4 +1,4 @@
-"""Split-tile decode attention over a KVarN cache: one new query token per sequence.
+"""Split-tile decode attention over a KVarN cache: one new query token per sequence, one kernel launch.
 
 Public entry points:
 
@@ -7,31 +7,36 @@ Public entry points:
   with n_q = 1: the query is the newest token and sees sink + tiles + window).
 * :func:`decode_attention_ragged`: the lower-level entry a serving engine uses, with per-sequence
   lengths in int32 device tensors (``n_tiles``, ``window_len``, ``sink_len``), the tile pool
-  ``[B, cap_tiles, Hkv, nbytes]``, window ``[B, Hkv, W, D]`` and sink ``[B, Hkv, SC, D]`` buffers.
+  ``[B, cap_tiles, Hkv, nbytes]`` read through an int32 tile table ``[B, cap_tiles]`` (entry = record
+  slot), window ``[B, Hkv, W, D]`` and sink ``[B, Hkv, SC, D]`` buffers.
 * :class:`DecodePlan`: per-cache device state (lengths, partials workspace, prepared launches).
 * :class:`DecodeGraph`: capture one decode call in a CUDA graph once, ``replay()`` every step.
 
-Kernels (``csrc/decode.cu``): (1) partials, fixed grid ``(S + E, Hkv, B)``: split ``j < S`` covers
-``tps = max(min_tps, ceil(n_tiles[b] / S))`` tiles starting at ``j * tps`` (computed on the device from
-the live tile count, so one grid serves every length); split ``S + e`` attends to tokens
-``[e*TE, (e+1)*TE)`` of sink ++ window (original domain), ``E = ceil((W + SC) / TE)``, TE = 64 or 32
-(:func:`kernel_layout`). (2) combine, grid ``(Hq, B)``: LSE merge of the tile splits, one inverse
-WHT of the merged rotated output, LSE merge of the exact blocks, merge of the two, normalization.
+Kernel (``csrc/decode.cu``, one launch per layer and step), fixed grid ``(S + E, Hkv, B)``: split
+``j < S`` covers ``tps = max(min_tps, ceil(n_tiles[b] / S))`` tiles starting at ``j * tps`` (computed on
+the device from the live tile count, so one grid serves every length); split ``S + e`` attends to
+tokens ``[e*TE, (e+1)*TE)`` of sink ++ window (original domain), ``E = ceil((W + SC) / TE)``, TE from
+the kernel (:func:`kernel_layout`). Scores come from int8 tensor cores on the 4-bit codes (two-level
+int8 fold of the query), P' x V from int8 tensor cores on the 2/4-bit V codes. Every block writes a
+partial; the last block of each (sequence, KV head) (an atomic ticket per pair in the workspace, reset
+by that block) merges them, applies the inverse WHT and writes the output.
 
-Graph strategy: the kernels read the lengths from device memory. The plan owns an int32 tensor
+Graph strategy: the kernel reads the lengths from device memory. The plan owns an int32 tensor
 ``lens [num_layers, 3, B]`` (n_tiles, window_len, sink_len); :meth:`DecodePlan.refresh` copies the
 cache's host-side lengths into it with an asynchronous copy from a pinned staging buffer (a ring of
 buffers guarded by events, so the CPU never overwrites a buffer a pending copy still reads). The
 copy runs *outside* the captured graph, after ``cache.append`` (eager host code, including tile
-compression) and before ``replay()``; the graph itself only holds the two kernel launches, which
-stay valid while the sequence grows across tile boundaries because the pool never moves
-(``max_seq_len`` preallocates it) and the grid is sized from the capacity.
+compression) and before ``replay()``; the graph itself only holds the kernel launch, which stays
+valid while the sequence grows across tile boundaries because the pool never moves (``max_seq_len``
+preallocates it) and the grid is sized from the capacity.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import struct
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +45,8 @@ import torch
 
 from .cache import KVarNCache
 from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
-from .runtime import KernelSpec, get_module, register
+from .runtime import KernelSpec, build, cubin_global, get_module, register
+from .runtime.arch import arch_target, device_arch
 
 __all__ = [
     "decode_attention",
@@ -51,6 +57,7 @@ __all__ = [
     "decode_spec",
     "decode_specs",
     "kernel_layout",
+    "identity_tile_table",
 ]
 
 NUM_THREADS = 128
@@ -62,12 +69,13 @@ MAX_WAVES = 4
 Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GROUP = 8
 
-_PARTIALS_SIG = (
-    "ptr q", "ptr tiles", "ptr win_k", "ptr win_v", "ptr sink_k", "ptr sink_v", "ptr n_tiles", "ptr win_len",
-    "ptr sink_len", "ptr po", "ptr pm", "ptr pl", "i32 Hkv", "i32 G", "i32 cap", "i32 W", "i32 SC", "i32 S",
-    "i32 E", "i32 min_tps", "i32 flags", "f32 scale",
+_SIG = (
+    "ptr q", "ptr pool", "ptr table", "ptr win_k", "ptr win_v", "ptr sink_k", "ptr sink_v", "ptr n_tiles",
+    "ptr win_len", "ptr sink_len", "ptr po", "ptr pm", "ptr pl", "ptr tickets", "ptr out", "i32 Hkv", "i32 G",
+    "i32 cap", "i32 nslots", "i32 W", "i32 SC", "i32 S", "i32 E", "i32 min_tps", "i32 flags", "f32 scale",
 )
-_COMBINE_SIG = ("ptr po", "ptr pm", "ptr pl", "ptr out", "i32 Hkv", "i32 G", "i32 S", "i32 E", "i32 out_bf16")
+# Second int8 level of the lloyd_max centroid tables (the kernel's LFOLD): th = rint(s c), tl = rint((s c - th) * 254).
+LM_TABLE_LEVEL = 254
 
 
 # --- kernel specs ------------------------------------------------------------------------------
@@ -76,33 +84,57 @@ def _suffix(spec: TileSpec) -> str:
     return f"d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}_s{spec.scale_bytes}{lm}"
 
 
-def codebook_planes(values) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(lo-byte words, hi-byte words) of the f16 codebook ``values``: 4 uint32 each, entry i at byte i % 4
-    of word i // 4 (unused entries 0). The f16 values are ``float32 -> float16`` round-to-nearest-even."""
-    bits = (torch.tensor(values, dtype=torch.float32).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
-    bits = bits + [0] * (16 - len(bits))
-    lo = tuple(sum((bits[4 * w + j] & 0xFF) << (8 * j) for j in range(4)) for w in range(4))
-    hi = tuple(sum((bits[4 * w + j] >> 8) << (8 * j) for j in range(4)) for w in range(4))
-    return lo, hi
+def _f32_bits(x: float) -> str:
+    return f"0x{struct.unpack('<I', struct.pack('<f', x))[0]:08x}u"
+
+
+def lm_tables(book) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
+    """(s, th, tl): the two int8 levels of the lloyd_max codebook ``book`` used by the decode kernel.
+
+    ``s = float32(127 / max|c|)``, ``th[i] = rint(s c_i)``, ``tl[i] = rint((s c_i - th[i]) * 254)``, so
+    ``(th + tl / 254) / s`` is ``c`` within ``1 / (508 s)`` (1.7e-5 for the 4-bit book, in units of the
+    axis RMS); the kernel multiplies each level with the query in its own int8 MMA."""
+    top = max(abs(c) for c in book)
+    sc = struct.unpack("<f", struct.pack("<f", 127.0 / top))[0]
+    th = tuple(int(round(c * sc)) for c in book)
+    tl = tuple(int(round((c * sc - h) * LM_TABLE_LEVEL)) for c, h in zip(book, th))
+    assert max(map(abs, th + tl)) <= 127
+    return sc, th, tl
+
+
+def _byte_words(table) -> list[str]:
+    """A 16-entry int8 table as 4 uint32 literals, entry i at byte i % 4 of word i // 4."""
+    return [f"0x{sum((v & 0xFF) << (8 * j) for j, v in enumerate(table[4 * w:4 * w + 4])):08x}u" for w in range(4)]
 
 
 def decode_spec(spec: TileSpec) -> KernelSpec:
-    """The :class:`KernelSpec` of the decode kernels for one record layout (quantizer included)."""
+    """The :class:`KernelSpec` of the decode kernel for one record layout (quantizer included).
+
+    The record layout comes from ``spec`` (``KVD_REC``, ``KVD_OFF_<SECTION>``); lloyd_max adds its
+    codebook tables (see :func:`lm_tables`; 2-bit V: ``c[0]``, ``a0 = c[1] - c[0]`` and
+    ``g1 = c[2] - 2 c[1] + c[0]``, since the symmetric 4-level book is ``c[0] + a0 k + g1 bit1(k)``)."""
     sfx = _suffix(spec)
-    defines = {"KVD_D": spec.head_dim, "KVD_T": spec.tile_tokens, "KVD_VB": spec.v_bits, "KVD_SB": spec.scale_bytes}
+    defines = {"KVD_D": spec.head_dim, "KVD_T": spec.tile_tokens, "KVD_VB": spec.v_bits, "KVD_SB": spec.scale_bytes,
+               "KVD_QZ": int(spec.quantizer == "lloyd_max"), "KVD_REC": spec.tile_nbytes, "KVD_SFX": sfx}
+    for name in spec.section_names():
+        defines[f"KVD_OFF_{name.upper()}"] = spec.offset(name)
     if spec.quantizer == "lloyd_max":
-        defines["KVD_QZ"] = 1
-        for tag, book in (("K", spec.k_codebook), ("V", spec.v_codebook)):
-            lo, hi = codebook_planes(book)
-            for w in range(4):
-                defines[f"KVD_{tag}L{w}"] = f"0x{lo[w]:08x}u"
-                defines[f"KVD_{tag}H{w}"] = f"0x{hi[w]:08x}u"
-    return KernelSpec(
-        "decode.cu",
-        (f"kvarn_decode_partials_{sfx}", f"kvarn_decode_combine_{sfx}"),
-        defines=defines,
-        name=f"decode_{sfx}",
-    )
+        sc, th, tl = lm_tables(spec.k_codebook)
+        for w, (h, lo) in enumerate(zip(_byte_words(th), _byte_words(tl))):
+            defines[f"KVD_KTH{w}"], defines[f"KVD_KTL{w}"] = h, lo
+        defines["KVD_KSC"] = _f32_bits(1.0 / sc)
+        c = spec.v_codebook
+        if spec.v_bits == 4:
+            sc, th, tl = lm_tables(c)
+            for w, (h, lo) in enumerate(zip(_byte_words(th), _byte_words(tl))):
+                defines[f"KVD_VTH{w}"], defines[f"KVD_VTL{w}"] = h, lo
+            defines["KVD_VSC"] = _f32_bits(1.0 / sc)
+        else:
+            defines["KVD_VC0"] = _f32_bits(c[0])
+            defines["KVD_VA0"] = _f32_bits(c[1] - c[0])
+            defines["KVD_VG1"] = _f32_bits(c[2] - 2 * c[1] + c[0])
+    return KernelSpec("decode.cu", (f"kvarn_decode_n1_{sfx}", f"kvarn_decode_n2_{sfx}"), defines=defines,
+                      name=f"decode_{sfx}")
 
 
 def decode_specs() -> list[KernelSpec]:
@@ -121,41 +153,32 @@ register("decode", decode_specs)
 
 @dataclass(frozen=True)
 class KernelLayout:
-    """Compile-time numbers of the partials kernel, mirrored from ``csrc/decode.cu``."""
+    """What the host needs from the compiled kernel (exported by it in ``kvarn_decode_layout_<suffix>``).
 
-    record_bytes: int
-    stages: int
+    smem_bytes: dynamic shared memory per block. exact_tokens: TE, sink/window tokens per exact block."""
+
     smem_bytes: int
-    offsets: dict
-    exact_tokens: int = 64  # TE: sink/window tokens per exact block
+    exact_tokens: int
 
 
-def kernel_layout(spec: TileSpec) -> KernelLayout:
-    """Record offsets, cp.async ring depth and dynamic shared memory of the partials kernel."""
-    D, T, VB, SB = spec.head_dim, spec.tile_tokens, spec.v_bits, spec.scale_bytes
-    off = {"k_codes": 0}
-    off["chan_step"] = D * T // 2
-    off["chan_min"] = off["chan_step"] + D * SB
-    off["row_scale"] = off["chan_min"] + D * SB
-    off["v_codes"] = off["row_scale"] + T * SB
-    off["tok_step"] = off["v_codes"] + T * D * VB // 8
-    off["tok_min"] = off["tok_step"] + T * SB
-    off["col_scale"] = off["tok_min"] + T * SB
-    rec = off["col_scale"] + D * SB
-    ns = 4 if rec <= 8192 else (3 if rec <= 20480 else 2)
-    tpw = T // 4
-    smem_tile = ns * rec + 8 * D * 4 + (D // 16) * 32 * 16 + 4 * 8 * 4 + 4 * 2 * 8 * tpw * 2 + 16
-
-    def exact_smem(te: int) -> int:
-        return te * D * 4 + 8 * D * 4 + NUM_THREADS * 32 + 8 * te * 4 + 64 + NUM_THREADS * 64
-
-    te = 64 if exact_smem(64) <= smem_tile else 32
-    return KernelLayout(rec, ns, max(smem_tile, exact_smem(te)), off, te)
+@functools.lru_cache(maxsize=None)
+def _layout_for(spec: TileSpec, target: str) -> KernelLayout:
+    ks = decode_spec(spec)
+    raw = cubin_global(build(ks, target).cubin, f"kvarn_decode_layout_{_suffix(spec)}")
+    smem, te = struct.unpack("<2i", raw)
+    return KernelLayout(smem, te)
 
 
-def exact_blocks(spec: TileSpec, window: int, sink: int) -> int:
+def kernel_layout(spec: TileSpec, device: torch.device | None = None) -> KernelLayout:
+    """The layout numbers of the decode kernel for ``spec``, read from its CUBIN (built for ``device``'s
+    architecture, sm_90 without one; the numbers do not depend on the architecture)."""
+    target = arch_target(device_arch(device.index) if device is not None and device.type == "cuda" else "sm_90")
+    return _layout_for(spec, target)
+
+
+def exact_blocks(spec: TileSpec, window: int, sink: int, device: torch.device | None = None) -> int:
     """E: exact (sink + window) blocks per (sequence, KV head) for buffer capacities W and SC."""
-    return max(1, math.ceil((window + sink) / kernel_layout(spec).exact_tokens))
+    return max(1, math.ceil((window + sink) / kernel_layout(spec, device).exact_tokens))
 
 
 def min_tiles_per_split() -> int:
@@ -226,12 +249,13 @@ def _occupancy(kernel, smem: int) -> int:
 
 
 class DecodeWorkspace:
-    """Partials buffers and the split counts for one (batch, kv heads, capacity, head_dim, group).
+    """Partials buffers, tickets and the split counts for one (batch, kv heads, head_dim, group).
 
     ``S = splits`` tile splits and ``E = exact`` exact (sink + window) blocks per (sequence, KV head):
-    ``po`` float32 [B, Hkv, S+E, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+E, G]. Reused across layers
-    and steps (kernels run in stream order); graphs capture its pointers, so it must stay alive.
-    ``min_tps``: fewest tiles per split block (passed to the kernel).
+    ``po`` float32 [B, Hkv, S+E, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+E, G]; ``tickets`` int32
+    [B, Hkv], zero between launches (the merging block resets its ticket). Reused across layers and
+    steps (launches run in stream order; two streams must not share a workspace); graphs capture its
+    pointers, so it must stay alive. ``min_tps``: fewest tiles per split block (passed to the kernel).
     """
 
     def __init__(self, device: torch.device, batch: int, num_kv_heads: int, group: int, head_dim: int,
@@ -243,11 +267,12 @@ class DecodeWorkspace:
         self.po = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.pm = torch.empty(n, dtype=torch.float32, device=device)
         self.pl = torch.empty(n, dtype=torch.float32, device=device)
+        self.tickets = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
 
 
 # Model constants of choose_splits (unit: the SM time per tile when the SM's issue is saturated).
 SATURATING_BLOCKS = 4.0      # resident blocks an SM needs to saturate issue; k < that run at k / 4 (fit: perf-notes)
-SPLIT_COST = 0.02            # combine work and partial traffic per extra split
+SPLIT_COST = 0.02            # merge work and partial traffic per extra split
 
 
 def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int) -> float:
@@ -270,13 +295,13 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
                   min_tps: int | None = None) -> int:
     """Tile splits S per (sequence, KV head), minimizing :func:`split_cost` at the capacity.
 
-    The partials kernel is issue-bound per SM (docs/perf-notes.md, decode), so the makespan is set by
+    The kernel's tile loop is issue-bound per SM (docs/perf-notes.md, decode), so the makespan is set by
     the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots
     (a partial last wave).
     S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps).
     """
     min_tps = min_tps or min_tiles_per_split()
-    lay = kernel_layout(spec)
+    lay = kernel_layout(spec, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     k = _kernels(spec, device)[0]
     occ = _occupancy(k, lay.smem_bytes)
@@ -289,16 +314,29 @@ _kernel_cache: dict = {}
 
 
 def _kernels(spec: TileSpec, device: torch.device):
+    """(kernel for G <= 4, kernel for G <= 8) of ``spec`` on ``device``."""
     key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, device.index)
     ks = _kernel_cache.get(key)
     if ks is None:
         ks_spec = decode_spec(spec)
         mod = get_module(ks_spec, device)
-        ks = (mod.kernel(ks_spec.kernel_names[0], _PARTIALS_SIG), mod.kernel(ks_spec.kernel_names[1], _COMBINE_SIG))
+        ks = tuple(mod.kernel(name, _SIG) for name in ks_spec.kernel_names)
         # Opt in to the dynamic shared memory now, so that the occupancy query sees it.
-        ks[0].prepare((1, 1, 1), NUM_THREADS, (0,) * 12 + (0,) * 9 + (1.0,), shared_mem=kernel_layout(spec).smem_bytes)
+        smem = kernel_layout(spec, device).smem_bytes
+        for k in ks:
+            k.prepare((1, 1, 1), NUM_THREADS, (0,) * 15 + (0,) * 10 + (1.0,), shared_mem=smem)
         _kernel_cache[key] = ks
     return ks
+
+
+def identity_tile_table(pool: torch.Tensor) -> torch.Tensor:
+    """int32 [B, cap] with entry [b, g] = b * cap + g: the record slot of tile g of sequence b in ``pool``
+    [B, cap, Hkv, nbytes] (record (b, g, h) is ``pool.view(-1, Hkv, nbytes)[slot, h]``).
+
+    The table of a plain pool (``KVarNCache.tile_table`` is the same for the cache's own pool; a paged pool
+    passes its own table instead)."""
+    B, cap = pool.shape[:2]
+    return torch.arange(B * cap, dtype=torch.int32, device=pool.device).view(B, cap)
 
 
 # --- low-level entry ---------------------------------------------------------------------------
@@ -316,13 +354,15 @@ def decode_attention_ragged(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    tile_table: torch.Tensor | None = None,
     _prepared: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention for a ragged batch with per-sequence lengths on the device.
 
     Args:
         q: [B, Hq, 1, D] float16/bfloat16 CUDA tensor, Hq = Hkv * G with G in 1..8.
-        tiles: uint8 [B, cap_tiles, Hkv, spec.tile_nbytes], records of tile i of sequence b at [b, i].
+        tiles: uint8 [B, cap_tiles, Hkv, spec.tile_nbytes], the record pool: slot s = b * cap_tiles + i
+            holds ``tiles[b, i]``.
         window_k, window_v: [B, Hkv, W, D] float16/bfloat16 (the newest tokens, valid prefix window_len[b]).
         sink_k, sink_v: [B, Hkv, SC, D] same dtype (valid prefix sink_len[b]; SC may be 0).
         n_tiles, window_len, sink_len: int32 [B] on the same device; values are clamped to the buffer
@@ -330,10 +370,12 @@ def decode_attention_ragged(
         spec: the record layout.
         scale: softmax scale, default 1/sqrt(D).
         out: optional [B, Hq, 1, D] output in q's dtype.
-        workspace: partials buffers (a :class:`DecodeWorkspace` for this shape); allocated if None
-            (do not let that happen during graph capture: pass one).
+        workspace: partials buffers and tickets (a :class:`DecodeWorkspace` for this shape); allocated if
+            None (do not let that happen during graph capture: pass one).
+        tile_table: int32 [B, cap_tiles] contiguous, entry [b, i] = the pool slot of tile i of sequence b
+            (slots outside [0, B * cap_tiles) are clamped into it); default :func:`identity_tile_table`.
 
-    Returns ``out`` [B, Hq, 1, D] in q's dtype. Launches on torch's current stream; never syncs.
+    Returns ``out`` [B, Hq, 1, D] in q's dtype. One kernel launch on torch's current stream; never syncs.
     A sequence with no token at all gets zeros.
     """
     if not isinstance(spec, TileSpec):
@@ -350,6 +392,8 @@ def decode_attention_ragged(
     device = tiles.device
     if device.type != "cuda":
         raise ValueError(f"tiles must be on a CUDA device, got {device}")
+    if cap < 1 or tiles.data_ptr() % 16:
+        raise ValueError(f"tiles must hold at least one tile per sequence and be 16-byte aligned, got {list(tiles.shape)}")
     _check_q(q, B, Hkv, D, device)
     for name, x, cap_name in (("window_k", window_k, "W"), ("window_v", window_v, "W"), ("sink_k", sink_k, "SC"),
                               ("sink_v", sink_v, "SC")):
@@ -367,6 +411,12 @@ def decode_attention_ragged(
         raise ValueError("window and sink tensors must share one dtype")
     for name, x in (("n_tiles", n_tiles), ("window_len", window_len), ("sink_len", sink_len)):
         _check_len_tensor(name, x, B, device)
+    if tile_table is None:
+        tile_table = identity_tile_table(tiles)
+    elif (not isinstance(tile_table, torch.Tensor) or tile_table.dtype != torch.int32
+          or tuple(tile_table.shape) != (B, cap) or not tile_table.is_contiguous() or tile_table.device != device):
+        raise ValueError(f"tile_table must be a contiguous int32 tensor [{B}, {cap}] on {device}, got "
+                         f"{getattr(tile_table, 'dtype', type(tile_table).__name__)} {list(getattr(tile_table, 'shape', []))}")
     scale = _check_scale(scale, D)
     Hq = q.shape[1]
     G = Hq // Hkv
@@ -375,7 +425,7 @@ def decode_attention_ragged(
     elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != device
           or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {q.dtype} tensor {list(q.shape)} on {device}")
-    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2])
+    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2], device)
     if workspace is None:
         workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec), E)
     elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim, workspace.exact) != (B, Hkv, G, D, E):
@@ -386,24 +436,19 @@ def decode_attention_ragged(
     q = q.contiguous()
     S = workspace.splits
     flags = (1 if q.dtype == torch.bfloat16 else 0) | (2 if window_k.dtype == torch.bfloat16 else 0)
-    args_p = (q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
-              workspace.pm, workspace.pl, Hkv, G, cap, window_k.shape[2], sink_k.shape[2], S, E,
-              workspace.min_tps, flags, scale)
-    args_c = (workspace.po, workspace.pm, workspace.pl, out, Hkv, G, S, E, 1 if q.dtype == torch.bfloat16 else 0)
-    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args_p + args_c) + (spec,)
-    launches = None if _prepared is None else _prepared.get(key)
-    if launches is None:
-        kp, kc = _kernels(spec, device)
-        lay = kernel_layout(spec)
-        p = kp.prepare((S + E, Hkv, B), NUM_THREADS, args_p, shared_mem=lay.smem_bytes)
-        c = kc.prepare((Hq, B), NUM_THREADS, args_c)
-        launches = (p, c)
+    args = (q, tiles, tile_table, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
+            workspace.pm, workspace.pl, workspace.tickets, out, Hkv, G, cap, B * cap, window_k.shape[2],
+            sink_k.shape[2], S, E, workspace.min_tps, flags, scale)
+    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + (spec,)
+    launch = None if _prepared is None else _prepared.get(key)
+    if launch is None:
+        kernel = _kernels(spec, device)[0 if G <= 4 else 1]
+        launch = kernel.prepare((S + E, Hkv, B), NUM_THREADS, args, shared_mem=kernel_layout(spec, device).smem_bytes)
         if _prepared is not None:
             if len(_prepared) > 256:
                 _prepared.clear()
-            _prepared[key] = launches
-    launches[0].launch()
-    launches[1].launch()
+            _prepared[key] = launch
+    launch.launch()
     return out
 
 
@@ -462,6 +507,7 @@ class DecodePlan:
         # and allocating it here keeps launch() free of allocations.
         self._empty_pool = torch.zeros(B, 1, cache.num_kv_heads, cache.spec.tile_nbytes, dtype=torch.uint8,
                                        device=self.device)
+        self._empty_table = identity_tile_table(self._empty_pool)
         self._ring = _PinnedRing((3, B))
         self._workspaces: dict[tuple[int, int], DecodeWorkspace] = {}
         self._prepared: dict = {}
@@ -488,7 +534,7 @@ class DecodePlan:
             s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
                                                       self.min_tps)
             buf = c.buffers(0)
-            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2])
+            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2], self.device)
             ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
                                                          s, e, self.min_tps)
         return ws
@@ -496,14 +542,15 @@ class DecodePlan:
     def launch(self, q: torch.Tensor, layer: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Enqueue decode for ``layer`` with the device lengths as they are (no refresh); capturable."""
         c = self.cache
-        pool = c.tile_pool(layer)
+        pool, table = c.tile_pool(layer), c.tile_table(layer)
         if pool.shape[1] == 0:  # an empty pool (no max_seq_len, nothing compressed yet) has no pointer
-            pool = self._empty_pool
+            pool, table = self._empty_pool, self._empty_table
         buf = c.buffers(layer)
         G = q.shape[1] // c.num_kv_heads
         return decode_attention_ragged(
             q, pool, buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"], self.lens[layer, 0], self.lens[layer, 1],
-            self.lens[layer, 2], c.spec, scale=scale, out=out, workspace=self.workspace(G), _prepared=self._prepared,
+            self.lens[layer, 2], c.spec, scale=scale, out=out, workspace=self.workspace(G),
+            tile_table=table, _prepared=self._prepared,
         )
 
 
@@ -553,7 +600,7 @@ def decode_attention(q: torch.Tensor, cache: KVarNCache, layer: int, scale: floa
 class DecodeGraph:
     """One decode call of one layer captured in a CUDA graph; ``replay()`` per step.
 
-    The graph holds only the two kernels; per step ``replay`` copies ``q`` into the static input
+    The graph holds only the kernel launch; per step ``replay`` copies ``q`` into the static input
     (when given), refreshes the plan's device lengths from the cache (outside the graph), then
     replays. ``cache.append`` (with any tile compression) runs eagerly between replays.
 

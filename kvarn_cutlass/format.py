@@ -46,20 +46,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-PRESETS: dict[str, tuple[int, int, int]] = {
-    # name: (k_bits, v_bits, tile_tokens)
-    "k4v2_g128": (4, 2, 128),
-    "k4v4_g128": (4, 4, 128),
-    "k4v2_g64": (4, 2, 64),
-    "k4v4_g64": (4, 4, 64),
-}
-DEFAULT_PRESET = "k4v2_g128"
-HEAD_DIMS = (64, 128, 256)
+from .presets import (DEFAULT_PRESET, DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, HEAD_DIMS, MAX_SINKHORN_ITERS, PRESETS,
+                      QUANTIZERS)
+
 SCALE_DTYPES = (torch.float16, torch.float32)
-DEFAULT_SINKHORN_ITERS = 4
 RECORD_ALIGN = 16
-QUANTIZERS = ("uniform", "lloyd_max")
-DEFAULT_QUANTIZER = "uniform"
 CODE_BITS = (2, 4)  # the code widths of the presets
 
 # Lloyd-Max centroids of N(0, 1), ascending, for 4 and 16 levels: the fixed point of the Lloyd
@@ -114,7 +105,9 @@ def lloyd_max_thresholds(bits: int) -> tuple[float, ...]:
 
 
 def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
+    # Compared one by one with values of the allowed type rather than by ``in``: an unhashable value
+    # (a list) would raise "unhashable type" against a dict and an array would compare elementwise.
+    if not any(isinstance(value, type(a)) and value == a for a in allowed):
         raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}")
 
 
@@ -126,7 +119,7 @@ class TileSpec:
         preset: one of ``PRESETS`` (``k4v2_g128`` default): K bits, V bits and tokens per tile.
         head_dim: D, one of 64, 128, 256.
         scale_dtype: ``torch.float16`` (default) or ``torch.float32`` for the step/min/scale vectors.
-        sinkhorn_iters: variance-normalization iterations (>= 0, default 4).
+        sinkhorn_iters: variance-normalization iterations, 0 to ``MAX_SINKHORN_ITERS`` (64), default 4.
         quantizer: one of ``QUANTIZERS``: ``uniform`` (default) or ``lloyd_max``; what the codes and
             the step/min fields mean (the layout is the same).
     """
@@ -144,8 +137,9 @@ class TileSpec:
             raise TypeError(f"head_dim must be an int, got {type(self.head_dim).__name__}")
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
-        if isinstance(self.sinkhorn_iters, bool) or not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
-            raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
+        iters = self.sinkhorn_iters
+        if isinstance(iters, bool) or not isinstance(iters, int) or not 0 <= iters <= MAX_SINKHORN_ITERS:
+            raise ValueError(f"sinkhorn_iters must be an int in [0, {MAX_SINKHORN_ITERS}], got {iters!r}")
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
         T, D, sb = self.tile_tokens, self.head_dim, self.scale_bytes
         sizes = [

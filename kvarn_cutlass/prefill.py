@@ -9,11 +9,12 @@ produces are byte-identical to appending it without attention.
 
 Backends (``impl``):
 
-* ``"gpu"``: the fused kernel (``csrc/prefill_fused.cu``, one launch): per tile the record is copied
-  into shared memory once, its K and V codes are dequantized into f16 MMA operands there (with
-  per-tile power-of-two ranges, so no f16 overflow), scores and P.V run on tensor cores (mma.sync),
-  softmax is online, and after the tiles the accumulator is rotated back (inverse WHT in registers)
-  and continued over the exact tokens in the cache dtype. Configs: :mod:`kvarn_cutlass.ops.prefill`.
+* ``"gpu"``: the fused kernel (``csrc/prefill_fused.cu``, one launch, warp-specialized): producer
+  warps copy each record into shared memory once and dequantize its K and V codes into f16 MMA
+  operands there (f16x2 arithmetic, per-tile power-of-two ranges, so no f16 overflow) while consumer
+  warps run scores and P.V on tensor cores (mma.sync) with an online softmax; after the tiles the
+  accumulator is rotated back (inverse WHT in registers) and continued over the exact tokens in the
+  cache dtype. Configs: :mod:`kvarn_cutlass.ops.prefill`.
 * ``"torch"``: the same arithmetic in torch (f16 operands rounded where the kernel rounds them, f32
   accumulation; one softmax over all keys instead of the kernel's online one), on any device: the
   CPU path, and an independent check of the kernel's numerics.
@@ -166,12 +167,18 @@ def _tile_operands(rec: torch.Tensor, spec):
     ek = _range_exponent(f.chan_min.abs().amax(-1) + kb * f.chan_step.abs().amax(-1))
     ev = _range_exponent(f.tok_min.abs().amax(-1) + vb * f.tok_step.abs().amax(-1))
     kmul, vmul = _pow2(-ek)[:, None], _pow2(-ev)[:, None]
-    step, mn = (f.chan_step * kmul)[..., None], (f.chan_min * kmul)[..., None]
-    kd = torch.addcmul(mn, step, f.k_values).to(torch.float16)  # [N, D, T]
+    # f16 scales: the kernel's f16x2 arithmetic (each fma rounded once to f16; the scales times a power
+    # of two are exact in f16); f32 scales: f32 arithmetic, one final rounding (see prefill_fused.cu)
+    if spec.scale_dtype == torch.float16:
+        r16 = lambda x: x.to(torch.float16).to(torch.float32)  # noqa: E731
+    else:
+        r16 = lambda x: x  # noqa: E731
+    kd = torch.addcmul(r16(f.chan_min * kmul)[..., None], r16(f.chan_step * kmul)[..., None],
+                       f.k_values).to(torch.float16)  # [N, D, T]
     cmax = f.col_scale.amax(-1)
-    vr = f.col_scale / cmax[:, None]
-    vd = (torch.addcmul((f.tok_min * vmul)[..., None], (f.tok_step * vmul)[..., None], f.v_values)
-          * vr[:, None, :]).to(torch.float16)  # [N, T, D]
+    cr = r16(f.col_scale / cmax[:, None])
+    vd = (r16(torch.addcmul(r16(f.tok_min * vmul)[..., None], r16(f.tok_step * vmul)[..., None], f.v_values))
+          * cr[:, None, :]).to(torch.float16)  # [N, T, D]
     tokf = f.row_scale * _pow2(ek)[:, None]
     fv = cmax * _pow2(ev)
     return kd, vd, tokf, fv

@@ -220,6 +220,9 @@ def test_failed_compression_leaves_cache_unchanged():
         ({"scale_dtype": torch.bfloat16}, ValueError, "scale_dtype"),
         ({"max_seq_len": -4}, ValueError, "max_seq_len"),
         ({"quantizer": "lloydmax"}, ValueError, "quantizer"),
+        ({"device": "gpu"}, ValueError, "device='gpu' is not a device"),
+        ({"device": None}, TypeError, "device must be a str, torch.device or CUDA device index, got NoneType"),
+        ({"device": 1.5}, TypeError, "device must be"),
     ],
 )
 def test_bad_construction(kwargs, exc, match):
@@ -227,6 +230,29 @@ def test_bad_construction(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         kc.KVarNCache(**args)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0), torch.device("cpu")])
+def test_every_spelling_of_the_cpu_is_one_device(device):
+    """torch.device("cpu:0") != torch.device("cpu") although CPU tensors are all on "cpu": a cache
+    built with "cpu:0" used to reject every append."""
+    seed = 41
+    k, v = _stream(1, 2, 300, 64, seed=seed)
+    cache = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device=device)
+    plain = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device="cpu")
+    assert cache.device == torch.device("cpu") == k.device
+    cache.append(0, k, v)
+    plain.append(0, k, v)
+    assert cache.num_tiles(0) == 4 and torch.equal(cache.tile_bytes(0), plain.tile_bytes(0)), f"seed={seed}"
+    assert "device=cpu)" in repr(cache)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without a usable CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
+def test_cuda_without_a_gpu_names_the_device(device):
+    # a CPU-only torch raises a bare AssertionError("Torch not compiled with CUDA enabled") here
+    with pytest.raises(ValueError, match=r"device=.*cuda.* cannot be used here .*torch.cuda.is_available\(\) is False"):
+        kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device=device)
 
 
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])

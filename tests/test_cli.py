@@ -81,6 +81,46 @@ def test_help_exits_zero_with_usage(name, capsys):
         assert action.help, f"{name} {action.option_strings[-1]} has no help text"
 
 
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_describes_the_command_and_states_every_default(name):
+    p = subparser(name)
+    assert p.description and len(p.description) > 40, f"{name} --help has no description"
+    for action in options(name):
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS):
+            continue
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        assert "default" in action.help and shown in action.help, (name, action.option_strings[-1], action.help)
+
+
+HEAVY_MODULES = ("torch", "numpy", "transformers", "cuda", "cutlass", "cutlass_library")
+
+_HELP_IMPORTS = """
+import contextlib, io, json, sys
+from kvarn_cutlass import cli
+loaded = {}
+for argv in [["--help"]] + [[name, "--help"] for name in sorted(cli.COMMANDS)]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli.main(argv)
+        except SystemExit:
+            pass
+    loaded[" ".join(argv)] = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:]))
+print(json.dumps(loaded))
+"""
+
+
+def test_help_imports_no_heavy_module():
+    """--help of the tool and of every command answers without importing torch (seconds to import),
+    numpy, transformers or the CUDA/CUTLASS bindings: a fresh interpreter, its modules checked."""
+    proc = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, *HEAVY_MODULES], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    assert set(loaded) == {"--help"} | {f"{name} --help" for name in COMMANDS}
+    assert all(mods == [] for mods in loaded.values()), loaded
+
+
 def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -111,7 +151,7 @@ def _numeric_options():
     out = []
     for name in COMMANDS:
         for a in options(name):
-            if a.type is None or a.nargs == 0:
+            if a.type in (None, argtypes.regex, argtypes.non_empty) or a.nargs == 0:  # text types accept "7" too
                 continue
             try:
                 a.type("7")
@@ -255,3 +295,64 @@ def test_subprocess_help_and_bad_argument(launcher):
     assert bad.returncode == 2 and bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tokens" in lines[0] and "-5" in lines[0], bad.stderr
+
+
+# --- errors before the model loads ---------------------------------------------------------------------
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model fails the test: the errors below must come before it (a model dir is any dir)."""
+    pytest.importorskip("transformers")
+    from kvarn_cutlass.hf import _compat
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the argument error")
+
+    monkeypatch.setattr(_compat, "load_model", load_model)
+
+
+def _binary_file(tmp_path: Path) -> Path:
+    path = tmp_path / "weights.bin"
+    # 0xd0 0x9f is UTF-8 (a Cyrillic letter); 0xff, at offset 13, never is
+    path.write_bytes(b"PK\x03\x04\x14\x00\x08\x08\x00\x00\xd0\x9fX\xff\xfe")
+    return path
+
+
+@pytest.mark.parametrize("argv,status,fragments", [
+    (["generate", "--prompt", ""], 2, ["--prompt", "must not be empty"]),
+    (["generate", "--prompt", "x", "--window", "100"], 1, ["window", "multiple of the tile size 128"]),
+    (["generate", "--prompts-from", "BINARY"], 1, ["--prompts-from", "weights.bin", "not UTF-8", "offset 13"]),
+    (["perplexity", "--text", "BINARY"], 1, ["--text", "weights.bin", "not UTF-8", "offset 13"]),
+    (["perplexity", "--text", "TEXT", "--method", "decode", "--window", "0"], 1, ["--window 0", "--method sim"]),
+    (["perplexity", "--text", "TEXT", "--method", "prefill", "--window", "0"], 1, ["--window 0", "--method prefill"]),
+    (["demo", "--no-compile", "--text", "BINARY"], 1, ["--text", "weights.bin", "not UTF-8", "offset 13"]),
+])
+def test_bad_inputs_fail_before_the_model_loads(argv, status, fragments, capsys, tmp_path, no_model_load):
+    text = tmp_path / "eval.txt"
+    text.write_text("def f():\n    return 1\n" * 20)
+    values = {"BINARY": str(_binary_file(tmp_path)), "TEXT": str(text)}
+    argv = [values.get(a, a) for a in argv]
+    name = argv[0]
+    try:
+        rc = main([name, "--model", str(tmp_path), "--device", "cpu", *argv[1:]])
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == status
+    line = one_error_line(capsys)
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+def test_generate_reports_progress_and_says_when_no_tile_was_used(capsys, tmp_path):
+    argv = _json_invocation("generate", tmp_path)  # a 5-token prompt + 3 tokens inside a 128-token window
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "generate [6/6] prompt 1/1 done" in err  # 2 passes x 3 tokens, one line per prompt off a terminal
+    assert "100.0%" in err and "no prompt reached a quantized tile" in err
+    text = tmp_path / "eval.txt"
+    text.write_text((SHARED / "data" / "code_eval.txt").read_text(encoding="utf-8")[:20000])
+    assert main(["generate", "--model", str(MODEL), "--prompts-from", str(text), "--num-prompts", "2",
+                 "--prompt-tokens", "130", "--max-new-tokens", "2", "--window", "128", "--device", "cpu", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["prompts_without_tiles"] == 0 and all(r["tokens_in_tiles"] == 128 for r in doc["per_prompt"])
+    assert "prompt 1/2 done" in captured.err and "prompt 2/2 done" in captured.err

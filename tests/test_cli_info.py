@@ -34,7 +34,8 @@ def test_info_json_on_cpu_has_every_key_and_says_no_gpu(capsys, tmp_path, monkey
     assert info["gemm_configs"] == "none (no CUDA GPU)"
     assert info["torch"] == torch.__version__
     assert info["cuda_torch"] == (torch.version.cuda or "none (CPU build of torch)")
-    assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0}
+    assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0,
+                                    "status": "not created yet (made by the first compile)"}
     for key in INFO_KEYS:  # every field is filled, never null
         assert info[key] not in (None, "")
 
@@ -50,29 +51,59 @@ def test_info_text_is_one_line_per_field_and_exits_zero_as_a_process(tmp_path):
     assert "no CUDA GPU" in lines[0]
 
 
-def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypatch):
-    rng = random.Random()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kernel_cache_size_counts_regular_files_only(capsys, tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
     root = tmp_path / "cache"
     expected_bytes, expected_files = 0, 0
     for i in range(rng.randint(3, 8)):
         d = root / f"kind{i % 3}" / f"sub{i}"
         d.mkdir(parents=True, exist_ok=True)
         n = rng.randint(0, 5000)
-        (d / f"entry{i}.bin").write_bytes(os.urandom(n))
+        (d / f"entry{i}.bin").write_bytes(rng.randbytes(n))
         expected_bytes += n
         expected_files += 1
     (root / "link").symlink_to(root / "kind0")  # a link is neither followed nor counted
     (root / "file-link").symlink_to(d / f"entry{i}.bin")
     if hasattr(os, "mkfifo"):
         os.mkfifo(root / "fifo")  # nor are other non-regular files
-    assert directory_size(root) == (expected_bytes, expected_files)
+    assert directory_size(root) == (expected_bytes, expected_files), f"seed={seed}"
     monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
     info = _info_json(capsys)
-    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes, "files": expected_files}
+    assert info["kernel_cache"] == {"path": str(root), "exists": True, "bytes": expected_bytes, "files": expected_files,
+                                    "status": "ready"}, f"seed={seed}"
 
 
-def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch):
-    rng = random.Random()
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere: the permission case cannot be built")
+def test_kernel_cache_that_is_not_writable_says_so(capsys, tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+        assert "is not writable" in _info_json(capsys)["kernel_cache"]["status"]
+    finally:
+        root.chmod(0o700)
+
+
+@pytest.mark.parametrize("where", ["the path", "a parent"])
+def test_kernel_cache_path_that_is_a_file_is_reported_unusable(where, capsys, tmp_path, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory\n")
+    root = blocker if where == "the path" else blocker / "kvarn" / "sub"
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+    cache = _info_json(capsys)["kernel_cache"]
+    assert cache["exists"] is False and cache["files"] == 0
+    assert cache["status"].startswith("unusable: ") and f"{blocker} is a file" in cache["status"]
+    assert "KVARN_CUTLASS_CACHE" in cache["status"]
+    assert main(["info"]) == 0  # the text report carries the same words
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("kernel_cache"))
+    assert f"{blocker} is a file" in line
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
     n = rng.randint(5, 40)
     statuses = [rng.choice(["tuned", "untuned"]) for _ in range(n)]
     table = {"schema": 1, "arch": "sm90", "default": {},
@@ -81,7 +112,7 @@ def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch):
     monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path))
     summary = gemm_config_summary(90)
     assert summary == {"arch": "sm90", "path": str(tmp_path / "sm90.json"), "buckets": n,
-                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}
+                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}, f"seed={seed}"
 
 
 def test_gemm_config_summary_of_the_committed_table():

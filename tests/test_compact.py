@@ -273,6 +273,13 @@ def test_attention_over_compacted_cache_matches_attention_over_the_kept_subset()
         (dict(kernel_size=4), ValueError, "kernel_size"),
         (dict(kernel_size=0), ValueError, "kernel_size"),
         (dict(scale=-1.0), ValueError, "scale"),
+        # inf used to keep the first tokens instead of the top-scoring ones (every logit inf or NaN)
+        (dict(scale=math.inf), ValueError, "scale must be a positive finite number, got inf"),
+        (dict(scale=-math.inf), ValueError, "scale must be a positive finite number"),
+        (dict(scale=math.nan), ValueError, "scale must be a positive finite number, got nan"),
+        (dict(scale=0.0), ValueError, "scale must be a positive finite number, got 0.0"),
+        (dict(scale="0.1"), TypeError, "scale must be a positive finite number, got str"),
+        (dict(scale=True), TypeError, "scale must be"),
         (dict(score_dtype=torch.float16), ValueError, "score_dtype"),
         (dict(queries="bad_batch"), ValueError, r"queries\[1\]"),
         (dict(queries="bad_heads"), ValueError, r"queries\[0\]"),

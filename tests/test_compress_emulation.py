@@ -11,13 +11,12 @@ Both quantizers: lloyd_max's per-axis mean and sum of squares go through the ker
 
 What the tests establish (no GPU needed):
 
-* the kernel's order of operations is the codec's: with a correctly rounded sqrt in ``codec._rms``
-  the mirror reproduces ``codec.encode_tiles`` byte for byte, for float16 and float32 scales;
-* the codec's own sqrt: on torch builds with MKL (x86 wheels), ``torch.sqrt`` of float32 runs
-  through MKL VML in ``VML_HA`` mode (ATen ``cpu/vml.h``: ``IMPLEMENT_VML_MKL(sqrt, Sqrt)``), which
-  is *not* correctly rounded (about 0.6% of random inputs come out 1 ulp low); float32 scales
-  exposed it on the H200. ``codec._rms`` (and the lloyd_max RMS) now take the sqrt in float64, and
-  the float32-scale test below (an xfail only while that is not so) holds the codec to it;
+* the kernel's order of operations is the codec's: the mirror (correctly rounded sqrt, as
+  ``__fsqrt_rn``) reproduces ``codec.encode_tiles`` byte for byte, for float16 and float32 scales.
+  On torch builds with MKL (x86 wheels) ``torch.sqrt`` of float32 is not correctly rounded (MKL VML
+  in ``VML_HA`` mode, ATen ``cpu/vml.h``: ``IMPLEMENT_VML_MKL(sqrt, Sqrt)``), so the codec takes its
+  sqrt in float64; a codec back on ``torch.sqrt`` fails the float32-scale cases here and
+  ``tests/test_codec.py::test_codec_rms_is_the_correctly_rounded_sqrt``;
 * the lloyd_max path (per-axis mean and RMS) reproduces the codec on random, realistic and
   degenerate tiles (constant axes: stored RMS 0, code 0).
 """
@@ -264,14 +263,6 @@ def emulate_records(k: torch.Tensor, v: torch.Tensor, spec: TileSpec) -> torch.T
 
 
 # ---- tests -------------------------------------------------------------------------------------------
-def _rms_rn(z: torch.Tensor, dim: int) -> torch.Tensor:
-    """codec._rms with a correctly rounded sqrt (the codec's documented arithmetic)."""
-    n = z.shape[dim]
-    total = codec.tree_sum(z * z, dim) / float(n)
-    rms = torch.from_numpy(sqrt_rn(total.numpy()))
-    return torch.where(rms < codec.TINY_RMS, torch.ones_like(rms), rms)
-
-
 def _inputs(D: int, T: int, in_dtype: torch.dtype, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
@@ -303,38 +294,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", CASES)
-def test_kernel_mirror_matches_codec_with_correctly_rounded_sqrt(monkeypatch, preset, D, scale_dtype, in_dtype, kind):
+def test_kernel_mirror_matches_codec(preset, D, scale_dtype, in_dtype, kind):
     spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype)
-    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, zlib.crc32(repr((preset, D, kind)).encode()))
-    monkeypatch.setattr(codec, "_rms", _rms_rn)
-    want = codec.encode_tiles(k, v, spec)
-    assert not _diff(emulate_records(k, v, spec), want, spec)
-
-
-def _codec_rms_is_correctly_rounded() -> bool:
-    z = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
-    return torch.equal(codec._rms(z, -1), _rms_rn(z, -1))
-
-
-@pytest.mark.xfail(
-    not _codec_rms_is_correctly_rounded(),
-    reason="codec._rms uses torch.sqrt, which for float32 on MKL torch builds is VML_HA and not correctly "
-    "rounded (the float32-scale GPU identity failures); fix belongs in codec._rms",
-    strict=True,
-)
-@pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", [c for c in CASES if c[2] == torch.float32])
-def test_kernel_mirror_matches_codec_float32_scales(preset, D, scale_dtype, in_dtype, kind):
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype)
-    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, zlib.crc32(repr((preset, D, kind)).encode()))
-    assert not _diff(emulate_records(k, v, spec), codec.encode_tiles(k, v, spec), spec)
+    seed = zlib.crc32(repr((preset, D, kind)).encode())
+    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, seed)
+    assert not _diff(emulate_records(k, v, spec), codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
 
 
 @pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", CASES)
 def test_kernel_mirror_matches_codec_lloyd_max(preset, D, scale_dtype, in_dtype, kind):
     spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer="lloyd_max")
-    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, zlib.crc32(repr((preset, D, kind, "lm")).encode()))
-    want = codec.encode_tiles(k, v, spec)
-    assert not _diff(emulate_records(k, v, spec), want, spec)
+    seed = zlib.crc32(repr((preset, D, kind, "lm")).encode())
+    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, seed)
+    assert not _diff(emulate_records(k, v, spec), codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])

@@ -276,3 +276,135 @@ def test_split_knobs_agree(splits, min_tps, quantizer):
     plan.launch(q, 0, out)
     torch.cuda.synchronize()
     assert rel(out, ref) < TOL
+
+
+# --- one-kernel decode: tickets, tile table, every group size, ragged edge cases ---------------------------
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_group_size(G):
+    """G <= 4 and G <= 8 run different kernels (one or two 4-head column blocks): every G against the reference."""
+    c = make_cache(2, 2, 128, n=1400, seed=30 + G)
+    gen = torch.Generator(device="cuda").manual_seed(G)
+    q = (torch.randn(2, 2 * G, 1, 128, generator=gen, device="cuda") * 2).half()
+    assert rel(run_decode(q, c), reference.attention(q, c, 0)) < TOL
+
+
+def _ragged_inputs(spec, caches, cap, W, poison=0xA5):
+    B, Hkv, D = len(caches), caches[0].num_kv_heads, spec.head_dim
+    tiles = torch.full((B, cap, Hkv, spec.tile_nbytes), poison, dtype=torch.uint8, device="cuda")
+    wk = torch.full((B, Hkv, W, D), float("nan"), dtype=torch.float16, device="cuda")
+    wv = wk.clone()
+    nt, wl = [], []
+    for b, cc in enumerate(caches):
+        k = cc.num_tiles(0)
+        tiles[b, :k] = cc.tile_bytes(0)[0]
+        ck, cv = cc.window_kv(0)
+        wk[b, :, : ck.shape[2]] = ck[0]
+        wv[b, :, : cv.shape[2]] = cv[0]
+        nt.append(k)
+        wl.append(ck.shape[2])
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    sk = torch.zeros(B, Hkv, 0, D, dtype=torch.float16, device="cuda")
+    return tiles, wk, wv, sk, i32(nt), i32(wl), i32([0] * B)
+
+
+def test_tile_table_permuted_pool():
+    """Records read through the tile table: the same tiles stored in a shuffled pool with the matching table
+    give bit-identical outputs to the identity layout; slots that the table does not name hold garbage."""
+    D, Hkv, G, W = 128, 2, 4, 256
+    spec = kc.TileSpec("k4v2_g128", D)
+    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=40 + i) for i, n in enumerate([2000, 900, 3100])]
+    cap = max(cc.num_tiles(0) for cc in caches) + 2
+    tiles, wk, wv, sk, nt, wl, sl = _ragged_inputs(spec, caches, cap, W)
+    B = len(caches)
+    q = torch.randn(B, Hkv * G, 1, D, device="cuda", dtype=torch.float16)
+    want = torch.full_like(q, float("nan"))
+    decode.decode_attention_ragged(q, tiles, wk, wv, sk, sk.clone(), nt, wl, sl, spec, out=want)
+    gen = torch.Generator().manual_seed(41)
+    perm = torch.randperm(B * cap, generator=gen)  # slot perm[s] holds record s
+    shuffled = torch.full_like(tiles, 0x5A).view(B * cap, Hkv, -1)
+    shuffled[perm.cuda()] = tiles.view(B * cap, Hkv, -1)
+    table = perm.to(torch.int32).view(B, cap).cuda().contiguous()
+    got = torch.full_like(q, float("nan"))
+    decode.decode_attention_ragged(q, shuffled.view_as(tiles), wk, wv, sk, sk.clone(), nt, wl, sl, spec, out=got,
+                                   tile_table=table)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    for b, cc in enumerate(caches):
+        assert rel(got[b : b + 1], reference.attention(q[b : b + 1], cc, 0)) < TOL, b
+
+
+def test_tile_table_errors():
+    spec = kc.TileSpec("k4v2_g64", 64)
+    tiles = torch.zeros(2, 4, 1, spec.tile_nbytes, dtype=torch.uint8, device="cuda")
+    w = torch.randn(2, 1, 64, 64, device="cuda").half()
+    s = torch.zeros(2, 1, 0, 64, dtype=torch.float16, device="cuda")
+    z = torch.zeros(2, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 2, 1, 64, device="cuda").half()
+    for bad in (torch.zeros(2, 4, dtype=torch.int64, device="cuda"), torch.zeros(2, 3, dtype=torch.int32, device="cuda"),
+                torch.zeros(4, 2, dtype=torch.int32, device="cuda").t(), torch.zeros(2, 4, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="tile_table must be a contiguous int32 tensor"):
+            decode.decode_attention_ragged(q, tiles, w, w, s, s, z, z, z, spec, tile_table=bad)
+
+
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_ragged_edge_cases(quantizer):
+    """One batch: an empty sequence (zeros), exactly one tile and an empty window, a window of one token,
+    tile counts above the pool capacity (clamped), a sequence that fills the pool; poisoned outputs."""
+    D, Hkv, G, T, W = 128, 2, 4, 64, 128
+    spec = kc.TileSpec("k4v4_g64", D, quantizer=quantizer)
+    lengths = [0, T + W, 1, 7 * T + W - 3, 9 * T + W]
+    caches = [make_cache(1, Hkv, D, preset="k4v4_g64", n=max(n, 1), window=W, seed=50 + i, quantizer=quantizer)
+              for i, n in enumerate(lengths)]
+    cap = 9
+    tiles, wk, wv, sk, nt, wl, sl = _ragged_inputs(spec, caches, cap, W)
+    nt[0], wl[0] = 0, 0  # the empty sequence
+    # exactly one tile, empty window: drop the window tokens of sequence 1
+    c1 = caches[1]
+    assert c1.num_tiles(0) == 1 and c1.window_kv(0)[0].shape[2] == W
+    wl[1] = 0
+    big = nt.clone()
+    big[4] = 1000  # more tiles than the pool holds: clamped to cap
+    q = torch.randn(len(lengths), Hkv * G, 1, D, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    decode.decode_attention_ragged(q, tiles, wk, wv, sk, sk.clone(), big, wl, sl, spec, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    # sequence 1 without its window: the reference over the tile alone
+    t1 = kc.KVarNCache(1, 1, Hkv, D, preset="k4v4_g64", window=W, device="cuda", quantizer=quantizer)
+    t1._layers[0].tiles = c1.tile_pool(0)
+    t1._layers[0].n_tiles = 1
+    assert rel(out[1:2], reference.attention(q[1:2], t1, 0)) < TOL
+    for b in (2, 3, 4):
+        assert rel(out[b : b + 1], reference.attention(q[b : b + 1], caches[b], 0)) < TOL, b
+
+
+def test_tickets_reset_and_repeatable():
+    """The merging block resets its ticket: after any number of launches every ticket is 0 and repeated
+    launches (same inputs, fresh poison each time) give bit-identical outputs."""
+    c = make_cache(3, 2, 128, n=2500, sink=128, seed=60)
+    plan = decode.DecodePlan(c, splits=5)
+    plan.refresh(0)
+    q = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.float16)
+    outs = []
+    for _ in range(5):
+        out = torch.full_like(q, float("nan"))
+        plan.launch(q, 0, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ws = plan.workspace(4)
+    assert torch.equal(ws.tickets, torch.zeros_like(ws.tickets))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert rel(outs[0], reference.attention(q, c, 0)) < TOL
+
+
+@pytest.mark.parametrize("splits", [1, 64])
+def test_more_splits_than_tiles_and_one_split(splits):
+    """64 splits of a 6-tile sequence: most blocks are empty (neutral partials, skipped in the merge)."""
+    c = make_cache(2, 2, 64, preset="k4v2_g64", n=6 * 64 + 128, window=128, seed=70)
+    plan = decode.DecodePlan(c, splits=splits, min_tps=1)
+    plan.refresh(0)
+    q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    plan.launch(q, 0, out)
+    torch.cuda.synchronize()
+    assert rel(out, reference.attention(q, c, 0)) < TOL

@@ -49,11 +49,35 @@ def test_sections_tile_the_record_in_order(preset, head_dim, scale_dtype):
         ({"head_dim": 128.0}, "head_dim"),
         ({"scale_dtype": torch.bfloat16}, "scale_dtype"),
         ({"sinkhorn_iters": -1}, "sinkhorn_iters"),
+        # unhashable or array-valued arguments: an error naming the argument, not "unhashable type"
+        # or numpy's "truth value of an array is ambiguous"
+        ({"preset": ["k4v2_g128"]}, r"preset=\['k4v2_g128'\] is not supported"),
+        ({"preset": {"k4v2_g128": 1}}, "preset="),
+        ({"preset": np.array(["k4v2_g128"])}, "preset="),
+        ({"quantizer": ["uniform"]}, "quantizer="),
+        ({"quantizer": np.array(["uniform", "lloyd_max"])}, "quantizer="),
+        ({"scale_dtype": np.array([1, 2])}, "scale_dtype="),
+        ({"scale_dtype": "float16"}, "scale_dtype="),
+        ({"sinkhorn_iters": np.array([1, 2])}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": kc.format.MAX_SINKHORN_ITERS + 1}, "sinkhorn_iters"),
+        ({"sinkhorn_iters": 10**6}, "sinkhorn_iters"),  # a hang in the codec before it had a bound
     ],
 )
 def test_bad_spec_names_the_argument(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         kc.TileSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"preset": ["k4v2_g128"]}, {"quantizer": np.array(["uniform", "x"])}])
+def test_cache_with_an_unhashable_spec_argument_names_it(kwargs):
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))}="):
+        kc.KVarNCache(1, 1, 1, 128, **kwargs)
+
+
+def test_sinkhorn_iters_bound_is_inclusive_and_reaches_the_cache():
+    assert kc.TileSpec(sinkhorn_iters=kc.format.MAX_SINKHORN_ITERS).sinkhorn_iters == kc.format.MAX_SINKHORN_ITERS
+    with pytest.raises(ValueError, match=r"sinkhorn_iters must be an int in \[0, 64\], got 1000000"):
+        kc.KVarNCache(1, 1, 2, 128, sinkhorn_iters=10**6)
 
 
 def test_unknown_section():

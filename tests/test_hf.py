@@ -244,6 +244,14 @@ def test_bad_configs_raise_at_construction():
         kh.SimSpec("k4v2_g128", quantizer="nf4")
 
 
+def test_hf_cache_on_cpu_0_takes_cpu_tensors():
+    cache = kh.KVarNCache(_qwen3_config(), preset="k4v4_g64", window=64, device="cpu:0")
+    g = torch.Generator().manual_seed(43)
+    k, v = torch.randn(1, 1, 200, 128, generator=g), torch.randn(1, 1, 200, 128, generator=g)
+    cache.update(k, v, 0)
+    assert cache.library.device == torch.device("cpu") and cache.library.num_tiles(0) == 3
+
+
 def test_hf_cache_quantizer_keyword():
     cache = kh.KVarNCache(_qwen3_config(), preset="k4v4_g64", window=64, quantizer="lloyd_max")
     assert cache.quantizer == "lloyd_max" and cache.spec == kc.TileSpec("k4v4_g64", 128, quantizer="lloyd_max")

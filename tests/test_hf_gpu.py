@@ -1,7 +1,8 @@
 """transformers integration on CUDA: the 'kvarn' attention through the GPU prefill/decode kernels.
 
 Model in float16 on the GPU. Checks: nothing quantized -> greedy tokens equal transformers'
-DynamicCache; quantized generation runs and agrees with the CPU reference path statistically;
+DynamicCache; quantized (k4v2_g128, window 256): teacher-forced greedy agreement with the unquantized
+continuation, the stable metric of docs/accuracy.md (99.4% there on the H200);
 teacher-forced NLL through the decode kernel (token by token) matches the one-pass simulation
 (run on the GPU too) statistically (see tests/test_hf.py for why model-level checks are statistical).
 """
@@ -39,7 +40,7 @@ def setup():
 
 def test_gpu_generate_unquantized_and_quantized(setup):
     import kvarn_cutlass.hf as kh
-    from kvarn_cutlass.hf.generate import greedy
+    from kvarn_cutlass.hf.generate import greedy, teacher_forced_agreement
 
     model, ids = setup
     prompt = ids[:, :600]
@@ -49,7 +50,12 @@ def test_gpu_generate_unquantized_and_quantized(setup):
     assert torch.equal(huge[:, :8], base[:, :8])
     cache = kh.KVarNCache(model.config, preset="k4v2_g128", window=256)
     q = greedy(model, prompt, 32, cache, chunk_size=256)
-    assert cache.library.num_tiles(0) == 3 and q.shape == (1, 32)
+    assert cache.library.num_tiles(0) == 3 and q.shape == (1, 32)  # tiles hold most of the context
+    # fed the unquantized continuation, the quantized model picks its next token (docs/accuracy.md:
+    # 12 misses in 2048 steps on the H200 for this config); a broken kernel agrees on few steps
+    agree = teacher_forced_agreement(model, prompt, base, kh.KVarNCache(model.config, preset="k4v2_g128", window=256),
+                                     chunk_size=256)
+    assert agree >= 0.9, f"teacher-forced agreement {agree:.3f} over 32 tokens"
 
 
 def test_gpu_decode_nll_matches_simulation(setup):

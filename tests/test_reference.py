@@ -1,3 +1,7 @@
+"""The float64 reference attention: both formulations against a per-query loop over the cache's
+reconstruction, exact attention inside the window, accuracy on structured data, argument errors."""
+
+import zlib
 
 import pytest
 import torch
@@ -60,59 +64,63 @@ def test_formulations_agree_and_match_naive(cfg, quantizer):
     cache, _, _ = _cache(D=cfg["D"], preset=cfg["preset"], sink=cfg["sink"], n=cfg.get("n", 500),
                          window=cfg.get("window", 128), quantizer=quantizer)
     assert cache.num_tiles(0) > 0 and cache.spec.quantizer == quantizer
-    q = torch.randn(2, 2 * cfg["group"], cfg["n_q"], cfg["D"], dtype=torch.float16)
+    seed = zlib.crc32(repr((cfg, quantizer)).encode())
+    q = torch.randn(2, 2 * cfg["group"], cfg["n_q"], cfg["D"], generator=torch.Generator().manual_seed(seed)).half()
     a = kc.reference.attention(q, cache, 0)
     b = kc.reference.attention(q, cache, 0, formulation="dense")
     assert a.dtype == torch.float64 and a.shape == q.shape
-    assert ((a - b).norm() / b.norm()).item() < 1e-9
+    assert ((a - b).norm() / b.norm()).item() < 1e-9, f"seed={seed}"
     keys, values = _reconstructed_kv(cache)
     naive = _naive_attention(q, keys, values, cfg["D"] ** -0.5)
-    assert ((a - naive).norm() / naive.norm()).item() < 1e-9
+    assert ((a - naive).norm() / naive.norm()).item() < 1e-9, f"seed={seed}"
 
 
 def test_context_inside_window_is_exact_attention():
     cache, k, v = _cache(n=100, window=128)
     assert cache.num_tiles(0) == 0
-    q = torch.randn(2, 4, 5, 64)
+    seed = 7
+    q = torch.randn(2, 4, 5, 64, generator=torch.Generator().manual_seed(seed))
     out = kc.reference.attention(q, cache, 0, scale=0.3)
     expect = _naive_attention(q, k.double(), v.double(), 0.3)
-    assert ((out - expect).norm() / expect.norm()).item() < 1e-12
+    assert ((out - expect).norm() / expect.norm()).item() < 1e-12, f"seed={seed}"
 
 
 def test_queries_see_chunk_tokens_compressed_during_the_same_append():
     # A 300-token chunk with a 64-token window: most of the chunk itself is compressed already.
     cache, _, _ = _cache(n=400, window=64, chunks=[100, 300])
-    q = torch.randn(2, 2, 300, 64)
+    seed = 8
+    q = torch.randn(2, 2, 300, 64, generator=torch.Generator().manual_seed(seed))
     a = kc.reference.attention(q, cache, 0)
     keys, values = _reconstructed_kv(cache)
-    assert ((a - _naive_attention(q, keys, values, 0.125)).norm() / a.norm()).item() < 1e-9
+    assert ((a - _naive_attention(q, keys, values, 0.125)).norm() / a.norm()).item() < 1e-9, f"seed={seed}"
 
 
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 def test_quantized_attention_is_close_to_exact_on_structured_data(quantizer):
     """Attention over tiles tracks exact attention: peaked scores, 4-bit V."""
-    g = torch.Generator().manual_seed(5)
+    seed = 5
+    g = torch.Generator().manual_seed(seed)
     B, H, n, D = 1, 2, 512, 128
     k = realistic_kv(B, H, n, D, generator=g)
     v = realistic_kv(B, H, n, D, generator=g)
     cache = kc.KVarNCache(1, B, H, D, preset="k4v4_g128", window=128, quantizer=quantizer)
     cache.append(0, k, v)
-    q = (k[:, :, 50:58].repeat_interleave(2, 1).float() * 0.5 + torch.randn(B, 2 * H, 8, D)).to(torch.float16)
+    q = (k[:, :, 50:58].repeat_interleave(2, 1).float() * 0.5 + torch.randn(B, 2 * H, 8, D, generator=g)).to(torch.float16)
     out = kc.reference.attention(q, cache, 0)
     exact = _naive_attention(q, k.double(), v.double(), D**-0.5)
     # Measured 0.11 uniform, 0.12 lloyd_max (4-bit K and V); a wrong scale, sign, index or codebook
     # would give errors near 1.
-    assert ((out - exact).norm() / exact.norm()).item() < 0.2
+    assert ((out - exact).norm() / exact.norm()).item() < 0.2, f"seed={seed}"
 
 
 @pytest.mark.parametrize(
     "q, exc, match",
     [
-        (torch.randn(2, 3, 1, 64), ValueError, "multiple of num_kv_heads=2"),
-        (torch.randn(1, 4, 1, 64), ValueError, "batch=2"),
-        (torch.randn(2, 4, 1, 32), ValueError, "head_dim=64"),
-        (torch.randn(2, 4, 501, 64), ValueError, "n_q=501"),
-        (torch.randn(2, 4, 0, 64), ValueError, "n_q=0"),
+        (torch.zeros(2, 3, 1, 64), ValueError, "multiple of num_kv_heads=2"),
+        (torch.zeros(1, 4, 1, 64), ValueError, "batch=2"),
+        (torch.zeros(2, 4, 1, 32), ValueError, "head_dim=64"),
+        (torch.zeros(2, 4, 501, 64), ValueError, "n_q=501"),
+        (torch.zeros(2, 4, 0, 64), ValueError, "n_q=0"),
         (torch.ones(2, 4, 1, 64, dtype=torch.int64), TypeError, "floating-point"),
         ("q", TypeError, "torch.Tensor"),
     ],
@@ -126,4 +134,4 @@ def test_bad_queries(q, exc, match):
 def test_bad_formulation():
     cache, _, _ = _cache()
     with pytest.raises(ValueError, match="formulation"):
-        kc.reference.attention(torch.randn(2, 2, 1, 64), cache, 0, formulation="fast")
+        kc.reference.attention(torch.zeros(2, 2, 1, 64), cache, 0, formulation="fast")

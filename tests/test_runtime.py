@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import multiprocessing
+import os
+import re
+import stat
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +33,7 @@ from kvarn_cutlass.runtime import (
 )
 from kvarn_cutlass.runtime import registry
 from kvarn_cutlass.runtime import spec as spec_mod
+from kvarn_cutlass.runtime.diskcache import read_cache_file, write_cache_file
 from kvarn_cutlass.runtime.compiler import _nvcc_path, cubin_resources, kernel_resources, parse_ptxas_log
 from kvarn_cutlass.runtime.module import Kernel, _parse_signature
 from kvarn_cutlass.runtime.selftest import AXPY_SIGNATURE, MIX_SIGNATURE, SELFTEST, mix_params
@@ -337,6 +343,138 @@ def test_unwritable_cache_root_names_the_override(monkeypatch, tmp_path):
         cached_artifact("kernels", "x", {"arch": 90}, lambda: b"")
 
 
+# --- shared caches: permissions -------------------------------------------------------------------
+def _mode_bits_deny_access() -> bool:
+    """False for root (CAP_DAC_OVERRIDE), for whom chmod 0 does not stop a read."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe"
+        probe.write_bytes(b"")
+        probe.chmod(0)
+        try:
+            probe.read_bytes()
+        except PermissionError:
+            return True
+        return False
+
+
+needs_mode_bits = pytest.mark.skipif(not _mode_bits_deny_access(), reason="running as root: mode bits deny nothing")
+
+
+@contextlib.contextmanager
+def _umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+@pytest.mark.parametrize("mask", [0o002, 0o022, 0o077])
+def test_entries_follow_the_umask(cache_dir, mask):
+    """Entries used to be 0600 whatever the umask (tempfile.mkstemp): unreadable to every other user
+    of a team, CI or sudo-built cache."""
+    with _umask(mask):
+        cached_artifact("kernels", "x", {"arch": 90}, lambda: b"payload")
+    (entry,) = _entries(cache_dir)
+    assert _mode(entry) == 0o666 & ~mask
+    assert _mode(entry.parent) == 0o777 & ~mask
+    for lock in entry.parent.glob("*.lock"):  # filelock may remove it on release
+        assert _mode(lock) == 0o666 & ~mask
+
+
+def test_write_cache_file_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "d" / "f.so"
+    write_cache_file(path, b"one")
+    write_cache_file(path, b"two")
+    assert read_cache_file(path) == (b"two", "")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.so"]
+
+
+def test_read_cache_file_reasons(tmp_path):
+    assert read_cache_file(tmp_path / "absent") == (None, "")
+    assert read_cache_file(tmp_path / "absent" / "below") == (None, "")
+    (tmp_path / "dir").mkdir()
+    assert read_cache_file(tmp_path / "dir") == (None, "not a regular file")
+    os.mkfifo(tmp_path / "fifo")
+    assert read_cache_file(tmp_path / "fifo") == (None, "not a regular file")  # and did not wait for a writer
+
+
+def _built_once(cache_dir) -> tuple[Path, list]:
+    calls = []
+    cached_artifact("kernels", "x", {"arch": 90}, lambda: calls.append(1) or b"payload")
+    (entry,) = _entries(cache_dir)
+    return entry, calls
+
+
+def _rebuild(calls) -> bytes:
+    return cached_artifact("kernels", "x", {"arch": 90}, lambda: calls.append(1) or b"payload")
+
+
+def test_fifo_entry_is_rebuilt(cache_dir):
+    entry, calls = _built_once(cache_dir)
+    entry.unlink()
+    os.mkfifo(entry)  # a plain read of it blocks until some writer opens it
+    unblocked = []
+
+    def unblock() -> None:  # a guard so that a regression fails instead of hanging the suite
+        unblocked.append(1)
+        with contextlib.suppress(OSError):
+            os.close(os.open(entry, os.O_WRONLY | os.O_NONBLOCK))
+
+    guard = threading.Timer(60, unblock)
+    guard.start()
+    try:
+        assert _rebuild(calls) == b"payload" and len(calls) == 2
+    finally:
+        guard.cancel()
+    assert not unblocked, "the cache blocked reading a FIFO entry"
+    assert entry.is_file() and _rebuild(calls) == b"payload" and len(calls) == 2
+
+
+def test_directory_entry_is_an_error_naming_the_path(cache_dir):
+    entry, calls = _built_once(cache_dir)
+    entry.unlink()
+    entry.mkdir()
+    with pytest.raises(OSError, match=f"{re.escape(str(entry))}.*KVARN_CUTLASS_CACHE"):
+        _rebuild(calls)
+
+
+@needs_mode_bits
+def test_unreadable_entry_is_rebuilt(cache_dir):
+    """Another user's private entry (or one from `sudo kvarn-cutlass build`): rebuilt and replaced."""
+    entry, calls = _built_once(cache_dir)
+    entry.chmod(0)
+    assert _rebuild(calls) == b"payload" and len(calls) == 2
+    assert _mode(entry) != 0 and _rebuild(calls) == b"payload" and len(calls) == 2
+
+
+@needs_mode_bits
+@pytest.mark.parametrize("readable", [True, False])
+def test_read_only_cache_directory(cache_dir, readable):
+    """A cache directory the process cannot write: a valid entry is served; a missing or unreadable
+    one is an error naming the directory and KVARN_CUTLASS_CACHE (not a bare PermissionError)."""
+    entry, calls = _built_once(cache_dir)
+    if not readable:
+        entry.chmod(0)
+    entry.parent.chmod(0o555)
+    try:
+        if readable:
+            assert _rebuild(calls) == b"payload" and len(calls) == 1
+            with pytest.raises(OSError, match=f"{re.escape(str(entry.parent))}.*KVARN_CUTLASS_CACHE"):
+                cached_artifact("kernels", "other", {"arch": 90}, lambda: b"other")
+        else:
+            with pytest.raises(OSError, match=f"{re.escape(str(entry.parent))}.*KVARN_CUTLASS_CACHE"):
+                _rebuild(calls)
+    finally:
+        entry.parent.chmod(0o755)
+
+
 # --- registry -------------------------------------------------------------------------------------
 
 
@@ -445,8 +583,9 @@ def test_cli_build_json(capsys):
 
 
 def test_cli_build_table_and_errors(capsys):
-    assert cli.main(["build", "--arch", "sm90", "--family", "selftest"]) == 0
-    assert "kvarn_selftest_axpy" in capsys.readouterr().out
+    assert cli.main(["build", "--arch", "sm90", "--family", "selftest", "--verbose"]) == 0
+    table = capsys.readouterr().out
+    assert all(k in table for k in SELFTEST.kernel_names)  # the table lists every kernel
     assert cli.main(["build", "--arch", "sm70"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sm_80 or newer" in err
@@ -480,3 +619,24 @@ def test_record_section_merges(tmp_path):
     assert doc["sections"]["launch"]["results"] == {"prepared_launch_us": 5.0}
     assert [p.name for p in path.parent.iterdir()] == ["h200.json"]
     assert gpu_slug("NVIDIA H200") == "h200" and gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+def test_cubin_global_reads_exported_numbers():
+    """An initialized extern "C" __device__ array comes back byte for byte; missing names raise KeyError."""
+    import struct
+
+    from kvarn_cutlass.runtime import cubin_global
+
+    src = (
+        'extern "C" __device__ const int exported_numbers[3] = {12345, -7, 1 << 30};\n'
+        'extern "C" __device__ int zeroed[4];\n'
+        'extern "C" __global__ void k(int* p) { p[threadIdx.x] = exported_numbers[threadIdx.x % 3] + zeroed[0]; }\n'
+    )
+    cubin = compile_cubin(src, "g.cu", "sm_90").cubin
+    assert struct.unpack("<3i", cubin_global(cubin, "exported_numbers")) == (12345, -7, 1 << 30)
+    with pytest.raises(KeyError, match="no_such_symbol"):
+        cubin_global(cubin, "no_such_symbol")
+    with pytest.raises(KeyError, match="zeroed"):  # not initialized: no bytes in the image
+        cubin_global(cubin, "zeroed")
+    with pytest.raises(ValueError, match="ELF"):
+        cubin_global(b"not an elf", "exported_numbers")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from kvarn_cutlass import cli
-from kvarn_cutlass.bench.timing import rotation_count, time_cuda
+from kvarn_cutlass.bench.timing import time_cuda
 from kvarn_cutlass.runtime import CudaError, build, get_module, load_module
 from kvarn_cutlass.runtime.selftest import (
     AXPY_SIGNATURE,
@@ -155,15 +156,26 @@ def test_get_module_is_cached_and_tensor_device_checked():
         kernel.launch(1, 32, (torch.zeros(4, device="cuda"), torch.zeros(4), None, 1.0, 4))
 
 
-def test_time_cuda_eager_and_graph():
-    n = 1 << 16
-    sets = [(torch.randn(n, device="cuda"), torch.randn(n, device="cuda"), torch.empty(n, device="cuda"))
-            for _ in range(min(8, rotation_count(3 * 4 * n)))]
-    eager = time_cuda(lambda s: axpy(s[0], s[1], 2.0, out=s[2]), sets, warmup=3, runs=20)
-    graphed = time_cuda(lambda s: axpy(s[0], s[1], 2.0, out=s[2]), sets, warmup=3, runs=20, graph=True)
-    assert eager.runs == graphed.runs == 20 and graphed.calls_per_run == len(sets)
-    assert 0 < eager.min_us <= eager.median_us <= eager.p90_us and graphed.median_us > 0
-    torch.testing.assert_close(sets[0][2], 2.0 * sets[0][0] + sets[0][1])
+def test_time_cuda_times_the_work_it_calls():
+    """Eager: fn runs warmup + runs times, rotating the sets; graph: one eager warm-up call and one
+    captured call per set, replays call nothing. The time covers the work: a kernel spinning a known
+    number of GPU cycles measures at least cycles / 5 GHz (no SM clock is faster), per call in a graph
+    too; a timer whose events missed the work (another stream, both recorded before it) would not."""
+    cycles, sets, calls = 2_000_000, [0, 1, 2], []
+
+    def spin(s):
+        calls.append(s)
+        torch.cuda._sleep(cycles)
+
+    eager = time_cuda(spin, sets, warmup=3, runs=20)
+    assert calls[:5] == [0, 1, 2, 0, 1] and len(calls) == 3 + 20
+    assert (eager.runs, eager.calls_per_run, eager.graph) == (20, 1, False)
+    calls.clear()
+    graphed = time_cuda(spin, sets, warmup=3, runs=20, graph=True)
+    assert calls == sets + sets
+    assert (graphed.runs, graphed.calls_per_run, graphed.graph) == (20, 3, True)
+    floor_us = cycles / 5e9 * 1e6
+    assert eager.min_us >= floor_us and graphed.min_us >= floor_us, (eager, graphed)
 
 
 def test_cli_bench_quick_records(tmp_path, capsys):
@@ -173,4 +185,7 @@ def test_cli_bench_quick_records(tmp_path, capsys):
     doc = json.loads(record.read_text())
     launch = doc["sections"]["launch"]
     assert launch["provenance"]["gpu"] == torch.cuda.get_device_name()
-    assert launch["results"]["prepared_launch_us"] > 0
+    res = launch["results"]
+    assert (res["calls"], res["repeats"], res["graph_gpu_us"]["runs"]) == (500, 3, 20)  # what --quick runs
+    for key in ("prepared_launch_us", "kernel_launch_us", "torch_add_us"):
+        assert isinstance(res[key], float) and math.isfinite(res[key]), (key, res[key])

@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KVARN_CUTLASS_CACHE=${KVARN_CUTLASS_CACHE:-/tmp/kc} PYTHONUNBUFFERED=1
 python3 -m kvarn_cutlass.cli build --arch sm90 --family decode --jobs "$(nproc)" >/dev/null || exit 1
-timeout 60 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_decode_gpu.py 2>&1 | tail -3
+timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_decode_gpu.py 2>&1 | tail -3
 timeout 90 python3 -W ignore - <<'PY'
 import json
 from kvarn_cutlass.bench import BenchOptions

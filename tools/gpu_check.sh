@@ -23,7 +23,8 @@
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
 # 6. copies that record to $OUT
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
-#    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt
+#    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
+#    reasons too; GPU_NCU_TARGETS picks the kernels)
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
@@ -132,15 +133,21 @@ fi
 
 if [ -n "${GPU_NCU:-}" ]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  # GPU_NCU_STALLS=1: also the average warps stalled per issue, by reason
+  STALL_METRICS=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' barrier long_scoreboard \
+    short_scoreboard mio_throttle math_pipe_throttle wait not_selected dispatch_stall lg_throttle membar \
+    branch_resolving no_instruction)
+  STALL_METRICS=${STALL_METRICS%,}
   ncu_one() {  # TARGET KERNEL_REGEX
     timeout "${GPU_NCU_LIMIT:-90}" "$NCU" --clock-control none --kernel-name "regex:$2" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
+      --section SchedulerStats --section MemoryWorkloadAnalysis ${GPU_NCU_STALLS:+--metrics "$STALL_METRICS"} \
+      python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
   }
   for t in ${GPU_NCU_TARGETS:-compress decode prefill}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
-      decode) step ncu_decode ncu_one decode kvarn_decode_partials ;;
+      decode) step ncu_decode ncu_one decode kvarn_decode_n ;;
       prefill) step ncu_prefill ncu_one prefill kvarn_prefill_fused ;;
     esac
   done
@@ -153,7 +160,8 @@ if [ -n "${GPU_SANITIZE:-}" ]; then
   for t in $GPU_SANITIZE; do
     for tool in memcheck racecheck; do
       step "sanitize_${tool}_$t" timeout "${GPU_SANITIZE_LIMIT:-150}" "$SAN" --tool "$tool" --error-exitcode 3 \
-        --kernel-name regex:kvarn_ python3 tools/ncu_targets.py "$t"
+        --report-api-errors no \
+        --kernel-name kns=kvarn_ python3 tools/ncu_targets.py "$t"
     done
   done
 fi
@@ -168,6 +176,7 @@ if [ -n "${GPU_PPL:-}" ] && [ -n "$SHARED_DIR" ]; then
     [[ "$1" =~ ${GPU_PPL_ROWS:-.} ]] && step "$1" ppl "${@:2}"
   }
   ppl_row ppl_k4v2_w256 --preset k4v2_g128 --window 256
+  ppl_row ppl_k4v2_w256_prefill --preset k4v2_g128 --window 256 --method prefill --chunk 512
   ppl_row ppl_k4v4_w256 --preset k4v4_g128 --window 256
   ppl_row ppl_k4v2_w128 --preset k4v2_g128 --window 128
   ppl_row ppl_k4v4_w128 --preset k4v4_g128 --window 128

@@ -9,7 +9,7 @@ Targets (each launches its kernel 5 times: warm-up launches first, so ``--launch
 steady-state launch):
 
 * ``compress``: one layer, 8 KV heads, D=128, one 128-token tile each, k4v2_g128 (kvarn_compress_*);
-* ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_partials_* / _combine_*);
+* ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_n1_*: one kernel per step);
 * ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_sv_*, kvarn_kscore_*,
   the CUTLASS GEMM ``kscore_sm90*``).
 * ``prefill_small`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).

@@ -10,16 +10,23 @@ and is listed in :data:`COMMANDS`; adding one is one line there. ``run`` raises 
 errors; :func:`main` prints them as one line on stderr and exits non-zero (``--debug``
 shows the traceback). Subcommand modules import heavy dependencies (torch, CUDA)
 inside ``run`` so that ``--help`` stays fast.
+
+SIGTERM (``timeout``, a CI runner cancelling a job) is handled like ^C: it raises
+:class:`Terminated`, a ``KeyboardInterrupt``, in the command, so that the same cleanup runs (child
+processes and their compilers stopped, temporary files removed); the exit status is 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from typing import NoReturn, Sequence
+import threading
+from typing import Iterator, NoReturn, Sequence
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "Terminated", "main"]
 
 PROG = "kvarn-cutlass"
 
@@ -57,15 +64,43 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: raised in the main thread so that the command unwinds as on ^C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame) -> NoReturn:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        with _sigterm_as_interrupt():
+            return int(args._run(args) or 0)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
         return 1
+    except Terminated as e:
+        print(f"{PROG} {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -75,4 +110,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"{PROG} {args.command}: error: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
-

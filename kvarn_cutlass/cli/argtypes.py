@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from typing import Callable
 
 
@@ -56,6 +57,33 @@ def existing_dir(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
     return text
+
+
+def regex(text: str) -> re.Pattern:
+    """A compiled regular expression (``re.compile``)."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e}): {text!r}") from None
+
+
+def non_empty(text: str) -> str:
+    """A string with at least one character (returned unchanged)."""
+    if text == "":
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def read_text_file(path: str, option: str) -> str:
+    """The UTF-8 text of ``path``; a file that is not UTF-8 raises ValueError naming ``option``, the
+    file and the first offending byte offset."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{option} {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: "
+                         f"{e.reason})") from None
 
 
 def resolve_device(choice: str) -> str:

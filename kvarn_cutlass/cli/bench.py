@@ -140,6 +140,23 @@ def _render(doc: dict[str, Any], out: Path, plots: bool) -> list[Path]:
     return written
 
 
+# What rendering raises on a record whose fields have other types or shapes than a bench run writes.
+_MALFORMED = (AttributeError, TypeError, KeyError, IndexError, ValueError)
+
+
+def _check_renderable(doc: dict[str, Any], path: str) -> None:
+    """Render each section's tables alone (in memory) so that a malformed one is named before any file
+    is written. Raises ValueError naming ``path`` and the section."""
+    from ..bench.report import render_markdown
+
+    for name, section in doc["sections"].items():
+        try:
+            render_markdown({**doc, "sections": {name: section}})
+        except _MALFORMED as e:
+            raise ValueError(f"--from-json {path}: section {name!r} is not a result record this version can read "
+                             f"({type(e).__name__}: {e})") from None
+
+
 def _from_json(args: argparse.Namespace) -> int:
     from ..bench.report import load_record
 
@@ -152,8 +169,12 @@ def _from_json(args: argparse.Namespace) -> int:
         if missing:
             raise ValueError(f"--section: {missing} not in {args.from_json} (it has {sorted(doc['sections'])})")
         doc = {**doc, "sections": {n: doc["sections"][n] for n in args.section}}
+    _check_renderable(doc, args.from_json)
     out = _out_dir(args)
-    written = _render(doc, out, plots=not args.no_plots)
+    try:
+        written = _render(doc, out, plots=not args.no_plots)
+    except _MALFORMED as e:  # the plots read fields the tables do not
+        raise ValueError(f"--from-json {args.from_json}: cannot plot it ({type(e).__name__}: {e})") from None
     if args.json:
         print(json.dumps({"out": str(out), "files": [str(p) for p in written]}, indent=2))
     else:

@@ -4,37 +4,58 @@ Besides the registered NVRTC families this compiles, for sm_90, every distinct C
 config of ``gemm_configs/sm90.json`` (family ``kscore_gemm``, nvcc), so that a GPU run after a build
 never compiles a GEMM on first use.
 
-Reports per kernel: registers, static shared memory, stack, spills and ptxas time,
-and per module the whole compile time (also for cache hits, where it is the time of
-the compilation that made the entry). Spills and ptxas time come from the compiler
-log and show as ``?`` (JSON ``null``) when the log lacked them.
+While it runs, stderr shows each module as it finishes (which one, how many are left, from the
+kernel cache or compiled, and how long it took): a progress bar on a terminal, a line per module
+elsewhere. The modules build in ``--jobs`` worker processes, by default one per CPU core. At the
+end it prints a short summary; ``--verbose`` adds the table of every kernel: registers, static
+shared memory, stack, spills and ptxas time, and per module the whole compile time (also for cache
+hits, where it is the time of the compilation that made the entry). Spills and ptxas time come from
+the compiler log and show as ``?`` (JSON ``null``) when the log lacked them. ``--json`` prints
+every field of every kernel as one document.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from typing import Any
 
 from .argtypes import positive_int
+from .progress import Progress
 
 __all__ = ["add_parser", "run"]
 
 
+def default_jobs() -> int:
+    """The CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    jobs = default_jobs()
     p = subparsers.add_parser(
         "build",
         help="compile every registered kernel (no GPU needed)",
-        description="Compile every registered kernel family for each --arch and report resource usage.",
+        description="Compile every registered kernel family (and, for sm90, every CUTLASS K-score GEMM config of "
+        "gemm_configs/) for each --arch, with progress on stderr, and report resource usage: a summary, the "
+        "table of every kernel with --verbose, every field with --json.",
     )
     p.add_argument("--arch", action="append", metavar="ARCH",
                    help="target, e.g. sm90, sm_90a, sm80; repeatable (default: the current GPU's)")
     p.add_argument("--family", action="append", metavar="NAME", help="only these kernel families (repeatable)")
     p.add_argument("--backend", choices=("nvrtc", "nvcc"), help="compiler (default: $KVARN_CUTLASS_COMPILER or nvrtc)")
-    p.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                   help="compile N modules at once in worker processes (default 1; the disk cache is process-safe)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--jobs", type=positive_int, default=jobs, metavar="N",
+                   help=f"compile N modules at once in worker processes (default {jobs}: one per CPU core; "
+                        "the disk cache is process-safe)")
+    p.add_argument("--verbose", action="store_true", help="also print the table of every kernel")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the summary")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     return p
 
 
@@ -86,6 +107,45 @@ def _build_gemm_one(job: tuple) -> tuple:
     return (res, logged, binary.meta, binary.cached), None
 
 
+def _build_task(task: tuple) -> tuple:
+    """Worker: one ("module", (spec, arch, backend)) or ("gemm", (config, arch)) build."""
+    kind, job = task
+    return _build_gemm_one(job) if kind == "gemm" else _build_one(job)
+
+
+def _task_note(task: tuple, result: tuple) -> str:
+    """What became of one build, for the progress display."""
+    kind, job = task
+    name = f"{GEMM_FAMILY}/{job[0].name} sm_{job[1]}a" if kind == "gemm" else f"{job[0].name} {job[1]}"
+    built, failure = result
+    if failure is not None:
+        return f"{name}: FAILED ({failure[0]})"
+    cached, seconds = (built[3], float(built[2].get("seconds", 0.0))) if kind == "gemm" else (
+        built.cached, built.compile_seconds)
+    return f"{name}: {'from the kernel cache' if cached else f'compiled in {seconds:.1f} s'}"
+
+
+def _run_tasks(tasks: list[tuple], workers: int, progress: Progress) -> list[tuple]:
+    """Every task's result, in task order, built ``workers`` at a time."""
+    results: list = [None] * len(tasks)
+    if workers == 1:
+        for i, task in enumerate(tasks):
+            results[i] = _build_task(task)
+            progress.step(note=_task_note(task, results[i]))
+        return results
+    from concurrent.futures import as_completed
+
+    from .workers import worker_pool
+
+    with worker_pool(workers) as pool:
+        futures = {pool.submit(_build_task, task): i for i, task in enumerate(tasks)}
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            progress.step(note=_task_note(tasks[i], results[i]))
+    return results
+
+
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..runtime import registry
     from ..runtime.arch import device_arch, normalize_arch
@@ -104,21 +164,15 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(f"unknown kernel family {unknown}; registered: {sorted(families)}")
     jobs = [(family, spec, arch) for family, specs in families.items() if not args.family or family in args.family
             for spec in specs for arch in arches]
-    work = [(spec, arch, args.backend) for _, spec, arch in jobs]
     gemm_jobs = []
     if not args.family or GEMM_FAMILY in args.family:
         gemm_jobs = [(cfg, normalize_arch(a)) for a in arches for cfg in _gemm_configs(normalize_arch(a))]
-    if args.jobs == 1:
-        results = [_build_one(w) for w in work]
-        gemm_results = [_build_gemm_one(g) for g in gemm_jobs]
-    else:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(args.jobs) as pool:
-            # the slow nvcc GEMM builds first, so the quick NVRTC modules fill the gaps
-            gemm_futures = [pool.submit(_build_gemm_one, g) for g in gemm_jobs]
-            results = list(pool.map(_build_one, work))
-            gemm_results = [f.result() for f in gemm_futures]
+    # the slow nvcc GEMM builds first, so that the quick NVRTC modules fill the gaps
+    tasks = [("gemm", g) for g in gemm_jobs] + [("module", (spec, arch, args.backend)) for _, spec, arch in jobs]
+    workers = min(args.jobs, max(1, len(tasks)))
+    with Progress(len(tasks), "build", unit="module", enabled=not args.no_progress) as progress:
+        done = _run_tasks(tasks, workers, progress)
+    gemm_results, results = done[: len(gemm_jobs)], done[len(gemm_jobs) :]
     records: list[dict[str, Any]] = []
     for (family, spec, arch), (compiled, failure) in zip(jobs, results):
         base = {"family": family, "module": spec.name, "source": spec.source_file, "arch": str(arch)}
@@ -183,13 +237,45 @@ def _table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _summary(records: list[dict[str, Any]], seconds: float) -> str:
+    """A few lines: modules and kernels per target, compiled vs from the cache, the heaviest kernels,
+    spills, failures (first line of each; the logs are in --verbose and --json)."""
+    ok = [r for r in records if "error" not in r]
+    failed = [r for r in records if "error" in r]
+    modules = {(r["family"], r["module"], r["arch"]): r for r in ok}
+    compiled = sum(1 for r in modules.values() if not r["cached"])
+    targets = ", ".join(sorted({r["target"] for r in ok})) or "-"
+    lines = [f"kvarn-cutlass build: {len(modules)} modules ({len(ok)} kernels) for {targets} in {seconds:.1f} s: "
+             f"{compiled} compiled, {len(modules) - compiled} from the kernel cache, {len(failed)} failed"]
+    if ok:
+        regs = max(ok, key=lambda r: r.get("registers") or 0)
+        smem = max(ok, key=lambda r: r.get("shared_bytes") or 0)
+        spilling = [r for r in ok if (r.get("spill_store_bytes") or 0) + (r.get("spill_load_bytes") or 0) > 0]
+        unknown = sum(1 for r in ok if r.get("spill_store_bytes") is None)
+        spills = (f"{len(spilling)} kernel(s) spill registers ({', '.join(r['kernel'] for r in spilling[:3])}"
+                  f"{', ...' if len(spilling) > 3 else ''})" if spilling else "no kernel spills registers")
+        if unknown:
+            spills += f" ({unknown} not reported by the compiler log)"
+        smem_note = (f"; most static shared memory: {smem['shared_bytes']} B ({smem['kernel']})"
+                     if smem.get("shared_bytes") else "; no static shared memory")
+        lines.append(f"  most registers: {regs.get('registers')} ({regs['kernel']}, {regs['target']}){smem_note}")
+        lines.append(f"  {spills}")
+    for r in failed:
+        lines.append(f"  FAILED {r['family']}/{r['module']} {r['arch']}: {r['error']}")
+    lines.append("  every kernel: --verbose (table) or --json")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     records = _records(args)
     if args.json:
         json.dump({"kernels": records}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(_table(records))
+        if args.verbose:
+            print(_table(records))
+        print(_summary(records, time.perf_counter() - t0))
     failed = [r for r in records if "error" in r]
     if failed:
         print(f"kvarn-cutlass build: {len(failed)} module build(s) failed", file=sys.stderr)

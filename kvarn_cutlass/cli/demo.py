@@ -21,9 +21,12 @@ On CUDA the cache compresses on the GPU, prefill runs ``kvarn_cutlass.prefill_at
 kernel) and decode ``kvarn_cutlass.DecodeGraph`` (split-tile kernels in a CUDA graph).
 On a CPU-only machine the same pipeline runs through the CPU paths (prefill's torch path,
 float64 reference decode), and the CUTLASS K-score GEMM is emitted and compiled for sm_90 with nvcc
-(when present) in a background process meanwhile; a cold compile takes about 50 s on 2 cores,
-so by default the demo stops waiting at ``--budget`` seconds (a later run finds it in the kernel
-cache; ``--budget 0`` waits for it).
+(when present) in a background process meanwhile, or read from the kernel cache when an earlier
+run built it. A cold compile took 31 s on a free core of a 2-core machine, and longer on busy cores,
+so the demo waits for it only until it has run ``--budget`` seconds: then it reports and exits, and
+the build goes on in the background (its own session: a closed terminal does not stop it) into the
+kernel cache, where the next run finds it. ``--budget 0`` waits for it; ^C or SIGTERM before the
+report stops it with the compilers it started.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..format import PRESETS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_float, positive_int, resolve_device
+from ..presets import PRESETS
+from .argtypes import (existing_dir, existing_file, int_at_least, non_negative_float, positive_int, read_text_file,
+                       resolve_device)
 
 NAME = "demo"
 DEFAULT_BUDGET_S = 50.0
@@ -53,7 +57,8 @@ ROPE_THETA = 1e6
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="end-to-end demo: quantized cache, prefill, decode, accuracy, memory, speed",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): cuda if torch sees a CUDA device, else cpu")
     p.add_argument("--model", type=existing_dir, default=None, metavar="DIR",
                    help="take Q/K/V from every attention layer of this transformers model instead of the generator")
     p.add_argument("--text", type=existing_file, default=None, metavar="FILE",
@@ -68,8 +73,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="fp16 window in tokens, a multiple of the tile size (default 256)")
     p.add_argument("--no-compile", action="store_true", help="CPU: skip compiling the CUTLASS GEMM for sm_90")
     p.add_argument("--budget", type=non_negative_float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
-                   help=f"CPU: stop waiting for the CUTLASS compile when the demo has run this long "
-                        f"(default {DEFAULT_BUDGET_S:g}; 0 = wait until it finishes)")
+                   help=f"CPU: stop waiting for the CUTLASS compile when the demo has run this long and leave it "
+                        f"compiling in the background (default {DEFAULT_BUDGET_S:g}; 0 = wait until it finishes)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON document")
     return p
 
@@ -137,6 +142,7 @@ def model_qkv(model_dir: str, n: int | None, text: str | None, device: str):
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    body = _package_text() if text is None else read_text_file(text, "--text")  # a bad file fails before loading
     config = AutoConfig.from_pretrained(model_dir)
     max_pos = getattr(config, "max_position_embeddings", None)
     if n is None:
@@ -160,7 +166,6 @@ def model_qkv(model_dir: str, n: int | None, text: str | None, device: str):
         tokenizer = None
     if tokenizer is not None:
         source = "the kvarn_cutlass package's Python sources" if text is None else text
-        body = _package_text() if text is None else Path(text).read_text(encoding="utf-8")
         ids = tokenizer(body, add_special_tokens=False, return_tensors="pt").input_ids[:, :n]
         if ids.shape[1] < n:
             raise ValueError(f"the text gives {ids.shape[1]} tokens, fewer than --tokens {n}")
@@ -202,7 +207,7 @@ def _quantized_mass(p, cache, layer: int) -> float:
 
 
 # --- the CUTLASS compile in a child process (CPU machines) ---------------------------------------------
-_CHILD = "import sys; from kvarn_cutlass.cli.demo import _child_main; _child_main(sys.argv[1])"
+_CHILD = "import sys; from kvarn_cutlass.cli.demo import _child_main; _child_main(sys.argv[1], sys.argv[2])"
 
 
 def demo_gemm_config(chunk: int, group: int):
@@ -217,24 +222,38 @@ def demo_gemm_config(chunk: int, group: int):
         return select_config(90, M=chunk * group, N=128, head_dim=HEAD_DIM, L=1, out_dtype="f16")
 
 
-def _child_main(config_json: str) -> None:
-    """Entry of the child process: SIGTERM (the budget ran out) unwinds through the compile's cleanup
-    of its temporary directory instead of killing the interpreter on the spot."""
+def _child_main(config_json: str, log_path: str) -> None:
+    """Entry of the child process (its stderr is ``log_path``). SIGTERM (the demo was stopped)
+    unwinds through the compile's cleanup (nvcc killed, its temporary directory removed, the cache
+    entry's lock released) instead of killing the interpreter on the spot. A successful build removes the
+    log; a failed one leaves it for whoever reads it: the demo, or the user when the demo had left
+    the build running in the background and exited."""
 
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     _compile_child(config_json)
+    Path(log_path).unlink(missing_ok=True)
+
+
+def _event(name: str) -> None:
+    """One progress line on stdout for the parent: ``started`` (imports done, about to look the kernel
+    up; a child that stays here is waiting for the cache entry's lock, held by another build of the
+    same kernel) or ``compiling`` (a cache miss: nvcc runs now)."""
+    print(json.dumps({"event": name}), flush=True)
 
 
 def _compile_child(config_json: str) -> None:
-    """Build (or fetch from the kernel cache) one GEMM config for sm_90; print a JSON summary on stdout."""
+    """Build (or fetch from the kernel cache) one GEMM config for sm_90; print ``_event`` lines, then
+    a JSON summary, on stdout."""
     from ..gemm.compile import build_gemm
     from ..gemm.config import GemmConfig
 
     t0 = time.perf_counter()
-    binary = build_gemm(GemmConfig.from_dict(json.loads(config_json)), 90)
+    config = GemmConfig.from_dict(json.loads(config_json))
+    _event("started")
+    binary = build_gemm(config, 90, on_compile=lambda: _event("compiling"))
     out = {"status": "cached" if binary.cached else "compiled", "seconds": round(time.perf_counter() - t0, 1),
            "nvcc_seconds": binary.meta.get("seconds"), "cubin_bytes": len(binary.cubin)}
     try:
@@ -243,12 +262,18 @@ def _compile_child(config_json: str) -> None:
         out["sass"] = summarize(disassemble(binary.cubin), binary.ptxas_log).to_dict()
     except Exception as e:  # no cuobjdump/nvdisasm here: the compile itself is the check
         out["sass"] = f"not summarized ({type(e).__name__}: {e})"
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 class GemmCompile:
-    """The sm_90 K-score GEMM build running in a child process (its own session, so that stopping it
-    also stops nvcc and the compilers nvcc started)."""
+    """The sm_90 K-score GEMM build running in a child process.
+
+    The child leads its own session, so that stopping it also stops nvcc and the compilers nvcc
+    started, and so that it can outlive the demo: :meth:`finish` waits until a deadline and then
+    leaves the child building into the kernel cache (the cache entry's file lock keeps concurrent
+    builds of the same kernel to one), so that the next demo finds it there. Its stdout (events and
+    the result) goes to an anonymous temporary file, its stderr to :attr:`log_path`.
+    """
 
     def __init__(self, config):
         self.config = config
@@ -258,65 +283,92 @@ class GemmCompile:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         # files, not pipes: nobody reads while the pipeline runs, and a full pipe would block the child
-        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config.to_dict())], env=env,
-                                     stdout=self.out, stderr=self.err, start_new_session=True)
+        self.out = tempfile.TemporaryFile("w+")
+        fd, self.log_path = tempfile.mkstemp(prefix=f"kvarn-demo-{config.name}-", suffix=".log")
+        with os.fdopen(fd, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config.to_dict()), self.log_path],
+                                         env=env, stdin=subprocess.DEVNULL, stdout=self.out, stderr=err,
+                                         start_new_session=True)
 
-    def _output(self) -> tuple[str, str]:
-        """The child's stdout and stderr so far; closes the files (the child has exited)."""
-        texts = []
-        for f in (self.out, self.err):
-            f.seek(0)
-            texts.append(f.read())
-        self.close()
-        return texts[0], texts[1]
+    def events(self) -> list[str]:
+        """The child's ``_event`` names so far."""
+        self.out.seek(0)
+        names = []
+        for line in self.out.read().splitlines():
+            try:
+                names.append(json.loads(line)["event"])
+            except (ValueError, KeyError, TypeError):  # the result line, or a partly written one
+                continue
+        return names
+
+    def state(self) -> str:
+        """``compiling`` (nvcc runs), ``waiting`` (for the cache entry's lock: another build of this kernel
+        runs) or ``starting`` (the child is importing)."""
+        events = self.events()
+        return "compiling" if "compiling" in events else "waiting" if "started" in events else "starting"
 
     def close(self) -> None:
-        """Close (and so delete) the child's output files; safe to call again."""
+        """Close the parent's copy of the child's stdout file; safe to call again."""
         self.out.close()
-        self.err.close()
 
     def finish(self, deadline: float | None, progress) -> dict:
         """Wait for the child until ``deadline`` (a ``time.perf_counter()`` value, None = forever), calling
-        ``progress(elapsed_s)`` about once a second; stop it at the deadline. Returns the summary."""
+        ``progress(elapsed_s, state)`` about once a second. Returns the child's summary, or, at the
+        deadline, :meth:`detach`'s."""
         while self.proc.poll() is None:
             now = time.perf_counter()
             if deadline is not None and now >= deadline:
-                self.stop()
-                return {"status": "not finished", "config": self.config.name,
-                        "seconds": round(now - self.t0, 1)}
-            progress(now - self.t0)
+                return self.detach()
+            progress(now - self.t0, self.state())
             try:
                 self.proc.wait(timeout=1.0 if deadline is None else max(0.05, min(1.0, deadline - now)))
             except subprocess.TimeoutExpired:
                 pass
-        stdout, stderr = self._output()
         elapsed = round(time.perf_counter() - self.t0, 1)
+        self.out.seek(0)
+        lines = [ln for ln in self.out.read().splitlines() if ln.strip()]
+        self.close()
         if self.proc.returncode != 0:
-            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            log = Path(self.log_path)
+            err = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.is_file() else []
+            log.unlink(missing_ok=True)
             return {"status": "failed", "config": self.config.name, "seconds": elapsed,
-                    "error": lines[-1] if lines else f"exit status {self.proc.returncode}"}
-        out = json.loads(stdout.strip().splitlines()[-1])
+                    "error": err[-1] if err else f"exit status {self.proc.returncode}"}
+        Path(self.log_path).unlink(missing_ok=True)
+        out = json.loads(lines[-1])
         out.update(config=self.config.name, seconds=elapsed)
         return out
 
-    def stop(self) -> None:
-        """Stop the child's process group (SIGTERM, then SIGKILL after 5 s) and reap the child."""
-        if self.proc.poll() is not None:
-            self.close()
-            return
-        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
-            try:
-                os.killpg(self.proc.pid, sig)  # the child leads its own session: pgid == pid
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.proc.wait()
+    def detach(self) -> dict:
+        """Leave the child running after the demo: it finishes the build into the kernel cache (or finds
+        it there once the other build holding the entry's lock is done) and removes its log unless it
+        fails. Returns what it was doing."""
+        state = self.state()
         self.close()
+        return {"status": "background", "state": state, "config": self.config.name, "pid": self.proc.pid,
+                "log": self.log_path, "seconds": round(time.perf_counter() - self.t0, 1)}
+
+    def stop(self) -> None:
+        """Stop the child's process group (SIGTERM, then SIGKILL after 5 s), reap the child and remove
+        its log."""
+        if self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(self.proc.pid, sig)  # the child leads its own session: pgid == pid
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            self.proc.wait()
+        Path(self.log_path).unlink(missing_ok=True)
+        self.close()
+
+
+_STATE_WORDS = {"compiling": "compiling", "waiting": "waiting for another build of it (the kernel cache's lock)",
+                "starting": "starting"}
 
 
 def _progress_printer(config_name: str):
@@ -324,14 +376,14 @@ def _progress_printer(config_name: str):
     was printed already)."""
     tty = sys.stderr.isatty()
 
-    def show(elapsed: float) -> None:
+    def show(elapsed: float, state: str) -> None:
         if tty:
-            print(f"\r  compiling the CUTLASS K-score GEMM for sm_90 ({config_name}): {elapsed:4.0f} s",
+            print(f"\r\033[K  CUTLASS K-score GEMM for sm_90 ({config_name}): {_STATE_WORDS[state]}, {elapsed:4.0f} s",
                   end="", file=sys.stderr, flush=True)
 
     def done() -> None:
         if tty:
-            print("\r" + " " * 110 + "\r", end="", file=sys.stderr, flush=True)
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
     return show, done
 
@@ -533,6 +585,26 @@ def _validate(args, n: int | None) -> None:
         raise ValueError("--text needs --model")
 
 
+def _start_compile(config, nvcc: str, budget: float) -> GemmCompile:
+    """Start the GEMM build child and say on stderr what it will do: read the kernel cache's entry, or
+    compile with nvcc (and, past ``budget`` seconds of demo, go on compiling in the background)."""
+    from ..gemm.compile import gemm_cache_path
+
+    cached = gemm_cache_path(config, 90).is_file()
+    job = GemmCompile(config)
+    if cached:
+        print(f"  CUTLASS K-score GEMM for sm_90 ({config.name}): in the kernel cache; reading and checking it in "
+              "a background process", file=sys.stderr, flush=True)
+    else:
+        after = ("the demo waits for it" if budget == 0 else
+                 f"if it is not done when the demo has run {budget:g} s, it goes on in the background and the "
+                 "next demo finds it in the kernel cache")
+        print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({config.name}) with {nvcc} in a background "
+              f"process (a cold compile took 31 s on a free core of a 2-core machine); {after}",
+              file=sys.stderr, flush=True)
+    return job
+
+
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     import torch
@@ -551,11 +623,7 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             nvcc = None
         if nvcc is not None:  # started first: it runs on the other core while the pipeline runs
-            compile_job = GemmCompile(demo_gemm_config(args.chunk, GPU_HEADS[0] // GPU_HEADS[1]))
-            wait = "until it finishes" if args.budget == 0 else f"until the demo has run {args.budget:g} s"
-            print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({compile_job.config.name}) with {nvcc} in the "
-                  f"background (a cold compile takes about 50 s on an idle 2-core machine, a kernel-cache hit "
-                  f"seconds); waiting {wait}", file=sys.stderr, flush=True)
+            compile_job = _start_compile(demo_gemm_config(args.chunk, GPU_HEADS[0] // GPU_HEADS[1]), nvcc, args.budget)
     try:
         if args.model:
             layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
@@ -582,8 +650,9 @@ def run(args: argparse.Namespace) -> int:
             q16, k16, v16, scale = dev16[0]
             del cache
             result["speed"] = _gpu_speed(args, q16, k16, v16, scale)
-            result["gpu_kernels"] = ("prefill: fused attention kernel (mma.sync); decode: split-tile "
-                                     "partials + LSE combine in a CUDA graph; compression: GPU kernel in cache.append")
+            result["gpu_kernels"] = ("prefill: fused attention kernel (mma.sync); decode: one split-tile int8 "
+                                     "tensor-core kernel (partials merged by the last block) in a CUDA graph; "
+                                     "compression: GPU kernel in cache.append")
         else:
             result["gpu_kernels"] = ("not run: no CUDA device. The GPU compression, the decode kernels and the "
                                      "prefill kernels need an NVIDIA GPU (sm_80+; the CUTLASS K-score GEMM sm_90)")
@@ -601,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
                     done()
                 compile_job = None
     finally:
-        if compile_job is not None:  # an error or ^C in the pipeline: do not leave nvcc running
+        if compile_job is not None:  # an error, ^C or SIGTERM before the report: do not leave nvcc running
             compile_job.stop()
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     if args.json:
@@ -660,9 +729,12 @@ def _report(r: dict, args) -> None:
             how = (f"nvcc took {c['nvcc_seconds']} s" if c["status"] == "compiled"
                    else f"from the kernel cache, compiled earlier in {c['nvcc_seconds']} s")
             line += f" ({c['config']}, {c['seconds']} s; {how}{igmma})"
-        elif c["status"] == "not finished":
-            line += (f" after {c['seconds']} s (stopped at the --budget of {args.budget:g} s). "
-                     "`kvarn-cutlass demo --budget 0` waits for it; once built it is cached")
+        elif c["status"] == "background":
+            doing = {"compiling": "still compiling", "waiting": "waiting for another build of the same kernel "
+                     "(the kernel cache's lock)", "starting": "still starting"}[c["state"]]
+            line = (f"  CUTLASS K-score GEMM for sm_90: {doing} after {c['seconds']} s (--budget {args.budget:g}); "
+                    f"left running in the background (pid {c['pid']}), so the next `kvarn-cutlass demo` finds it in "
+                    f"the kernel cache; a failure is logged in {c['log']}")
         elif c["status"] == "failed":
             line += f" ({c['config']}: {c['error']})"
         print(line)

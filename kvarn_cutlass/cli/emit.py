@@ -3,17 +3,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any
 
-_BUCKET = re.compile(r"M(\d+)_T(\d+)_D(\d+)(?:_(f16|f32))?")
+DESCRIPTION = (
+    "Print the CUDA C++ source that kvarn-cutlass generates for the CUTLASS 3.x int8 K-score GEMM (sm_90a: "
+    "wgmma, TMA, the K-score epilogue) of a shape bucket (its config from gemm_configs/sm90.json, or the "
+    "untuned default) or of an explicit config. No GPU and no compiler needed; `kvarn-cutlass sass` compiles "
+    "the same source."
+)
 
 
 def bucket_arg(text: str) -> str:
-    """argparse type of --bucket: ``M<rows>_T<tile tokens>_D<head_dim>[_f16|_f32]``."""
-    if not _BUCKET.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected M<rows>_T<tokens>_D<head_dim>[_f16|_f32], e.g. M4096_T128_D128_f16, "
-                                         f"got {text!r}")
+    """argparse type of --bucket: ``M<rows>_T<tile tokens>_D<head_dim>[_f16|_f32]`` with a supported
+    head_dim, tile size and output dtype (any M >= 1: it is rounded to its bucket)."""
+    from ..gemm.configs import parse_bucket
+
+    try:
+        parse_bucket(text, table_key=False)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -29,31 +37,44 @@ def config_arg(text: str) -> dict:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", default="sm90", help="target architecture (only sm90)")
-    p.add_argument("--bucket", type=bucket_arg, help="shape bucket, e.g. M4096_T128_D128_f16 (config from gemm_configs/)")
-    p.add_argument("--config", type=config_arg, help="GemmConfig as JSON (overrides --bucket)")
+    p.add_argument("--arch", default="sm90",
+                   help="target architecture; the K-score GEMM exists for sm90 only (default sm90)")
+    p.add_argument("--bucket", type=bucket_arg,
+                   help="shape bucket, e.g. M4096_T128_D128_f16: its config from gemm_configs/ "
+                        "(default: neither --bucket nor --config, the default config)")
+    p.add_argument("--config", type=config_arg, help="GemmConfig fields as JSON (overrides --bucket)")
 
 
 def config_from_args(args: argparse.Namespace):
+    """The GemmConfig that --arch/--bucket/--config name. Raises ValueError for an architecture
+    other than sm_90 (the GEMM is built from sm_90a wgmma/TMA collectives) or an invalid --config."""
     import warnings
 
-    from ..runtime import normalize_arch
-    from ..gemm.config import GemmConfig
-    from ..gemm.configs import UntunedConfigWarning, select_config
+    from ..gemm.config import GemmConfig, validate_config
+    from ..gemm.configs import UntunedConfigWarning, parse_bucket, select_config
+    from ..runtime.arch import normalize_arch
 
     cc = normalize_arch(args.arch)
+    if cc != 90:
+        raise ValueError(f"--arch {args.arch}: the K-score GEMM is an sm_90a kernel (wgmma, TMA); "
+                         "only --arch sm90 is supported")
     if args.config:
-        return GemmConfig.from_dict(args.config)
+        cfg = GemmConfig.from_dict(args.config)
+        ok, why = validate_config(cfg)
+        if not ok:
+            raise ValueError(f"--config: {why}")
+        return cfg
     if args.bucket:
-        m, t, d, out = _BUCKET.fullmatch(args.bucket).groups()
+        M, T, D, out = parse_bucket(args.bucket, table_key=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UntunedConfigWarning)
-            return select_config(cc, int(m), int(t), int(d), 1, out or "f16")
+            return select_config(cc, M, T, D, 1, out)
     return GemmConfig()
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("emit", help="print the generated CUTLASS C++ of a K-score GEMM config")
+    p = subparsers.add_parser("emit", help="print the generated CUTLASS C++ of a K-score GEMM config",
+                              description=DESCRIPTION)
     add_config_args(p)
     p.add_argument("--cppgen", action="store_true", help="print cutlass_cppgen's equivalent emission instead")
     return p

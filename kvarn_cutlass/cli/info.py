@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INFO_KEYS", "add_parser", "run", "gather", "gemm_config_summary", "directory_size"]
+__all__ = ["INFO_KEYS", "add_parser", "run", "gather", "gemm_config_summary", "directory_size", "cache_status"]
 
 NO_GPU = "no CUDA GPU"
 NOT_INSTALLED = "not installed"
@@ -62,6 +62,30 @@ def directory_size(path: Path) -> tuple[int, int]:
                 total += st.st_size
                 files += 1
     return total, files
+
+
+CACHE_READY = "ready"
+
+
+def cache_status(root: Path) -> str:
+    """Whether the kernel cache can be used at ``root``: ``"ready"`` (a writable directory), ``"not
+    created yet"`` (it will be, on the first compile), or why it cannot (something that is not a
+    directory in the way, no write permission), with the environment variable that moves it."""
+    from ..runtime.diskcache import CACHE_ENV
+
+    move = f"set {CACHE_ENV} to a writable directory"
+    if root.exists() and not root.is_dir():
+        return f"unusable: {root} is a file, not a directory; remove it or {move}"
+    if root.is_dir():
+        return CACHE_READY if os.access(root, os.W_OK | os.X_OK) else f"unusable: {root} is not writable; {move}"
+    parent = root.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"unusable: {parent} is a file, so {root} cannot be created; {move}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"unusable: {root} cannot be created ({parent} is not writable); {move}"
+    return "not created yet (made by the first compile)"
 
 
 def gemm_config_summary(cc: int | None) -> dict[str, Any] | str:
@@ -167,7 +191,8 @@ def gather() -> dict[str, Any]:
         "kvarn_cutlass": _dist_version("kvarn-cutlass"),
         "nvcc": _nvcc(),
         "nvrtc": _nvrtc(),
-        "kernel_cache": {"path": str(root), "exists": root.is_dir(), "bytes": size, "files": files},
+        "kernel_cache": {"path": str(root), "exists": root.is_dir(), "status": cache_status(root), "bytes": size,
+                         "files": files},
         "gemm_configs": gemm_config_summary(cc),
     }
     return {k: info[k] for k in INFO_KEYS}
@@ -186,8 +211,8 @@ def _text(info: dict[str, Any]) -> str:
     for key in INFO_KEYS:
         value = info[key]
         if key == "kernel_cache":
-            where = value["path"] if value["exists"] else f"{value['path']} (not created yet)"
-            value = f"{where}, {_human_bytes(value['bytes'])} in {value['files']} files"
+            status = "" if value["status"] == CACHE_READY else f" ({value['status']})"
+            value = f"{value['path']}{status}, {_human_bytes(value['bytes'])} in {value['files']} files"
         elif key == "gemm_configs" and isinstance(value, dict):
             value = (f"{value['path']}: {value['tuned']} of {value['buckets']} buckets tuned, "
                      f"{value['default']} use the default config")

@@ -2,8 +2,10 @@
 
 Each scored position sees the cache as it would at decode time (``--view decode``, default): keys
 older than the window are read from their quantized tiles. ``--window 0``: no window (every complete
-tile quantized). See ``kvarn_cutlass.hf.perplexity`` for the methods and ``docs/accuracy.md`` for
-measured numbers.
+tile quantized, the newest incomplete tile exact). For the usual "quantize the whole KV cache"
+number, the one docs/accuracy.md gives as expected values, add ``--view prefill``: every position
+then sees the cache holding the whole text window (``--ctx`` tokens). See
+``kvarn_cutlass.hf.perplexity`` for the methods and ``docs/accuracy.md`` for measured numbers.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import argparse
 import json
 import sys
 
-from ..format import PRESETS, QUANTIZERS
-from .argtypes import existing_dir, existing_file, int_at_least, non_negative_int, positive_int, resolve_device
+from ..presets import PRESETS, QUANTIZERS
+from .argtypes import (existing_dir, existing_file, int_at_least, non_negative_int, positive_int, read_text_file,
+                       resolve_device)
 
 NAME = "perplexity"
 
@@ -32,17 +35,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window", type=non_negative_int, default=256, help="fp16 window in tokens; 0 = no window (default 256)")
     p.add_argument("--sink", type=non_negative_int, default=0, help="leading tokens kept unquantized (default 0)")
     p.add_argument("--view", choices=("decode", "prefill"), default="decode",
-                   help="decode: position p sees the cache holding p+1 tokens (default); prefill: every position "
-                        "sees the cache holding the whole window (quantize-everything evaluation)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+                   help="decode (default): position p sees the cache as decode does when it holds p+1 tokens; "
+                        "prefill: every position sees the cache holding the whole text window (--ctx tokens), "
+                        "the usual quantize-everything evaluation (with --window 0: the expected values of "
+                        "docs/accuracy.md)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): cuda if torch sees a CUDA device, else cpu")
     p.add_argument("--method", choices=("auto", "sim", "decode", "prefill"), default="auto",
-                   help="sim: one-pass simulation (default on CPU); decode: token by token through the cache "
-                        "(default on CUDA, GPU decode kernel); prefill: chunked prefill semantics")
+                   help="auto (default): sim on CPU, with --window 0 or with --view prefill, else decode; "
+                        "sim: one-pass simulation; decode: token by token through the cache (GPU decode kernel "
+                        "on CUDA); prefill: chunked prefill semantics")
     p.add_argument("--chunk", type=positive_int, default=512,
                    help="chunk size of --method prefill, query block of --method sim (default 512)")
     p.add_argument("--batch", type=positive_int, default=2, help="windows per forward pass (simulation) or per decode batch (default 2)")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on CUDA), float16, ...")
-    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16", help="window/sink dtype")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (default: float32 on CPU, float16 on CUDA), float32, float16 or bfloat16")
+    p.add_argument("--cache-dtype", choices=("float16", "bfloat16"), default="float16",
+                   help="dtype of the window and sink tokens (default float16)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized baseline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -60,12 +69,14 @@ def run(args: argparse.Namespace) -> int:
     method = args.method
     if method == "auto":
         method = "sim" if device == "cpu" or args.window == 0 or args.view == "prefill" else "decode"
+    if args.window == 0 and method != "sim":
+        raise ValueError(f"--window 0 (no window) exists only in the simulation, not with --method {method}: "
+                         "use --method sim (or auto)")
     cache_dtype = getattr(torch, args.cache_dtype)
     spec = SimSpec(args.preset, args.window, args.sink, dtype=cache_dtype, view=args.view, block=args.chunk,
                    quantizer=args.quantizer)
+    text = read_text_file(args.text, "--text")
     model, tok = load_model(args.model, device, args.dtype)
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
     windows = token_windows(tok, text, args.ctx, args.windows)
     res = evaluate(model, windows, [spec], method=method, chunk=args.chunk, baseline=not args.no_baseline,
                    progress=not args.no_progress, batch_size=args.batch)

@@ -1,121 +1,144 @@
-// Split-tile KVarN decode attention: one new query token per sequence.
+// Split-tile KVarN decode attention, one kernel per layer and step: one new query token per sequence.
 //
-// Kernel 1 (partials), grid (S + E, num_kv_heads, batch), 128 threads:
-//   blockIdx.x < S : a contiguous range of tiles of one (sequence, KV head) for ALL q heads of the
-//                    GQA group. Tiles per split are computed on the device from the live tile count
-//                    (tps = max(min_tps, ceil(n_tiles / S))), so one fixed grid serves every length
-//                    (CUDA-graph safe); splits past the live range write neutral partials (m=-inf, l=0).
-//                    Records stream through a cp.async ring of NS stages (16-byte copies); scores come
-//                    from the 4-bit channel-major K codes with fp16 tensor-core MMAs (codes are exact in
-//                    fp16; q_rot*chan_step is split in fp16 hi+lo, fp32 accumulation), V is aggregated
-//                    from the token-major codes with a second MMA (p*tok_step split hi+lo) in the
-//                    rotated domain; per-tile col_scale, tok_min and chan_min are applied in fp32.
-//   blockIdx.x = S + e: the exact part (sink + fp16/bf16 window) in the original domain, CUDA cores,
-//                    tokens [e*TE, (e+1)*TE) of sink ++ window, staged in shared memory with cp.async.
-//   Partials: po [B, Hkv, S+E, G, D] (unnormalized), pm / pl [B, Hkv, S+E, G], log2 domain.
-// Kernel 2 (combine), grid (num_q_heads, batch): log-sum-exp merge of the tile splits, one inverse
-//   WHT of the merged rotated tile output, LSE merge of the E exact partials, merge, normalize, store.
+// Grid (S + E, num_kv_heads, batch), 128 threads (4 warps). Block (j, h, b):
+//   j < S : tiles [j*tps, min(n, (j+1)*tps)) of sequence b, KV head h, for all G q heads of the group
+//           (tps = max(min_tps, ceil(n / S)) from the live tile count n on the device, so one grid serves
+//           every length; blocks past the live range write neutral partials). Tile records are found
+//           through the int32 tile table [batch, capacity] (entry = record slot s; record (s, h) starts at
+//           pool + (s * Hkv + h) * REC) and stream through a cp.async ring of NS iterations.
+//   j >= S: exact part, tokens [e*TE, (e+1)*TE) of sink ++ window (e = j - S), original domain.
+//   Every block writes a partial (po [B, Hkv, S+E, G, D] unnormalized, pm / pl [B, Hkv, S+E, G], log2
+//   domain), then takes a ticket; the last block of (b, h) merges the S + E partials, applies the inverse
+//   WHT to the tile part, merges the exact part, normalizes and writes out [B, Hq, 1, D]. It resets the
+//   ticket to 0, so the next launch (or graph replay) starts from 0.
 //
-// Compile-time parameters (one module per record layout): KVD_D (head_dim), KVD_T (tile tokens),
-// KVD_VB (V bits), KVD_SB (scale bytes: 2 = f16, 4 = f32), KVD_QZ (quantizer: 0 = uniform, 1 = lloyd_max).
+// Tile loop (one iteration = 128 tokens = TPI tiles; warp w owns 32 tokens of it):
+//   fold (all threads, then a barrier): per (tile, head) the rotated query folded with chan_step,
+//     qf = q_rot * chan_step, quantized in two int8 levels against x = qf * 127 / max|qf|:
+//     hi = rint(x), lo = rint((x - hi) * LFOLD) (LFOLD = 254: |x - (hi + lo/LFOLD)| <= 1/508 of a level),
+//     laid out as the B fragments of the score MMA (columns 2h: hi, 2h+1: lo of head h);
+//     bias = sum q_rot * (chan_min + 8 chan_step) and the centering offsets -8 * sum_c B[c][col]
+//     (exact integers, the C input of the score MMA).
+//   scores: int8 tensor cores on the channel-major 4-bit codes, no dequantization: ldmatrix.trans of the
+//     codes (rows = channels), PRMT to 4 channels x 2 tokens per register, LOP3 masks split the even token
+//     (low nibble, u8 code) from the odd one (high nibble, 16 x code; the 16 is folded into its score
+//     factor); mma.m16n8k32 u8 x s8 -> s32 with M = 16 tokens, N = 8 (hi/lo x 4 heads), K = 32 channels.
+//     Score (log2 units) = row_scale * (A * (LFOLD * acc_hi + acc_lo) + bias * kscale), exact integers up
+//     to the one int -> float conversion.
+//   softmax: per warp and head a running max m updated lazily (only when a tile's max exceeds m + TAU),
+//     p~ = exp2(s - m_tile), p = 2^(m_tile - m) p~.
+//   V: P' = p~ * tok_step / max_t(p~ * tok_step) in two int8 levels (as the query), exchanged through
+//     warp-private shared memory into the B layout; V codes by ldmatrix.trans (rows = tokens), PRMT to
+//     4 tokens per register, LOP3 masks select one channel per byte position (2-bit: x 4^j, 4-bit: x 16^j,
+//     folded into the factor); mma.m16n8k32 u8 x s8 with M = 16 channels, N = 8, K = 32 tokens;
+//     o += col_scale * (f * (LFOLD * acc_hi + acc_lo) + 2^(m_tile - m) sum_t p~ tok_min).
 //
-// lloyd_max (KVD_QZ = 1, kernel names end in _lm): a code stands for the codebook value c[code] (the
-// N(0,1) Lloyd-Max centroids), so the MMA operands are c[code] in f16 instead of the code itself; all
-// the affine algebra (q*chan_step, q.chan_min, p*tok_step, p*tok_min, row/col scales) is the same. The
-// lookup is done with byte permutes (PRMT) from the f16 table held in registers as lo-byte words
-// KVD_KL0..3 / hi-byte words KVD_KH0..3 (entry i at byte i % 4 of word i / 4; V: KVD_VL*, KVD_VH*):
-// 4 codes (nibbles of a selector) cost 2 PRMTs per byte plane and a LOP3 select for 16 entries
-// (lut16), or 1 PRMT per byte plane for the 4-entry 2-bit book (lut4), plus 2 PRMTs to interleave
-// the planes into two half2. A shared-memory table would cost one LDS per code plus the index
-// arithmetic (two per half2 before the pack), more issue slots in a kernel that is issue-bound.
+// lloyd_max (KVD_QZ = 1): a code stands for the centroid c[code]. K codes and 4-bit V codes are looked up
+// (PRMT byte permutes from tables held in registers) in two int8 levels, th = rint(SC c), tl =
+// rint((SC c - th) * LFOLD), each level its own MMA; the codebook is symmetric, so no centering. 2-bit V:
+// c[k] = c[0] + a0 * k + g1 * bit1(k) exactly (the 4-level book is symmetric), so the uniform code MMA plus
+// one more MMA on bit 1 of each code.
+//
+// Compile-time parameters (decode.py, from format.TileSpec): KVD_D, KVD_T, KVD_VB (V bits), KVD_SB
+// (scale bytes), KVD_QZ (0 uniform, 1 lloyd_max), the record layout KVD_REC and KVD_OFF_<section>,
+// KVD_SFX (name suffix); lloyd_max: KVD_KTH0..3 / KVD_KTL0..3 (K table levels, byte i of word i / 4 =
+// entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
+// V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Everything the host needs about the kernel's
+// shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#ifndef KVD_D
-#define KVD_D 128
-#endif
-#ifndef KVD_T
-#define KVD_T 128
-#endif
-#ifndef KVD_VB
-#define KVD_VB 2
-#endif
-#ifndef KVD_SB
-#define KVD_SB 2
-#endif
-#ifndef KVD_QZ
-#define KVD_QZ 0
-#endif
-#if KVD_QZ
-#define KVD_QTAG _lm
-#if !defined(KVD_KL0) || !defined(KVD_VL0)
-#error "lloyd_max decode needs the codebook tables KVD_KL0..3, KVD_KH0..3, KVD_VL0..3, KVD_VH0..3 (decode.py)"
-#endif
-#else
-#define KVD_QTAG
+#if !defined(KVD_D) || !defined(KVD_T) || !defined(KVD_VB) || !defined(KVD_SB) || !defined(KVD_QZ) || \
+    !defined(KVD_REC) || !defined(KVD_OFF_K_CODES) || !defined(KVD_OFF_CHAN_STEP) || !defined(KVD_OFF_CHAN_MIN) || \
+    !defined(KVD_OFF_ROW_SCALE) || !defined(KVD_OFF_V_CODES) || !defined(KVD_OFF_TOK_STEP) || \
+    !defined(KVD_OFF_TOK_MIN) || !defined(KVD_OFF_COL_SCALE) || !defined(KVD_SFX)
+#error "decode.cu needs the record layout defines of decode.decode_spec (KVD_D, KVD_T, KVD_REC, KVD_OFF_*, ...)"
 #endif
 
-#define KVD_STR2(a, b, c, d, e, q) a##_d##b##_t##c##_v##d##_s##e##q
-#define KVD_STR(a, b, c, d, e, q) KVD_STR2(a, b, c, d, e, q)
-#define KVD_PARTIALS KVD_STR(kvarn_decode_partials, KVD_D, KVD_T, KVD_VB, KVD_SB, KVD_QTAG)
-#define KVD_COMBINE KVD_STR(kvarn_decode_combine, KVD_D, KVD_T, KVD_VB, KVD_SB, KVD_QTAG)
+#define KVD_CAT2(a, b) a##b
+#define KVD_CAT(a, b) KVD_CAT2(a, b)
+#define KVD_NAME(stem) KVD_CAT(stem, KVD_SFX)
 
 namespace kvd {
 
-constexpr int D = KVD_D, T = KVD_T, VB = KVD_VB, SB = KVD_SB;
+constexpr int D = KVD_D, T = KVD_T, VB = KVD_VB, SB = KVD_SB, QZ = KVD_QZ;
+constexpr int REC = KVD_REC;
+constexpr int OFF_K = KVD_OFF_K_CODES, OFF_CSTEP = KVD_OFF_CHAN_STEP, OFF_CMIN = KVD_OFF_CHAN_MIN;
+constexpr int OFF_RS = KVD_OFF_ROW_SCALE, OFF_V = KVD_OFF_V_CODES, OFF_TSTEP = KVD_OFF_TOK_STEP;
+constexpr int OFF_TMIN = KVD_OFF_TOK_MIN, OFF_COL = KVD_OFF_COL_SCALE;
+constexpr int KBYTES = D * T / 2;  // channel-major 4-bit K codes: channel c at [c * T/2, (c+1) * T/2)
+constexpr int VR = D * VB / 8;     // token-major V codes: bytes per token
+constexpr int VBYTES = T * VR;
+
 constexpr int NT = 128, NW = 4;
-constexpr int TPW = T / NW;          // tile tokens per warp: 32 or 16
-constexpr int MB = TPW / 16;         // K-MMA m-blocks per warp: 2 or 1
-constexpr int KSTEPS = D / 16;       // K-MMA k-steps (channels)
-constexpr int VCH = D >= 256 ? 2 : 1;        // V channel chunks (bounds registers for D=256)
-constexpr int GCH = D / 8;                   // V channels owned by one lane group g
-constexpr int GCH_CHUNK = GCH / VCH;         // 8 or 16
-constexpr int MBV = GCH_CHUNK / 2;           // V-MMA m-blocks per chunk
-constexpr int VGB = GCH_CHUNK * VB / 8;      // V code bytes per (token row, g, chunk): 2, 4 or 8
-constexpr int VROW = D * VB / 8;             // V code bytes per token
-constexpr int KROW = T / 2;                  // K code bytes per channel
-// Record layout (kvarn_cutlass.format): sections in this order, each 16-byte aligned.
-constexpr int OFF_CSTEP = D * T / 2;
-constexpr int OFF_CMIN = OFF_CSTEP + D * SB;
-constexpr int OFF_RS = OFF_CMIN + D * SB;
-constexpr int OFF_V = OFF_RS + T * SB;
-constexpr int OFF_TSTEP = OFF_V + T * D * VB / 8;
-constexpr int OFF_TMIN = OFF_TSTEP + T * SB;
-constexpr int OFF_COL = OFF_TMIN + T * SB;
-constexpr int REC = OFF_COL + D * SB;
-constexpr int NS = REC <= 8192 ? 4 : (REC <= 20480 ? 3 : 2);   // cp.async ring stages
-#ifndef KVD_MINB
-constexpr int MINB = D >= 256 ? 2 : 4;
-#else
-constexpr int MINB = KVD_MINB;
-#endif
-// Dynamic shared memory of the partials kernel (the host computes the same from these numbers).
-constexpr int SM_STAGES = NS * REC;
-constexpr int SM_QROT = 8 * D * 4;
-constexpr int SM_FRAG = KSTEPS * 32 * 16;
-constexpr int SM_BIAS = NW * 8 * 4;
-constexpr int SM_PT = NW * 2 * 8 * TPW * 2;
-constexpr int SMEM_TILE = SM_STAGES + SM_QROT + SM_FRAG + SM_BIAS + SM_PT + 16;
-// Exact (sink + window) blocks: TE tokens each, K/V rows staged in shared memory (see exact_part).
+constexpr int TPI = 128 / T;       // tiles per loop iteration
+constexpr int WPT = T / 32;        // warps per tile: warp w takes tile w / WPT, tokens 32 * (w % WPT) + [0, 32)
+constexpr int KS = D / 32;         // k-steps (32 channels) of the score MMA
+constexpr int KCPR = T / 32;       // 16-byte chunks per K channel row (32 tokens each)
+constexpr int VCPR = VR / 16;      // 16-byte chunks per V token row
+constexpr int VCHC = 128 / VB;     // channels per V chunk (64 or 32)
+constexpr int VMB = VCHC / 16;     // V MMA m-blocks per chunk (4 or 2), one per code position in a byte
+constexpr int VRUN = VCHC / 8;     // channels of a V chunk one lane holds (contiguous: VRUN * g + [0, VRUN))
+constexpr int NOV = D / 8;         // output channels one lane holds per head
+constexpr int LFOLD = 254;         // weight of the second int8 level (|lo| <= 127)
+constexpr float TAU = 8.f;         // lazy rescale: the running max moves only when a tile exceeds it by TAU (log2)
+constexpr float MAGIC = 12582912.f;  // 1.5 * 2^23: x + MAGIC holds rint(x) in its low mantissa bits (|x| < 2^22)
+constexpr unsigned MAGIC_BITS = 0x4B400000u;
+
+static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+static_assert(T == 64 || T == 128, "tile tokens 64 or 128");
+static_assert(VB == 2 || VB == 4, "V bits 2 or 4");
+static_assert(SB == 2 || SB == 4, "f16 or f32 scales");
+static_assert(OFF_K % 16 == 0 && OFF_V % 16 == 0 && REC % 16 == 0 && OFF_K + KBYTES <= OFF_V && OFF_V + VBYTES <= REC,
+              "record sections: 16-byte aligned, K codes before V codes");
+static_assert(OFF_CSTEP % 16 == 0 && OFF_CMIN % 16 == 0 && OFF_RS % 16 == 0 && OFF_TSTEP % 16 == 0 &&
+              OFF_TMIN % 16 == 0 && OFF_COL % 16 == 0, "scale sections must be 16-byte aligned (vector loads)");
+
+// --- shared memory of the tile blocks (the exact blocks use exact_smem(TE) from offset 0) ----------------
+constexpr int align128(int x) { return (x + 127) / 128 * 128; }
+constexpr int RSLOT = TPI * REC;                          // one ring slot: the records of one iteration
+constexpr int NS = RSLOT <= 8192 ? 4 : 3;                 // ring slots (2-3 iterations in flight)
+constexpr int FRAG_WORDS = 72;                            // per (tile, n-block, k-step): 32 lanes x 2 words + 8 pad
+constexpr int SM_FRAG = align128(NS * RSLOT);             // u32 [TPI][2][KS][FRAG_WORDS]: score B fragments
+constexpr int SM_KCF = SM_FRAG + TPI * 2 * KS * FRAG_WORDS * 4;  // float4 [TPI][8]: score factors, bias
+constexpr int SM_KCI = SM_KCF + TPI * 8 * 16;             // int4 [TPI][8]: score MMA C input (centering)
+constexpr int SM_P = SM_KCI + TPI * 8 * 16;               // u32 [NW][2][64]: P' words, warp-private
+constexpr int SM_Q = SM_P + NW * 2 * 64 * 4;              // float [8][D]: rotated queries
+constexpr int SMEM_TILE = SM_Q + 8 * D * 4;
+// Exact blocks: TE tokens each, K/V rows staged in shared memory (see exact_part).
 constexpr int exact_smem(int te) { return te * D * 4 + 8 * D * 4 + NT * 32 + 8 * te * 4 + 64 + NT * 64; }
 constexpr int TE = exact_smem(64) <= SMEM_TILE ? 64 : 32;
-constexpr int EX_NP = NT / TE;               // channel parts per token in the score phase: 2 or 4
+constexpr int EX_NP = NT / TE;  // channel parts per token in the exact score phase: 2 or 4
 constexpr int SMEM = SMEM_TILE > exact_smem(TE) ? SMEM_TILE : exact_smem(TE);
-
-static_assert(OFF_CSTEP % 128 == 0 && OFF_V % 16 == 0 && REC % 16 == 0, "record sections must be aligned");
-static_assert(VGB == 2 || VGB == 4 || VGB == 8, "unsupported V chunk");
-static_assert((KSTEPS * 32) % NT == 0, "q fragment elements per thread");
-static_assert(NW * 8 * (D + 2) * 4 <= SM_STAGES, "warp merge buffer must fit in the stage ring");
+static_assert(NW * 8 * (D + 2) * 4 <= NS * RSLOT, "the warp merge buffers must fit in the ring");
+// Resident blocks per SM the register allocation is bounded for: 4 (128 registers) for the G <= 4 kernel,
+// 3 for G <= 8 (twice the score and output registers); head_dim 256 halves both.
+template <int NB>
+constexpr int minb() { return D >= 256 ? (NB == 1 ? 2 : 1) : (NB == 1 ? 4 : 3); }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) { return __byte_perm(a, b, s); }
+// MUFU.EX2 / MUFU.RCP without range fix-ups: arguments here are <= 0 (ex2(-inf) = 0, tiny results flush to 0)
+// and reciprocals of positive normal numbers (2^-22 relative error, far below the int8 levels they scale).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ float ld_in(const void* p, size_t i, bool bf) {
     if (bf) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
     return __half2float(reinterpret_cast<const __half*>(p)[i]);
 }
 
-// N consecutive scales at index i of a scale section (aligned to min(N*SB, 16) bytes).
+// N consecutive scales at index i of a scale section (aligned to min(N * SB, 16) bytes), as f32.
 template <int N>
 __device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float* out) {
     constexpr int BYTES = N * SB;
@@ -137,8 +160,7 @@ __device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float
 #pragma unroll
     for (int k = 0; k < BYTES / 4; ++k) {
         if constexpr (SB == 2) {
-            __half2 h = *reinterpret_cast<__half2*>(&w[k]);
-            float2 f = __half22float2(h);
+            float2 f = __half22float2(*reinterpret_cast<__half2*>(&w[k]));
             out[2 * k] = f.x; out[2 * k + 1] = f.y;
         } else {
             out[k] = __uint_as_float(w[k]);
@@ -146,97 +168,157 @@ __device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float
     }
 }
 
-// Bits [K, K+NB) of bytes 0 and 2 of x as exact fp16 integers (low half from byte 0): the field is
-// OR-ed into the mantissa of 1024.0 and 1024 is removed with one exact half2 FMA.
-template <int K, int NB>
-__device__ __forceinline__ unsigned codes2(unsigned x) {
-    constexpr unsigned M = ((1u << NB) - 1u) << K;
-    // (x & mask) | 0x64006400 as one LOP3 (written as C, ptxas emits two: one immediate per LOP3)
-    unsigned v;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(x), "n"(M | (M << 16)), "r"(0x64006400u));
-    const unsigned short s_bits = (unsigned short)(0x3C00 - (K << 10));          // 2^-K
-    const unsigned short o_bits = (unsigned short)(0x8000 | (0x3C00 + ((10 - K) << 10)));  // -2^(10-K)
-    __half2 s = __halves2half2(__ushort_as_half(s_bits), __ushort_as_half(s_bits));
-    __half2 o = __halves2half2(__ushort_as_half(o_bits), __ushort_as_half(o_bits));
-    __half2 r = __hfma2(*reinterpret_cast<__half2*>(&v), s, o);
-    return *reinterpret_cast<unsigned*>(&r);
-}
-
-#if KVD_QZ
-// Codebook lookup of the 4 codes in nibbles 0..3 of sel (higher bits ignored) from a 16-entry f16 table
-// (byte planes L, H): r0 = (c[n0], c[n2]), r1 = (c[n1], c[n3]) as half2 (low half first), i.e. the same
-// pairing as codes2<0,4> / codes2<4,4> of bytes 0 and 1 of sel.
-__device__ __forceinline__ void lut16(unsigned sel, const unsigned (&L)[4], const unsigned (&H)[4], unsigned& r0,
-                                      unsigned& r1) {
-    const unsigned s7 = sel & 0x7777u;                                        // index within a half table
-    const unsigned m = __byte_perm(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);  // byte k = 0xFF iff code k >= 8
-    const unsigned la = __byte_perm(L[0], L[1], s7), lb = __byte_perm(L[2], L[3], s7);
-    const unsigned ha = __byte_perm(H[0], H[1], s7), hb = __byte_perm(H[2], H[3], s7);
-    const unsigned lo = (la & ~m) | (lb & m), hi = (ha & ~m) | (hb & m);   // one LOP3 each
-    r0 = __byte_perm(lo, hi, 0x6240u);
-    r1 = __byte_perm(lo, hi, 0x7351u);
-}
-// The same for the 4-entry (2-bit) table: codes in nibbles 0..3 of sel, each nibble < 4.
-__device__ __forceinline__ void lut4(unsigned sel, unsigned L, unsigned H, unsigned& r0, unsigned& r1) {
-    const unsigned lo = __byte_perm(L, 0u, sel), hi = __byte_perm(H, 0u, sel);
-    r0 = __byte_perm(lo, hi, 0x6240u);
-    r1 = __byte_perm(lo, hi, 0x7351u);
-}
-#endif
-
-__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// fp16 hi + lo split of (x0, x1): hi + lo equals x to ~2^-22 relative.
-__device__ __forceinline__ void split2(float x0, float x1, unsigned& hi, unsigned& lo) {
-    __half2 h = __floats2half2_rn(x0, x1);
-    float2 f = __half22float2(h);
-    __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
-    hi = *reinterpret_cast<unsigned*>(&h);
-    lo = *reinterpret_cast<unsigned*>(&l);
-}
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// XOR swizzle of 16-byte chunks inside 128-byte lines of the K code section (bank-conflict-free
-// fragment loads: the four channel rows a lane quad reads land in different banks).
-__device__ __forceinline__ int kswz(int a) { return a ^ (((a >> 7) & 7) << 4); }
-
-// Chunk c = tid + k*NT of the record: the K code chunks are exactly k < KCH/NT (KCH is a multiple of
-// NT), and kswz(tid*16 + k*NT*16) = kswz(tid*16) + k*NT*16 (NT*16 bytes = 16 whole 128-byte lines), so
-// the thread's two destination offsets are tile-invariant (dk = kswz(16 tid), dn = 16 tid) and every
-// copy is one LDGSTS with immediate offsets.
-__device__ __forceinline__ void load_record(unsigned char* dst, const unsigned char* src, int tid, int dk) {
-    constexpr int NCH = REC / 16, KCH = OFF_CSTEP / 16;
-    constexpr int NFULL = NCH / NT, NREM = NCH % NT, KIT = KCH / NT;
-    static_assert(KCH % NT == 0, "K code chunks must be a multiple of the block size");
-    const int dn = tid * 16;
-    dst += dn;
-    src += dn;
-#pragma unroll
-    for (int k = 0; k < NFULL; ++k) cp_async16(dst + (k < KIT ? dk - dn : 0) + k * NT * 16, src + k * NT * 16);
-    if constexpr (NREM > 0) {
-        if (tid < NREM) cp_async16(dst + NFULL * NT * 16, src + NFULL * NT * 16);
-    }
+// Four 8x8 b16 matrices, transposed: lane (g = lane / 4, q = lane % 4) gets in r[m] the elements
+// (row 2q, col g) (low half) and (row 2q + 1, col g) (high half) of matrix m; lane l gives the address of
+// row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm4t(unsigned addr, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 
-// Exact part: sink + window tokens in the original domain (fp16/bf16 K, V), all G heads. Block e of
-// the E exact blocks covers tokens [e*TE, min(n, (e+1)*TE)) of the sequence sink ++ window; its K and V
-// rows arrive with one round of cp.async (one memory latency), then scores, softmax and P.V run from
-// shared memory. The block writes one partial (m, l, unnormalized o) like a tile split; the combine
-// kernel merges the E partials (so this is the same math as one pass, in a different summation order).
+// d = a x b + c, m16n8k32 (row.col), s32 accumulation; AT / BT: u8 or s8. Fragments (lane g = lane / 4,
+// q = lane % 4): a[0] = A[g][4q..4q+3], a[1] = A[g+8][4q..], a[2] = A[g][16+4q..], a[3] = A[g+8][16+4q..];
+// b0 = B[4q..4q+3][g], b1 = B[16+4q..][g]; d[0..1] = D[g][2q, 2q+1], d[2..3] = D[g+8][2q, 2q+1].
+#define KVD_MMA(name, at, bt)                                                                                    \
+    __device__ __forceinline__ void name(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,          \
+                                         const int (&c)[4]) {                                                    \
+        asm("mma.sync.aligned.m16n8k32.row.col.s32." at "." bt ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "  \
+            "{%10,%11,%12,%13};\n"                                                                               \
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                                     \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]),     \
+              "r"(c[3]));                                                                                        \
+    }
+KVD_MMA(mma_u8s8, "u8", "s8")
+KVD_MMA(mma_s8s8, "s8", "s8")
+#undef KVD_MMA
+
+// Shared-memory swizzle of a code section seen as 16-byte chunks i, CPR chunks per row (a channel of the
+// K codes, a token of the V codes): chunk i goes to i ^ f(i / 8). The ldmatrix reads take the rows
+// r(m, k) = 16 (m / 2) + 2 (m % 2) + 4 (k / 2) + k % 2 (matrix m, row k; + any multiple of 32) of one chunk
+// column, and f spreads each matrix's 8 rows over the 8 16-byte bank groups (tests/test_decode.py checks it).
+// Its period divides 128 chunks, so swz(i + 128 k) = swz(i) + 128 k.
+template <int CPR>
+__host__ __device__ constexpr int swz(int i) {
+    const int L = i >> 3;
+    const int f = CPR == 1 ? (L & 1) << 1 : CPR == 2 ? (L & 1) | ((L & 2) << 1) : CPR == 4 ? (L >> 1) & 3
+                                                                                          : ((L >> 1) & 6) | (L & 1);
+    return i ^ f;
+}
+__device__ __forceinline__ int ldsm_row(int lane) {
+    const int m = lane >> 3, k = lane & 7;
+    return 16 * (m >> 1) + 2 * (m & 1) + 4 * (k >> 1) + (k & 1);
+}
+
+// Copies chunks [A, B) of the record unchanged; thread tid takes chunks tid, tid + NT, ...
+template <int A, int B>
+__device__ __forceinline__ void copy_plain(unsigned char* dst, const unsigned char* src, int tid) {
+    constexpr int N = (B - A) / 16;
+#pragma unroll
+    for (int k = 0; k < (N + NT - 1) / NT; ++k) {
+        const int c = tid + k * NT;
+        if (N % NT == 0 || c < N) cp_async16(dst + A + 16 * c, src + A + 16 * c);
+    }
+}
+// One record into shared memory: K and V code sections swizzled (kdst = 16 swz<KCPR>(tid),
+// vdst = 16 swz<VCPR>(tid): tile-invariant), everything else as is.
+__device__ __forceinline__ void load_record(unsigned char* dst, const unsigned char* src, int tid, int kdst, int vdst) {
+    constexpr int KCH = KBYTES / 16, VCH = VBYTES / 16;
+    static_assert(KCH % NT == 0 && (VCH % NT == 0 || VCH < NT), "code sections in whole rounds of 128 chunks");
+    copy_plain<0, OFF_K>(dst, src, tid);
+#pragma unroll
+    for (int k = 0; k < KCH / NT; ++k) cp_async16(dst + OFF_K + kdst + k * NT * 16, src + OFF_K + 16 * tid + k * NT * 16);
+    copy_plain<OFF_K + KBYTES, OFF_V>(dst, src, tid);
+    if constexpr (VCH >= NT) {
+#pragma unroll
+        for (int k = 0; k < VCH / NT; ++k) cp_async16(dst + OFF_V + vdst + k * NT * 16, src + OFF_V + 16 * tid + k * NT * 16);
+    } else {
+        if (tid < VCH) cp_async16(dst + OFF_V + vdst, src + OFF_V + 16 * tid);
+    }
+    copy_plain<OFF_V + VBYTES, REC>(dst, src, tid);
+}
+
+// rint(x) in the low byte (two's complement) of the result's bits, |x| < 2^22; also the rounded value.
+__device__ __forceinline__ float round_bits(float x) { return __fadd_rn(x, MAGIC); }
+// The two int8 levels of x in [-127, 127]: hi bits (low byte = rint(x)), lo bits (low byte =
+// rint((x - rint(x)) * LFOLD)); x - rint(x) is exact and the FMA rounds LFOLD * (x - rint(x)) once.
+__device__ __forceinline__ void two_levels(float x, unsigned& hb, unsigned& lb) {
+    const float h = round_bits(x);
+    const float t = __fmaf_rn(__fsub_rn(h, MAGIC), -(float)LFOLD, MAGIC);
+    hb = __float_as_uint(h);
+    lb = __float_as_uint(__fmaf_rn(x, (float)LFOLD, t));
+}
+// Low bytes of a, b, c, d as one word (a in byte 0).
+__device__ __forceinline__ unsigned pack4(unsigned a, unsigned b, unsigned c, unsigned d) {
+    return prmt(prmt(a, b, 0x0040u), prmt(c, d, 0x0040u), 0x5410u);
+}
+
+template <int N>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+    for (int o = 1; o < N; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+template <int N>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < N; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// Max / sum over the 8 lanes of a warp with the same lane % 4 (the tokens of one head).
+__device__ __forceinline__ float head_max(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float head_sum(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Unnormalized WHT (Sylvester order) of one D-vector held by a warp, lane l holding channels
+// [l * CPL, (l + 1) * CPL): butterflies of span < CPL in registers, the others across lanes.
+template <int CPL>
+__device__ __forceinline__ void wht_warp(float (&x)[CPL], int lane) {
+#pragma unroll
+    for (int len = 1; len < CPL; len <<= 1)
+#pragma unroll
+        for (int k = 0; k < CPL; ++k)
+            if (!(k & len)) {
+                const float a = x[k], b = x[k + len];
+                x[k] = a + b;
+                x[k + len] = a - b;
+            }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) {
+            const float y = __shfl_xor_sync(0xffffffffu, x[k], m);
+            x[k] = (lane & m) ? y - x[k] : x[k] + y;
+        }
+}
+
+#if KVD_QZ
+// lloyd_max lookup of the 4 codes in nibbles 0..3 of sel (higher bits ignored) in a 16-entry table of
+// int8 (entry i at byte i % 4 of word i / 4): byte k of the result = table[nibble k].
+__device__ __forceinline__ unsigned lut16(unsigned s7, unsigned hmask, unsigned w0, unsigned w1, unsigned w2,
+                                          unsigned w3) {
+    const unsigned lo = prmt(w0, w1, s7), hi = prmt(w2, w3, s7);
+    return (lo & ~hmask) | (hi & hmask);
+}
+#endif
+
+// --- exact part: sink + window tokens in the original domain (fp16/bf16 K, V), all G heads ---------------
+// Block e covers tokens [e*TE, min(n, (e+1)*TE)) of sink ++ window; its K and V rows arrive with one round of
+// cp.async, then scores, softmax and P.V run from shared memory. Writes one partial like a tile split.
 __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k, const void* win_v,
                            const void* sink_k, const void* sink_v, const int* win_len, const int* sink_len,
                            float* po, float* pm, float* pl, size_t slot, int b, int h, int Hkv, int G, int W,
@@ -336,8 +418,7 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
             v[k] = t < TE ? pr[g * TE + t] : neg_inf();
             mx = fmaxf(mx, v[k]);
         }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx = group_max<32>(mx);
         float ps = 0.f;
 #pragma unroll
         for (int k = 0; k < PL; ++k) {
@@ -346,8 +427,7 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
             if (t < TE) pr[g * TE + t] = pv;
             ps += pv;
         }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        ps = group_sum<32>(ps);
         if (lane == 0) { mst[g] = mx; lst[g] = ps; }
     }
     __syncthreads();
@@ -393,352 +473,445 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
     if (tid < G) { pm[slot + tid] = mst[tid]; pl[slot + tid] = lst[tid]; }
 }
 
-}  // namespace kvd
+// --- fold: the score MMA's B operand and constants for the tiles of one iteration ------------------------
+// LPP lanes take one (tile, head) pair, pairs filling warps in order: T = 128: 8 lanes, so at G = 4 one warp
+// folds the four pairs and the per-pair reductions and constants are issued once for four; T = 64 (two
+// tiles per iteration): a warp per pair (fewer instructions per iteration there, measured in SASS). UPL
+// units of 4 channels each:
+// unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
+// channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
+// score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
+__device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, int G, const float* qrot,
+                                           unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
+                                           int tid) {
+    constexpr int LPP = TPI == 1 ? 8 : (D / 4 < 32 ? D / 4 : 32), UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
+    if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
+    const int pl = tid % LPP;
+    const int npairs = ntl * G;
+    const int rounds = (npairs + PPR - 1) / PPR;
+    for (int r = 0; r < rounds; ++r) {  // every lane of a warp runs every round (shuffles below)
+        const int p = tid / LPP + r * PPR;
+        const bool valid = p < npairs;
+        const int pc = valid ? p : 0;
+        const int j = TPI == 2 && pc >= G ? 1 : 0, h = pc - j * G;  // pairs (tile j, head h) = j * G + h
+        const unsigned char* rec = slot + j * REC;
+        float qf[UPL][4];
+        float amax = 0.f, bias = 0.f;
+#pragma unroll
+        for (int k = 0; k < UPL; ++k) {
+            const int u = pl + LPP * k;
+            const int c0 = (u >> 3) * 32 + ((u >> 2) & 1) * 16 + (u & 3) * 4;
+            const float4 qv = *reinterpret_cast<const float4*>(qrot + h * D + c0);
+            float cs[4], cm[4];
+            ld_scales<4>(rec + OFF_CSTEP, c0, cs);
+            ld_scales<4>(rec + OFF_CMIN, c0, cm);
+            const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                qf[k][i] = qa[i] * cs[i];
+                amax = fmaxf(amax, fabsf(qf[k][i]));
+                // uniform: the codes enter the MMA uncentered and the C input removes 8 * sum(B), so the
+                // bias carries chan_min + 8 chan_step; lloyd_max: the centroids are centred
+                bias = fmaf(qa[i], QZ ? cm[i] : fmaf(8.f, cs[i], cm[i]), bias);
+            }
+        }
+        amax = group_max<LPP>(amax);
+        bias = group_sum<LPP>(bias);
+        const float inv = amax > 0.f ? rcp(amax) * 127.f : 0.f;  // |x| <= 127 (1 + 2^-22) < 127.5
+        unsigned ssum = 0;  // sum of the hi levels + 65536 x sum of the lo levels (|each| <= 127 D < 2^15)
+        unsigned hw[UPL], lw[UPL];
+#pragma unroll
+        for (int k = 0; k < UPL; ++k) {
+            unsigned hb[4], lb[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) two_levels(qf[k][i] * inv, hb[i], lb[i]);
+            if constexpr (QZ) {  // the lookup's K-slot order: channels 0, 2, 1, 3 of the unit
+                hw[k] = pack4(hb[0], hb[2], hb[1], hb[3]);
+                lw[k] = pack4(lb[0], lb[2], lb[1], lb[3]);
+            } else {
+                hw[k] = pack4(hb[0], hb[1], hb[2], hb[3]);
+                lw[k] = pack4(lb[0], lb[1], lb[2], lb[3]);
+                const unsigned sh = hb[0] + hb[1] + hb[2] + hb[3] - 4u * MAGIC_BITS;  // mod 2^32
+                const unsigned sl = lb[0] + lb[1] + lb[2] + lb[3] - 4u * MAGIC_BITS;
+                ssum += sh + (sl << 16);
+            }
+        }
+        if constexpr (!QZ) {
+#pragma unroll
+            for (int o = 1; o < LPP; o <<= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, o);
+        }
+        if (valid) {
+            const int nb = h >> 2, hl = 2 * (h & 3) * 4;  // lane (g = 2 (h % 4) + level, q) of the fragment
+#pragma unroll
+            for (int k = 0; k < UPL; ++k) {
+                const int u = pl + LPP * k;
+                unsigned* f = fragB + ((j * 2 + nb) * KS + (u >> 3)) * FRAG_WORDS + ((u >> 2) & 1);
+                f[2 * (hl + (u & 3))] = hw[k];
+                f[2 * (hl + 4 + (u & 3))] = lw[k];
+            }
+            if (pl == 0) {
+                const float a = amax * kfac;
+                kcf[j * 8 + h] = make_float4(a, QZ ? a * (1.f / LFOLD) : a * (1.f / 16.f), bias * kscale, 0.f);
+                if constexpr (!QZ) {
+                    const int shi = (int)(short)(ssum & 0xffffu), slo = (int)(ssum - (unsigned)shi) >> 16;
+                    // C of the score MMA: rows g (even token, code c) and g + 8 (odd token, 16 c),
+                    // columns hi / lo: acc = sum B * (code - 8) (x 16 for the odd rows)
+                    kci[j * 8 + h] = make_int4(-8 * shi, -8 * slo, -128 * shi, -128 * slo);
+                }
+            }
+        }
+    }
+}
 
-using namespace kvd;
+// --- one warp's 32 tokens of one tile: scores, online softmax, P' x V --------------------------------------
+template <int NB>
+struct WarpState {
+    float m[NB], l[NB];  // running max (log2) and this lane's share of the sum, per head (lane % 4 + 4 nb)
+    float o[NB][NOV];    // rotated-domain output: chunk c, channels c * VCHC + VRUN g + [0, VRUN)
+};
 
-// flags: bit 0 = q is bf16, bit 1 = window/sink are bf16.
-extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
-    const void* __restrict__ q, const unsigned char* __restrict__ tiles, const void* __restrict__ win_k,
-    const void* __restrict__ win_v, const void* __restrict__ sink_k, const void* __restrict__ sink_v,
-    const int* __restrict__ n_tiles, const int* __restrict__ win_len, const int* __restrict__ sink_len,
-    float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int Hkv, int G, int cap, int W, int SC,
-    int S, int E, int min_tps, int flags, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+template <int NB>
+__device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char* rec, const unsigned* fragB,
+                                          const float4* kcf, const int4* kci, unsigned* pw, int koff, int vsw,
+                                          int tb, int G, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    const unsigned rs_ = smem_u32(rec);
+    // ---- scores: S[token][col] for the warp's tokens tb + [0, 32) --------------------------------------
+    // m-block 0: rows g / g + 8 = tokens 4g / 4g + 1; m-block 1: tokens 4g + 2 / 4g + 3 (tb-relative)
+#if KVD_QZ
+    int acc[NB][2][2][4];  // [nb][m-block][table level][c]
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int t = 0; t < 2; ++t) acc[nb][m][t][0] = acc[nb][m][t][1] = acc[nb][m][t][2] = acc[nb][m][t][3] = 0;
+    const unsigned kth[4] = {KVD_KTH0, KVD_KTH1, KVD_KTH2, KVD_KTH3};
+    const unsigned ktl[4] = {KVD_KTL0, KVD_KTL1, KVD_KTL2, KVD_KTL3};
+#else
+    int acc[NB][2][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        const int4 ci = kci[q + 4 * nb];
+        acc[nb][0][0] = acc[nb][1][0] = ci.x;
+        acc[nb][0][1] = acc[nb][1][1] = ci.y;
+        acc[nb][0][2] = acc[nb][1][2] = ci.z;
+        acc[nb][0][3] = acc[nb][1][3] = ci.w;
+    }
+#endif
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+        unsigned r[4];
+        ldsm4t(rs_ + koff + s * 512 * KCPR, r);
+        // byte i of x = channel 32 s + 4 q + i (r[0]: i = 0, 1; r[1]: 2, 3), tokens 4g, 4g + 1 (nibbles);
+        // y: tokens 4g + 2, 4g + 3; x1 / y1 the same for channels + 16 (r[2], r[3])
+        const unsigned x0 = prmt(r[0], r[1], 0x6420u), y0 = prmt(r[0], r[1], 0x7531u);
+        const unsigned x1 = prmt(r[2], r[3], 0x6420u), y1 = prmt(r[2], r[3], 0x7531u);
+        uint2 bf[NB];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+            bf[nb] = *reinterpret_cast<const uint2*>(fragB + (nb * KS + s) * FRAG_WORDS + 2 * lane);
+#if KVD_QZ
+        const unsigned xs[2][2] = {{x0, x1}, {y0, y1}};
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            unsigned ah[4], al[4];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned x = xs[m][hh];
+                // nibble selectors of the even / odd token: channels 0, 2, 1, 3 of x's four bytes
+                const unsigned se = (x & 0x0F0Fu) | ((x >> 12) & 0xF0F0u);
+                const unsigned so = ((x >> 4) & 0x0F0Fu) | ((x >> 16) & 0xF0F0u);
+#pragma unroll
+                for (int par = 0; par < 2; ++par) {
+                    const unsigned sel = par ? so : se;
+                    const unsigned s7 = sel & 0x7777u;
+                    const unsigned hm = prmt(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);  // 0xFF where code >= 8
+                    ah[2 * hh + par] = lut16(s7, hm, kth[0], kth[1], kth[2], kth[3]);
+                    al[2 * hh + par] = lut16(s7, hm, ktl[0], ktl[1], ktl[2], ktl[3]);
+                }
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                mma_s8s8(acc[nb][m][0], ah, bf[nb].x, bf[nb].y, acc[nb][m][0]);
+                mma_s8s8(acc[nb][m][1], al, bf[nb].x, bf[nb].y, acc[nb][m][1]);
+            }
+        }
+#else
+        const unsigned a0[4] = {x0 & 0x0F0F0F0Fu, x0 & 0xF0F0F0F0u, x1 & 0x0F0F0F0Fu, x1 & 0xF0F0F0F0u};
+        const unsigned a1[4] = {y0 & 0x0F0F0F0Fu, y0 & 0xF0F0F0F0u, y1 & 0x0F0F0F0Fu, y1 & 0xF0F0F0F0u};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            mma_u8s8(acc[nb][0], a0, bf[nb].x, bf[nb].y, acc[nb][0]);
+            mma_u8s8(acc[nb][1], a1, bf[nb].x, bf[nb].y, acc[nb][1]);
+        }
+#endif
+    }
+    float rsc[4], tsc[4], tmn[4];  // tokens tb + 4g + [0, 4)
+    ld_scales<4>(rec + OFF_RS, tb + 4 * g, rsc);
+    ld_scales<4>(rec + OFF_TSTEP, tb + 4 * g, tsc);
+    ld_scales<4>(rec + OFF_TMIN, tb + 4 * g, tmn);
+#if KVD_QZ && KVD_VB == 2
+    {
+        const float c0 = __uint_as_float(KVD_VC0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tmn[i] = fmaf(tsc[i], c0, tmn[i]);  // V = tok_min + tok_step c[0] + ...
+    }
+#endif
+    // ---- online softmax and P' per head ------------------------------------------------------------------
+    float fv[NB], pv[NB];  // V factor 2^(m_tile - m) max(w) / (127 LFOLD), tok_min term
+    uint2 bv[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        const int hd = q + 4 * nb;
+        const float4 kf = kcf[hd];
+        float sc[4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#if KVD_QZ
+            const float e0 = fmaf((float)(acc[nb][m][1][0] * LFOLD + acc[nb][m][1][1]), kf.y,
+                                  (float)(acc[nb][m][0][0] * LFOLD + acc[nb][m][0][1]) * kf.x);
+            const float e1 = fmaf((float)(acc[nb][m][1][2] * LFOLD + acc[nb][m][1][3]), kf.y,
+                                  (float)(acc[nb][m][0][2] * LFOLD + acc[nb][m][0][3]) * kf.x);
+            sc[2 * m] = (e0 + kf.z) * rsc[2 * m];
+            sc[2 * m + 1] = (e1 + kf.z) * rsc[2 * m + 1];
+#else
+            sc[2 * m] = fmaf((float)(acc[nb][m][0] * LFOLD + acc[nb][m][1]), kf.x, kf.z) * rsc[2 * m];
+            sc[2 * m + 1] = fmaf((float)(acc[nb][m][2] * LFOLD + acc[nb][m][3]), kf.y, kf.z) * rsc[2 * m + 1];
+#endif
+        }
+        const float mt = head_max(fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])));
+        if (__any_sync(0xffffffffu, hd < G && mt > st.m[nb] + TAU)) {  // rare after the first tiles
+            const float mn = fmaxf(st.m[nb], mt);
+            const float al = ex2(st.m[nb] - mn);  // 0 on the first tile (m = -inf)
+#pragma unroll
+            for (int i = 0; i < NOV; ++i) st.o[nb][i] *= al;
+            st.l[nb] *= al;
+            st.m[nb] = mn;
+        }
+        const float fm = ex2(mt - st.m[nb]);  // <= 2^TAU
+        float pt[4], w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pt[i] = ex2(sc[i] - mt);
+            w[i] = pt[i] * tsc[i];
+        }
+        st.l[nb] = fmaf(fm, (pt[0] + pt[1]) + (pt[2] + pt[3]), st.l[nb]);
+        const float wmax = head_max(fmaxf(fmaxf(w[0], w[1]), fmaxf(w[2], w[3])));
+        const float rw = wmax > 0.f ? rcp(wmax) * 127.f : 0.f;
+        unsigned hb[4], lb[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) two_levels(w[i] * rw, hb[i], lb[i]);
+        // P' words of quad g (tokens 4g .. 4g + 3) for head q: [level][head][quad % 4][quad / 4]
+#if KVD_QZ && KVD_VB == 4
+        const unsigned ph = pack4(hb[0], hb[2], hb[1], hb[3]), plo = pack4(lb[0], lb[2], lb[1], lb[3]);
+#else
+        const unsigned ph = pack4(hb[0], hb[1], hb[2], hb[3]), plo = pack4(lb[0], lb[1], lb[2], lb[3]);
+#endif
+        unsigned* p = pw + nb * 64;
+        p[(q * 4 + (g & 3)) * 2 + (g >> 2)] = ph;
+        p[((4 + q) * 4 + (g & 3)) * 2 + (g >> 2)] = plo;
+        float pm = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pm = fmaf(pt[i], tmn[i], pm);
+        pv[nb] = fm * head_sum(pm);
+        fv[nb] = fm * wmax * (1.f / (127.f * LFOLD));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)  // B fragment: column g = (head g / 2, level g % 2), quads q and 4 + q
+        bv[nb] = *reinterpret_cast<const uint2*>(pw + nb * 64 + (((g & 1) * 4 + (g >> 1)) * 4 + q) * 2);
+    // ---- O^T[channel][col] += V^T[channel][token] x P'[token][col] --------------------------------------
+#pragma unroll
+    for (int c = 0; c < VCPR; ++c) {
+        unsigned r[4];
+        ldsm4t(rs_ + OFF_V + (vsw ^ (16 * c)), r);
+        // byte i of z = byte 2g of token 4q + i (chunk c), of zh: byte 2g + 1; z1 / zh1: tokens 16 + 4q + i
+        const unsigned z0 = prmt(r[0], r[1], 0x6420u), zh0 = prmt(r[0], r[1], 0x7531u);
+        const unsigned z1 = prmt(r[2], r[3], 0x6420u), zh1 = prmt(r[2], r[3], 0x7531u);
+        float cs[VRUN];
+        ld_scales<VRUN>(rec + OFF_COL, c * VCHC + VRUN * g, cs);
+#if KVD_QZ && KVD_VB == 4
+        const unsigned vth[4] = {KVD_VTH0, KVD_VTH1, KVD_VTH2, KVD_VTH3};
+        const unsigned vtl[4] = {KVD_VTL0, KVD_VTL1, KVD_VTL2, KVD_VTL3};
+        const float vinv = __uint_as_float(KVD_VSC);
+        const unsigned zs[4] = {z0, zh0, z1, zh1};
+#pragma unroll
+        for (int jm = 0; jm < 2; ++jm) {  // code position: low / high nibble; rows g: channel 4g + jm, g + 8: 4g + 2 + jm
+            unsigned ah[4], al[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned x = jm ? zs[k] >> 4 : zs[k];
+                const unsigned sel = (x & 0x0F0Fu) | ((x >> 12) & 0xF0F0u);  // tokens 0, 2, 1, 3 of the quad
+                const unsigned s7 = sel & 0x7777u;
+                const unsigned hm = prmt(0x0000FF00u, 0u, (sel >> 3) & 0x1111u);
+                ah[k] = lut16(s7, hm, vth[0], vth[1], vth[2], vth[3]);
+                al[k] = lut16(s7, hm, vtl[0], vtl[1], vtl[2], vtl[3]);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const int z[4] = {0, 0, 0, 0};
+                int dh[4], dl[4];
+                mma_s8s8(dh, ah, bv[nb].x, bv[nb].y, z);
+                mma_s8s8(dl, al, bv[nb].x, bv[nb].y, z);
+                const float f = fv[nb] * vinv;
+                const float v0 = fmaf((float)(dl[0] * LFOLD + dl[1]), f * (1.f / LFOLD), (float)(dh[0] * LFOLD + dh[1]) * f);
+                const float v1 = fmaf((float)(dl[2] * LFOLD + dl[3]), f * (1.f / LFOLD), (float)(dh[2] * LFOLD + dh[3]) * f);
+                float& o0 = st.o[nb][c * VRUN + jm];
+                float& o1 = st.o[nb][c * VRUN + 2 + jm];
+                o0 = fmaf(cs[jm], v0 + pv[nb], o0);
+                o1 = fmaf(cs[2 + jm], v1 + pv[nb], o1);
+            }
+        }
+#else
+#pragma unroll
+        for (int jm = 0; jm < VMB; ++jm) {
+            // code position jm of each byte: 2-bit rows g: channel 8g + jm, g + 8: 8g + 4 + jm (x 4^jm);
+            // 4-bit rows g: 4g + jm, g + 8: 4g + 2 + jm (x 16^jm)
+            const unsigned mask = VB == 2 ? 0x03030303u << (2 * jm) : 0x0F0F0F0Fu << (4 * jm);
+            const unsigned a[4] = {z0 & mask, zh0 & mask, z1 & mask, zh1 & mask};
+            constexpr int E1 = VB == 2 ? 4 : 2;
+#if KVD_QZ
+            // 2-bit lloyd_max: c[k] = c[0] + a0 k + g1 bit1(k); bit 1 in place is 2 x 4^jm
+            const unsigned mb1 = 0x02020202u << (2 * jm);
+            const unsigned a2[4] = {z0 & mb1, zh0 & mb1, z1 & mb1, zh1 & mb1};
+            const float ca = __uint_as_float(KVD_VA0), cg = __uint_as_float(KVD_VG1) * 0.5f;
+#endif
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const int z[4] = {0, 0, 0, 0};
+                int d[4];
+                mma_u8s8(d, a, bv[nb].x, bv[nb].y, z);
+                const float f = fv[nb] * (VB == 2 ? 1.f / (float)(1 << (2 * jm)) : 1.f / (float)(1 << (4 * jm)));
+#if KVD_QZ
+                int d2[4];
+                mma_u8s8(d2, a2, bv[nb].x, bv[nb].y, z);
+                const float v0 = fmaf((float)(d2[0] * LFOLD + d2[1]), f * cg, (float)(d[0] * LFOLD + d[1]) * (f * ca));
+                const float v1 = fmaf((float)(d2[2] * LFOLD + d2[3]), f * cg, (float)(d[2] * LFOLD + d[3]) * (f * ca));
+#else
+                const float v0 = (float)(d[0] * LFOLD + d[1]) * f;
+                const float v1 = (float)(d[2] * LFOLD + d[3]) * f;
+#endif
+                float& o0 = st.o[nb][c * VRUN + jm];
+                float& o1 = st.o[nb][c * VRUN + E1 + jm];
+                o0 = fmaf(cs[jm], v0 + pv[nb], o0);
+                o1 = fmaf(cs[E1 + jm], v1 + pv[nb], o1);
+            }
+        }
+#endif
+    }
+}
+
+// --- tile split: the tiles [t0, t1) of (b, h) ----------------------------------------------------------
+template <int NB>
+__device__ void tile_split(unsigned char* smem, const void* q, const unsigned char* pool, const int* table, int b,
+                           int h, int Hkv, int G, int cap, int nslots, int t0, int t1, float* po, float* pm,
+                           float* pl, size_t slot, bool q_bf, float scale) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, qq = lane & 3;
-    const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
-    const bool q_bf = flags & 1;
-    constexpr float LOG2E = 1.4426950408889634f;
-    if (split >= S) {
-        exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
-                   split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
-        return;
-    }
-    int n = n_tiles[b];
-    n = n < 0 ? 0 : (n > cap ? cap : n);
-    const int tps = max(min_tps, (n + S - 1) / S);
-    const int t0 = split * tps;
-    const int t1 = min(n, t0 + tps);
-    if (t0 >= t1) {
-        if (tid < G) { pm[slot + tid] = neg_inf(); pl[slot + tid] = 0.f; }
-        return;
-    }
+    unsigned char* ring = smem;
+    unsigned* fragB = reinterpret_cast<unsigned*>(smem + SM_FRAG);
+    float4* kcf = reinterpret_cast<float4*>(smem + SM_KCF);
+    int4* kci = reinterpret_cast<int4*>(smem + SM_KCI);
+    unsigned* pw = reinterpret_cast<unsigned*>(smem + SM_P) + w * 2 * 64;
+    float* qrot = reinterpret_cast<float*>(smem + SM_Q);
     const int nloc = t1 - t0;
-    unsigned char* stages = smem;
-    float* qrot = reinterpret_cast<float*>(smem + SM_STAGES);
-    uint4* frag = reinterpret_cast<uint4*>(smem + SM_STAGES + SM_QROT);
-    float* biasp = reinterpret_cast<float*>(smem + SM_STAGES + SM_QROT + SM_FRAG);
-    __half* pt = reinterpret_cast<__half*>(smem + SM_STAGES + SM_QROT + SM_FRAG + SM_BIAS);
-    int* maxbits = reinterpret_cast<int*>(smem + SM_STAGES + SM_QROT + SM_FRAG + SM_BIAS + SM_PT);
-
-    const size_t rstride = (size_t)Hkv * REC;  // bytes between consecutive tiles of one head
-    const unsigned char* rec0 = tiles + ((size_t)b * cap * Hkv + h) * REC + (size_t)t0 * rstride;
-    const int dk = kswz(tid * 16);
+    const int nit = (nloc + TPI - 1) / TPI;
+    const int* trow = table + (size_t)b * cap + t0;
+    const unsigned char* head = pool + (size_t)h * REC;
+    const size_t sstride = (size_t)Hkv * REC;
+    auto slot_of = [&](int t) {  // record slot of tile t (split-relative), clamped into the pool
+        const int s = t < nloc ? trow[t] : 0;
+        return s < 0 ? 0 : (s >= nslots ? nslots - 1 : s);
+    };
+    const int kdst = 16 * swz<KCPR>(tid), vdst = 16 * swz<VCPR>(tid);
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-        if (s < nloc) load_record(stages + s * REC, rec0 + s * rstride, tid, dk);
+        if (s < nit) {
+#pragma unroll
+            for (int jt = 0; jt < TPI; ++jt)
+                if (s * TPI + jt < nloc)
+                    load_record(ring + s * RSLOT + jt * REC, head + slot_of(s * TPI + jt) * sstride, tid, kdst, vdst);
+        }
         cp_async_commit();
     }
-
-    // q_rot = WHT(q) (unnormalized), scaled by a power of two so that max |q_rot| is in [16, 32).
-    const size_t qbase = (size_t)(b * Hkv + h) * G * D;
-    for (int i = tid; i < G * D; i += NT) qrot[i] = ld_in(q, qbase + i, q_bf);
-    if (tid == 0) *maxbits = 0;
-    __syncthreads();
-    for (int len = 1; len < D; len <<= 1) {
-        for (int i = tid; i < G * D / 2; i += NT) {
-            const int gg = i / (D / 2), j = i % (D / 2);
-            const int i0 = gg * D + (j / len) * 2 * len + (j % len), i1 = i0 + len;
-            const float a = qrot[i0], c = qrot[i1];
-            qrot[i0] = a + c;
-            qrot[i1] = a - c;
+    int pre[TPI];  // slots of the next iteration to load, read one iteration ahead (hides the table read)
+#pragma unroll
+    for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((NS - 1) * TPI + jt);
+    // Zero the fragments and constants once: columns of heads >= G stay 0 (finite scores, ignored).
+    for (int i = tid; i < (SM_P - SM_FRAG) / 16; i += NT) reinterpret_cast<uint4*>(smem + SM_FRAG)[i] = make_uint4(0, 0, 0, 0);
+    // q_rot = WHT(q) unnormalized, one warp per head
+    {
+        constexpr int CPL = D / 32;
+        const size_t qbase = (size_t)(b * Hkv + h) * G * D;
+        for (int gg = w; gg < G; gg += NW) {
+            float x[CPL];
+#pragma unroll
+            for (int k = 0; k < CPL; ++k) x[k] = ld_in(q, qbase + gg * D + lane * CPL + k, q_bf);
+            wht_warp<CPL>(x, lane);
+#pragma unroll
+            for (int k = 0; k < CPL; ++k) qrot[gg * D + lane * CPL + k] = x[k];
         }
-        __syncthreads();
     }
-    float mx = 0.f;
-    for (int i = tid; i < G * D; i += NT) mx = fmaxf(mx, fabsf(qrot[i]));
-#pragma unroll
-    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) atomicMax(maxbits, __float_as_int(mx));
-    __syncthreads();
-    const float qmax = __int_as_float(*maxbits);
-    int ex = 0;
-    if (qmax > 0.f && qmax < 3.0e38f) { frexpf(qmax, &ex); }   // qmax in [2^(ex-1), 2^ex)
-    const int sh = 5 - ex;                                      // max |q'| in [16, 32)
-    for (int i = tid; i < G * D; i += NT) qrot[i] = ldexpf(qrot[i], sh);
-    // score (log2 units) = kscale * row_scale * (q'.code*step + q'.min), q' = WHT_unnorm(q) * 2^sh
-    const float kscale = scale * LOG2E * rsqrtf((float)D) * ldexpf(1.f, -sh);
-
-    float acc[VCH][MBV][4];
-#pragma unroll
-    for (int c = 0; c < VCH; ++c)
-#pragma unroll
-        for (int m = 0; m < MBV; ++m) acc[c][m][0] = acc[c][m][1] = acc[c][m][2] = acc[c][m][3] = 0.f;
-    float mrun0 = neg_inf(), mrun1 = neg_inf(), lrun0 = 0.f, lrun1 = 0.f;
-    __half* ptw = pt + w * (2 * 8 * TPW);
-    // K code byte offsets of this lane's four channel rows (see kswz): a + 1024 u keeps the swizzle of a
-    // (1024 bytes = 8 whole lines), so step s reads kaddr[s % SPER][j] + (s / SPER) * 1024.
-    constexpr int SPER = 1024 / (16 * KROW);
-    static_assert(SPER >= 1 && KSTEPS % SPER == 0, "K steps per swizzle period");
-    int kaddr[SPER][4];
-#pragma unroll
-    for (int sp = 0; sp < SPER; ++sp)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) kaddr[sp][j] = kswz((16 * sp + 4 * qq + j) * KROW + w * (TPW / 2) + g * MB);
-
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float kscale = scale * LOG2E * rsqrtf((float)D);
 #if KVD_QZ
-    const unsigned kbook_lo[4] = {KVD_KL0, KVD_KL1, KVD_KL2, KVD_KL3}, kbook_hi[4] = {KVD_KH0, KVD_KH1, KVD_KH2, KVD_KH3};
-    const unsigned vbook_lo[4] = {KVD_VL0, KVD_VL1, KVD_VL2, KVD_VL3}, vbook_hi[4] = {KVD_VH0, KVD_VH1, KVD_VH2, KVD_VH3};
+    const float kfac = kscale * (1.f / (127.f * LFOLD)) * __uint_as_float(KVD_KSC);
+#else
+    const float kfac = kscale * (1.f / (127.f * LFOLD));
 #endif
-    for (int i = 0; i < nloc; ++i) {
+    WarpState<NB> st;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        st.m[nb] = neg_inf();
+        st.l[nb] = 0.f;
+#pragma unroll
+        for (int i = 0; i < NOV; ++i) st.o[nb][i] = 0.f;
+    }
+    const int jw = w / WPT, kc = w % WPT, tb = 32 * kc;
+    const int rr = ldsm_row(lane);
+    const int koff = OFF_K + 16 * swz<KCPR>(rr * KCPR + kc);
+    const int vsw = 16 * swz<VCPR>((tb + rr) * VCPR);
+    int rs = 0, ws = NS - 1;  // ring slots of iteration it and of it + NS - 1
+    for (int it = 0; it < nit; ++it) {
         cp_async_wait<NS - 2>();
-        __syncthreads();  // tile i landed for every thread; everyone is done with tile i-1
+        __syncthreads();  // iteration it landed for every thread; everyone is done with it - 1
         {
-            const int nx = i + NS - 1;
-            if (nx < nloc) load_record(stages + (nx % NS) * REC, rec0 + (size_t)nx * rstride, tid, dk);
+            const int nx = it + NS - 1;
+            if (nx < nit) {
+                unsigned char* dst = ring + ws * RSLOT;  // slot (it + NS - 1) % NS = (it - 1) % NS: free now
+#pragma unroll
+                for (int jt = 0; jt < TPI; ++jt)
+                    if (nx * TPI + jt < nloc) load_record(dst + jt * REC, head + pre[jt] * sstride, tid, kdst, vdst);
+#pragma unroll
+                for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((nx + 1) * TPI + jt);
+            }
             cp_async_commit();
         }
-        const unsigned char* st = stages + (i % NS) * REC;
-        // --- q' * chan_step as fp16 hi/lo B fragments, and q' . chan_min partial sums -------------
-        {
-            float bsum = 0.f;
-#pragma unroll
-            for (int it = 0; it < KSTEPS * 32 / NT; ++it) {
-                const int e = tid + it * NT;
-                const int s = e >> 5;
-                uint4 f = make_uint4(0u, 0u, 0u, 0u);
-                if (g < G) {
-                    const int c0 = 16 * s + 4 * qq;
-                    float cs[4], cm[4];
-                    ld_scales<4>(st + OFF_CSTEP, c0, cs);
-                    ld_scales<4>(st + OFF_CMIN, c0, cm);
-                    const float4 qv = *reinterpret_cast<const float4*>(qrot + g * D + c0);
-                    split2(qv.x * cs[0], qv.y * cs[1], f.x, f.z);
-                    split2(qv.z * cs[2], qv.w * cs[3], f.y, f.w);
-                    bsum += qv.x * cm[0] + qv.y * cm[1] + qv.z * cm[2] + qv.w * cm[3];
-                }
-                frag[e] = f;
-            }
-            bsum += __shfl_xor_sync(0xffffffffu, bsum, 1);
-            bsum += __shfl_xor_sync(0xffffffffu, bsum, 2);
-            if (qq == 0) biasp[w * 8 + g] = bsum;
-        }
+        const unsigned char* sl = ring + rs * RSLOT;
+        rs = rs + 1 == NS ? 0 : rs + 1;
+        ws = ws + 1 == NS ? 0 : ws + 1;
+        const int ntl = min(TPI, nloc - it * TPI);
+        fold_tiles(sl, ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid);
         __syncthreads();
-        // --- scores: S^T[token][head] = codes[token][channel] x qfold[channel][head] -----------------
-        float sacc[MB][4];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) sacc[m][0] = sacc[m][1] = sacc[m][2] = sacc[m][3] = 0.f;
-#pragma unroll
-        for (int s = 0; s < KSTEPS; ++s) {
-            const uint4 f = frag[s * 32 + lane];
-            unsigned x[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int a = kaddr[s % SPER][j] + (s / SPER) * 1024;
-                if constexpr (MB == 2) x[j] = *reinterpret_cast<const unsigned short*>(st + a);
-                else x[j] = st[a];
-            }
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-#if KVD_QZ
-                // bytes 0, 1 = byte m of channel rows 0, 1 (resp. 2, 3): nibbles = the four codes
-                const unsigned sel = (unsigned)m | ((4u + m) << 4);
-                unsigned a0, a1, a2, a3;
-                lut16(__byte_perm(x[0], x[1], sel), kbook_lo, kbook_hi, a0, a1);
-                lut16(__byte_perm(x[2], x[3], sel), kbook_lo, kbook_hi, a2, a3);
-#else
-                const unsigned sel = (unsigned)m | ((4u + m) << 8);
-                const unsigned z01 = __byte_perm(x[0], x[1], sel), z23 = __byte_perm(x[2], x[3], sel);
-                const unsigned a0 = codes2<0, 4>(z01), a1 = codes2<4, 4>(z01);
-                const unsigned a2 = codes2<0, 4>(z23), a3 = codes2<4, 4>(z23);
-#endif
-                mma16816(sacc[m], a0, a1, a2, a3, f.x, f.y);
-                mma16816(sacc[m], a0, a1, a2, a3, f.z, f.w);
-            }
-        }
-        float bias0 = 0.f, bias1 = 0.f;
-#pragma unroll
-        for (int k = 0; k < NW; ++k) { bias0 += biasp[k * 8 + 2 * qq]; bias1 += biasp[k * 8 + 2 * qq + 1]; }
-        // thread's tokens (tile-local): w*TPW + 2*g*MB + j, j = 2m + r (r = 1 for sacc[m][2..3])
-        const int tok0 = w * TPW + 2 * g * MB;
-        float rs[2 * MB], ts[2 * MB], tm[2 * MB];
-        ld_scales<2 * MB>(st + OFF_RS, tok0, rs);
-        ld_scales<2 * MB>(st + OFF_TSTEP, tok0, ts);
-        ld_scales<2 * MB>(st + OFF_TMIN, tok0, tm);
-        float sc[MB][4];
-        float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float r = rs[2 * m + (k >> 1)] * kscale;
-                sc[m][k] = (sacc[m][k] + ((k & 1) ? bias1 : bias0)) * r;
-            }
-            mx0 = fmaxf(mx0, fmaxf(sc[m][0], sc[m][2]));
-            mx1 = fmaxf(mx1, fmaxf(sc[m][1], sc[m][3]));
-        }
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-        }
-        const float mn0 = fmaxf(mrun0, mx0), mn1 = fmaxf(mrun1, mx1);
-        const float al0 = exp2f(mrun0 - mn0), al1 = exp2f(mrun1 - mn1);  // exp2(-inf) = 0 on the first tile
-        mrun0 = mn0; mrun1 = mn1;
-        float pmin0 = 0.f, pmin1 = 0.f, ps0 = 0.f, ps1 = 0.f;
-        float pw[MB][4];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int j = 2 * m + (k >> 1);
-                const float p = exp2f(sc[m][k] - ((k & 1) ? mn1 : mn0));
-                if (k & 1) { ps1 += p; pmin1 += p * tm[j]; } else { ps0 += p; pmin0 += p * tm[j]; }
-                pw[m][k] = p * ts[j];
-            }
-        }
-        lrun0 = lrun0 * al0 + ps0;
-        lrun1 = lrun1 * al1 + ps1;
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            pmin0 += __shfl_xor_sync(0xffffffffu, pmin0, o);
-            pmin1 += __shfl_xor_sync(0xffffffffu, pmin1, o);
-        }
-        // p * tok_step, transposed through shared memory: ptw[hl][head][token] (warp-private)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            unsigned hi[MB], lo[MB];
-#pragma unroll
-            for (int m = 0; m < MB; ++m) split2(pw[m][hh], pw[m][2 + hh], hi[m], lo[m]);
-            __half* dh = ptw + (2 * qq + hh) * TPW + 2 * g * MB;
-            __half* dl = dh + 8 * TPW;
-            if constexpr (MB == 2) {
-                *reinterpret_cast<uint2*>(dh) = make_uint2(hi[0], hi[1]);
-                *reinterpret_cast<uint2*>(dl) = make_uint2(lo[0], lo[1]);
-            } else {
-                *reinterpret_cast<unsigned*>(dh) = hi[0];
-                *reinterpret_cast<unsigned*>(dl) = lo[0];
-            }
-        }
-        __syncwarp();
-        // --- V: O^T[channel][head] += codes^T[channel][token] x P'^T[token][head] --------------------
-#pragma unroll
-        for (int ch = 0; ch < VCH; ++ch) {
-            float tmp[MBV][4];
-#pragma unroll
-            for (int m = 0; m < MBV; ++m) tmp[m][0] = tmp[m][1] = tmp[m][2] = tmp[m][3] = 0.f;
-#pragma unroll
-            for (int sv = 0; sv < TPW / 16; ++sv) {
-                const __half* bh = ptw + g * TPW + 16 * sv + 2 * qq;
-                const unsigned bh0 = *reinterpret_cast<const unsigned*>(bh);
-                const unsigned bh1 = *reinterpret_cast<const unsigned*>(bh + 8);
-                const unsigned bl0 = *reinterpret_cast<const unsigned*>(bh + 8 * TPW);
-                const unsigned bl1 = *reinterpret_cast<const unsigned*>(bh + 8 * TPW + 8);
-                unsigned vw[4][2];
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const int tok = w * TPW + 16 * sv + 2 * qq + (jj & 1) + 8 * (jj >> 1);
-                    const unsigned char* p = st + OFF_V + tok * VROW + g * (GCH * VB / 8) + ch * VGB;
-                    if constexpr (VGB == 8) {
-                        const uint2 u = *reinterpret_cast<const uint2*>(p);
-                        vw[jj][0] = u.x; vw[jj][1] = u.y;
-                    } else if constexpr (VGB == 4) {
-                        vw[jj][0] = *reinterpret_cast<const unsigned*>(p); vw[jj][1] = 0u;
-                    } else {
-                        vw[jj][0] = *reinterpret_cast<const unsigned short*>(p); vw[jj][1] = 0u;
-                    }
-                }
-#pragma unroll
-                for (int bi = 0; bi < VGB; ++bi) {
-#if KVD_QZ
-                    // bytes 0, 1 = byte bi of token rows 0, 1 (resp. 2, 3): nibbles as in the K loop
-                    const unsigned lsel = (unsigned)(bi & 3) | ((4u + (bi & 3)) << 4);
-                    const unsigned y01 = __byte_perm(vw[0][bi >> 2], vw[1][bi >> 2], lsel);
-                    const unsigned y23 = __byte_perm(vw[2][bi >> 2], vw[3][bi >> 2], lsel);
-                    if constexpr (VB == 4) {
-                        unsigned a0, a1, a2, a3;
-                        lut16(y01, vbook_lo, vbook_hi, a0, a1);
-                        lut16(y23, vbook_lo, vbook_hi, a2, a3);
-                        mma16816(tmp[bi], a0, a1, a2, a3, bh0, bh1);
-                        mma16816(tmp[bi], a0, a1, a2, a3, bl0, bl1);
-                    } else {
-                        // 2-bit fields 0 and 2 of each byte (mask 0x3333) / 1 and 3 (shift by 2): r0 of a
-                        // lookup feeds the first MMA (fields 0, 1), r1 the second (fields 2, 3)
-                        unsigned a0[2], a1[2], a2[2], a3[2];
-                        lut4(y01 & 0x3333u, vbook_lo[0], vbook_hi[0], a0[0], a0[1]);
-                        lut4((y01 >> 2) & 0x3333u, vbook_lo[0], vbook_hi[0], a1[0], a1[1]);
-                        lut4(y23 & 0x3333u, vbook_lo[0], vbook_hi[0], a2[0], a2[1]);
-                        lut4((y23 >> 2) & 0x3333u, vbook_lo[0], vbook_hi[0], a3[0], a3[1]);
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            mma16816(tmp[2 * bi + hf], a0[hf], a1[hf], a2[hf], a3[hf], bh0, bh1);
-                            mma16816(tmp[2 * bi + hf], a0[hf], a1[hf], a2[hf], a3[hf], bl0, bl1);
-                        }
-                    }
-#else
-                    const unsigned sel = (unsigned)(bi & 3) | ((4u + (bi & 3)) << 8);
-                    const unsigned z01 = __byte_perm(vw[0][bi >> 2], vw[1][bi >> 2], sel);
-                    const unsigned z23 = __byte_perm(vw[2][bi >> 2], vw[3][bi >> 2], sel);
-                    if constexpr (VB == 4) {
-                        const unsigned a0 = codes2<0, 4>(z01), a1 = codes2<4, 4>(z01);
-                        const unsigned a2 = codes2<0, 4>(z23), a3 = codes2<4, 4>(z23);
-                        mma16816(tmp[bi], a0, a1, a2, a3, bh0, bh1);
-                        mma16816(tmp[bi], a0, a1, a2, a3, bl0, bl1);
-                    } else {
-                        {
-                            const unsigned a0 = codes2<0, 2>(z01), a1 = codes2<2, 2>(z01);
-                            const unsigned a2 = codes2<0, 2>(z23), a3 = codes2<2, 2>(z23);
-                            mma16816(tmp[2 * bi], a0, a1, a2, a3, bh0, bh1);
-                            mma16816(tmp[2 * bi], a0, a1, a2, a3, bl0, bl1);
-                        }
-                        {
-                            const unsigned a0 = codes2<4, 2>(z01), a1 = codes2<6, 2>(z01);
-                            const unsigned a2 = codes2<4, 2>(z23), a3 = codes2<6, 2>(z23);
-                            mma16816(tmp[2 * bi + 1], a0, a1, a2, a3, bh0, bh1);
-                            mma16816(tmp[2 * bi + 1], a0, a1, a2, a3, bl0, bl1);
-                        }
-                    }
-#endif
-                }
-            }
-            float cs[GCH_CHUNK];
-            ld_scales<GCH_CHUNK>(st + OFF_COL, g * GCH + ch * GCH_CHUNK, cs);
-#pragma unroll
-            for (int m = 0; m < MBV; ++m) {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const float al = (k & 1) ? al1 : al0;
-                    const float pmn = (k & 1) ? pmin1 : pmin0;
-                    acc[ch][m][k] = acc[ch][m][k] * al + cs[2 * m + (k >> 1)] * (tmp[m][k] + pmn);
-                }
-            }
-        }
+        if (jw < ntl)
+            warp_tile<NB>(st, sl + jw * REC, fragB + jw * 2 * KS * FRAG_WORDS, kcf + jw * 8, kci + jw * 8, pw, koff, vsw,
+                          tb, G, lane);
     }
     cp_async_wait<0>();
-    __syncthreads();
-    // --- merge the four warps (each saw a quarter of every tile's tokens) ------------------------
+    __syncthreads();  // the ring is free: merge the four warps there
+    float* mw = reinterpret_cast<float*>(ring);  // [NW][8]
+    float* lw = mw + NW * 8;                     // [NW][8]
+    float* ow = lw + NW * 8;                     // [NW][8][D]
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-        lrun0 += __shfl_xor_sync(0xffffffffu, lrun0, o);
-        lrun1 += __shfl_xor_sync(0xffffffffu, lrun1, o);
+    for (int nb = 0; nb < NB; ++nb) {
+        const int hd = qq + 4 * nb;
+        const float l = head_sum(st.l[nb]);
+        if (g == 0) { mw[w * 8 + hd] = st.m[nb]; lw[w * 8 + hd] = l; }
+#pragma unroll
+        for (int c = 0; c < VCPR; ++c)
+#pragma unroll
+            for (int e = 0; e < VRUN; ++e) ow[(w * 8 + hd) * D + c * VCHC + VRUN * g + e] = st.o[nb][c * VRUN + e];
     }
-    float* mw = reinterpret_cast<float*>(stages);  // [NW][8]
-    float* lw = mw + NW * 8;                        // [NW][8]
-    float* ow = lw + NW * 8;                        // [NW][8][D]
-    if (g == 0) {
-        mw[w * 8 + 2 * qq] = mrun0; mw[w * 8 + 2 * qq + 1] = mrun1;
-        lw[w * 8 + 2 * qq] = lrun0; lw[w * 8 + 2 * qq + 1] = lrun1;
-    }
-#pragma unroll
-    for (int ch = 0; ch < VCH; ++ch)
-#pragma unroll
-        for (int m = 0; m < MBV; ++m)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int c = g * GCH + ch * GCH_CHUNK + 2 * m + (k >> 1);
-                ow[(w * 8 + 2 * qq + (k & 1)) * D + c] = acc[ch][m][k];
-            }
     __syncthreads();
     for (int i = tid; i < G * D; i += NT) {
         const int gg = i / D, c = i % D;
@@ -747,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
         for (int k = 0; k < NW; ++k) M = fmaxf(M, mw[k * 8 + gg]);
         float o = 0.f;
 #pragma unroll
-        for (int k = 0; k < NW; ++k) o += exp2f(mw[k * 8 + gg] - M) * ow[(k * 8 + gg) * D + c];
+        for (int k = 0; k < NW; ++k) o += exp2f(mw[k * 8 + gg] - M) * ow[(k * 8 + gg) * D + c];  // idle warp: m = -inf
         po[(slot + gg) * D + c] = o;
     }
     if (tid < G) {
@@ -761,115 +934,133 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) KVD_PARTIALS(
     }
 }
 
-// LSE merge of partials j in [j0, j1) of one (sequence, KV head, q head), spread over the block so that
-// the loads of many partials are in flight at once (a per-channel loop over j had one L2 round trip per
-// 4 partials: ~20 us at 69 partials, measured as the batch-1 floor):
-//   M = max_j m_j and L = sum_j 2^(m_j - M) l_j: thread t takes partials j0 + t, j0 + t + 128, ...,
-//       then a block reduction (warp shuffles, one value per warp in red[]);
-//   O[c] = sum_j 2^(m_j - M) o_j[c]: warp w takes partials j0 + w, j0 + w + 4, ... (unrolled, so
-//       several rows are in flight), lane l channels l*CPL .. l*CPL + CPL - 1; the four warp sums
-//       are added in warp order through wo[].
-// Neutral partials (m = -inf: splits past the live tiles) are skipped; their o is never written.
-// Writes M, L (every thread) and O to o_out[D] in shared memory; ends with __syncthreads().
-__device__ __forceinline__ float block_reduce(float v, bool is_max, float* red, int tid) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        const float u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, u) : v + u;
-    }
-    __syncthreads();  // red[] is free (earlier readers are done)
-    if ((tid & 31) == 0) red[tid >> 5] = v;
-    __syncthreads();
-    v = red[0];
-#pragma unroll
-    for (int w = 1; w < NT / 32; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
-    return v;
-}
-
-__device__ void lse_merge(const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
-                          size_t base, int G, int gg, int j0, int j1, int tid, float& M, float& L, float* o_out,
-                          float* red, float* wo) {
-    constexpr int CPL = D / 32;  // channels per lane: 2, 4 or 8
-    static_assert(CPL == 2 || CPL % 4 == 0, "D = 64, 128 or 256");
+// --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
+// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). Partials with m = -inf
+// (empty splits) are skipped: their o was never written.
+template <int CPL>
+__device__ __forceinline__ void merge_range(const float* po, const float* pm, const float* pl, size_t base, int G,
+                                            int gg, int j0, int j1, int lane, float& M, float& L, float (&o)[CPL]) {
     float m = neg_inf();
-    for (int j = j0 + tid; j < j1; j += NT) m = fmaxf(m, pm[(base + j) * G + gg]);
-    M = block_reduce(m, true, red, tid);
+    for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, __ldcg(pm + (base + j) * G + gg));
+    M = group_max<32>(m);
     float l = 0.f;
-    if (M != neg_inf())
-        for (int j = j0 + tid; j < j1; j += NT) {
-            const float mj = pm[(base + j) * G + gg];
-            if (mj != neg_inf()) l += exp2f(mj - M) * pl[(base + j) * G + gg];
-        }
-    L = block_reduce(l, false, red, tid);
-    const int w = tid >> 5, lane = tid & 31;
-    float acc[CPL];
 #pragma unroll
-    for (int k = 0; k < CPL; ++k) acc[k] = 0.f;
-    if (M != neg_inf()) {
-#pragma unroll 4
-        for (int j = j0 + w; j < j1; j += NT / 32) {
-            const float mj = pm[(base + j) * G + gg];
-            if (mj == neg_inf()) continue;  // warp-uniform
-            const float wgt = exp2f(mj - M);
-            const float* row = po + ((base + j) * G + gg) * D + lane * CPL;
+    for (int k = 0; k < CPL; ++k) o[k] = 0.f;
+    for (int j32 = j0; j32 < j1; j32 += 32) {
+        const int j = j32 + lane;
+        float wj = 0.f;
+        if (j < j1) {
+            const float mj = __ldcg(pm + (base + j) * G + gg);
+            if (mj != neg_inf()) {
+                wj = exp2f(mj - M);
+                l = fmaf(wj, __ldcg(pl + (base + j) * G + gg), l);
+            }
+        }
+        const int nj = min(32, j1 - j32);
+#pragma unroll 8
+        for (int jj = 0; jj < nj; ++jj) {
+            const float wgt = __shfl_sync(0xffffffffu, wj, jj);
+            if (wgt == 0.f) continue;  // warp-uniform
+            const float* row = po + ((base + j32 + jj) * G + gg) * D + lane * CPL;
             if constexpr (CPL % 4 == 0) {
 #pragma unroll
                 for (int k = 0; k < CPL; k += 4) {
-                    const float4 v = *reinterpret_cast<const float4*>(row + k);
-                    acc[k] += wgt * v.x; acc[k + 1] += wgt * v.y; acc[k + 2] += wgt * v.z; acc[k + 3] += wgt * v.w;
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(row + k));
+                    o[k] = fmaf(wgt, v.x, o[k]); o[k + 1] = fmaf(wgt, v.y, o[k + 1]);
+                    o[k + 2] = fmaf(wgt, v.z, o[k + 2]); o[k + 3] = fmaf(wgt, v.w, o[k + 3]);
                 }
             } else {
-                const float2 v = *reinterpret_cast<const float2*>(row);
-                acc[0] += wgt * v.x; acc[1] += wgt * v.y;
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(row));
+                o[0] = fmaf(wgt, v.x, o[0]); o[1] = fmaf(wgt, v.y, o[1]);
             }
         }
     }
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) wo[w * D + lane * CPL + k] = acc[k];
-    __syncthreads();
-    for (int c = tid; c < D; c += NT) {
-        float v = wo[c];
-#pragma unroll
-        for (int k = 1; k < NT / 32; ++k) v += wo[k * D + c];
-        o_out[c] = v;
-    }
-    __syncthreads();
+    L = group_sum<32>(l);
 }
 
-// out: [B, Hkv*G, 1, D] in q's dtype (out_bf16). Grid (Hkv*G, B), 128 threads. Partials 0..S-1 are tile
-// splits (rotated domain), S..S+E-1 the exact blocks (original domain).
-extern "C" __global__ void __launch_bounds__(128) KVD_COMBINE(const float* __restrict__ po,
-                                                              const float* __restrict__ pm,
-                                                              const float* __restrict__ pl, void* __restrict__ out,
-                                                              int Hkv, int G, int S, int E, int out_bf16) {
-    __shared__ float x[D], xe[D], red[NT / 32];
-    __shared__ __align__(16) float wo[(NT / 32) * D];
-    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-    const int h = hq / G, gg = hq % G;
+__device__ void final_merge(const float* po, const float* pm, const float* pl, void* out, int b, int h, int Hkv,
+                            int G, int S, int E, bool out_bf) {
+    constexpr int CPL = D / 32;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const size_t base = (size_t)(b * Hkv + h) * (S + E);
-    float Mt, Lt, Me, Le;
-    lse_merge(po, pm, pl, base, G, gg, 0, S, tid, Mt, Lt, x, red, wo);
-    lse_merge(po, pm, pl, base, G, gg, S, S + E, tid, Me, Le, xe, red, wo);
-    // inverse WHT (Sylvester butterflies; the 1/sqrt(D) is applied below), once per head
-    for (int len = 1; len < D; len <<= 1) {
-        for (int i = tid; i < D / 2; i += NT) {
-            const int i0 = (i / len) * 2 * len + (i % len), i1 = i0 + len;
-            const float a = x[i0], c = x[i1];
-            x[i0] = a + c;
-            x[i1] = a - c;
+    for (int gg = w; gg < G; gg += NW) {
+        float Mt, Lt, Me, Le, ot[CPL], oe[CPL];
+        merge_range<CPL>(po, pm, pl, base, G, gg, 0, S, lane, Mt, Lt, ot);
+        merge_range<CPL>(po, pm, pl, base, G, gg, S, S + E, lane, Me, Le, oe);
+        wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
+        const float M = fmaxf(Mt, Me);
+        const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
+        const float we = Me == neg_inf() ? 0.f : exp2f(Me - M);
+        const float den = wt * Lt + we * Le;
+        const float inv = den > 0.f ? 1.f / den : 0.f;  // no token at all: zeros
+        const float wtr = wt * rsqrtf((float)D);
+        const size_t ob = ((size_t)(b * Hkv + h) * G + gg) * D + lane * CPL;
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) {
+            const float r = (wtr * ot[k] + we * oe[k]) * inv;
+            if (out_bf) reinterpret_cast<__nv_bfloat16*>(out)[ob + k] = __float2bfloat16(r);
+            else reinterpret_cast<__half*>(out)[ob + k] = __float2half(r);
         }
-        __syncthreads();
-    }
-    const float M = fmaxf(Mt, Me);
-    const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
-    const float we = Me == neg_inf() ? 0.f : exp2f(Me - M);
-    const float den = wt * Lt + we * Le;
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    const float rd = rsqrtf((float)D);
-    for (int c = tid; c < D; c += NT) {
-        const float r = (wt * x[c] * rd + we * xe[c]) * inv;
-        const size_t oi = ((size_t)b * Hkv * G + hq) * D + c;
-        if (out_bf16) reinterpret_cast<__nv_bfloat16*>(out)[oi] = __float2bfloat16(r);
-        else reinterpret_cast<__half*>(out)[oi] = __float2half(r);
     }
 }
+
+// flags: bit 0 = q (and out) bf16, bit 1 = window/sink bf16.
+template <int NB>
+__device__ __forceinline__ void decode_block(const void* q, const unsigned char* pool, const int* table,
+                                             const void* win_k, const void* win_v, const void* sink_k,
+                                             const void* sink_v, const int* n_tiles, const int* win_len,
+                                             const int* sink_len, float* po, float* pm, float* pl, int* tickets,
+                                             void* out, int Hkv, int G, int cap, int nslots, int W, int SC, int S,
+                                             int E, int min_tps, int flags, float scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ int last;
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
+    const bool q_bf = flags & 1;
+    constexpr float LOG2E = 1.4426950408889634f;
+    if (split >= S) {
+        exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
+                   split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
+    } else {
+        int n = n_tiles[b];
+        n = n < 0 ? 0 : (n > cap ? cap : n);
+        const int tps = max(min_tps, (n + S - 1) / S);
+        const int t0 = split * tps, t1 = min(n, t0 + tps);
+        if (t0 < t1) {
+            tile_split<NB>(smem, q, pool, table, b, h, Hkv, G, cap, nslots, t0, t1, po, pm, pl, slot, q_bf, scale);
+        } else if (tid < G) {
+            pm[slot + tid] = neg_inf();
+            pl[slot + tid] = 0.f;
+        }
+    }
+    // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
+    __threadfence();  // this thread's partial writes are visible device-wide before the ticket
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(tickets + b * Hkv + h, 1) == S + E - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
+    if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
+    final_merge(po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
+}
+
+}  // namespace kvd
+
+using namespace kvd;
+
+#define KVD_ENTRY(NBV)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(NT, minb<NBV>()) KVD_NAME(kvarn_decode_n##NBV##_)(                      \
+        const void* __restrict__ q, const unsigned char* __restrict__ pool, const int* __restrict__ table,        \
+        const void* __restrict__ win_k, const void* __restrict__ win_v, const void* __restrict__ sink_k,          \
+        const void* __restrict__ sink_v, const int* __restrict__ n_tiles, const int* __restrict__ win_len,         \
+        const int* __restrict__ sink_len, float* po, float* pm, float* pl, int* tickets, void* out, int Hkv, int G, \
+        int cap, int nslots, int W, int SC, int S, int E, int min_tps, int flags, float scale) {                  \
+        decode_block<NBV>(q, pool, table, win_k, win_v, sink_k, sink_v, n_tiles, win_len, sink_len, po, pm, pl,    \
+                          tickets, out, Hkv, G, cap, nslots, W, SC, S, E, min_tps, flags, scale);                   \
+    }
+KVD_ENTRY(1)  // G <= 4: one n-block of 4 heads
+KVD_ENTRY(2)  // G <= 8
+#undef KVD_ENTRY
+
+// What the host needs to launch: dynamic shared memory per block, tokens per exact block.
+extern "C" __device__ const int KVD_NAME(kvarn_decode_layout_)[2] = {SMEM, TE};

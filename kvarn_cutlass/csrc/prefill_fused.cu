@@ -1,37 +1,47 @@
 // Fused chunked-prefill attention over a KVarN cache (NVRTC; mma.sync m16n8k16, sm_80+).
 //
-// One launch per chunk and layer. A CTA owns BM = NUM_WARPS * ROWS_PER_WARP query rows of one
+// One launch per chunk and layer. A CTA owns BM = CONSUMER_WARPS * ROWS_PER_WARP query rows of one
 // (sequence b, KV head h); row r = j * n + i is query i of q head h * G + j (the rows of a KV head are
 // its G q heads one after another, a free view of q [B, Hq, n, D]). Every score stays on chip.
 //
 // What a chunk's queries see (kvarn_cutlass.reference.attention with the chunk passed in): the
 // cache's tiles (all older than the chunk), then the exact tokens E = [sink | window | chunk] in the
 // cache dtype, causal inside the chunk (query i sees chunk token j <= i). Two phases share one online
-// softmax (running max m and sum l per row, in units of log2; `rowf` turns a raw dot product into one):
+// softmax (running max m and sum l per row, in units of log2; `rowf` turns a raw dot product into one).
+//
+// Warp specialization: CONSUMER_WARPS warps compute, 4 producer warps stage operands (as one group, or
+// as two groups of 2 warps taking alternate tiles, so one group's per-tile work, the record's scale
+// reductions, overlaps the other's dequantization). The work is one
+// sequence of BLOCK_N-token blocks (the tiles' blocks, then the exact tokens' blocks) through a
+// three-stage ring of shared-memory buffers; named barriers FULL[s] (producers -> consumers) and
+// EMPTY[s] (consumers -> producers) hand each stage over, so dequantization overlaps the MMAs.
 //
 // Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
-// max|q_rot| lies in [2^7, 2^8), rounded to f16. Per tile, the record (one cp.async copy into a
-// two-slot ring, prefetched one tile ahead) is dequantized in BLOCK_N-token halves into f16 operands:
-//   K: kd[c][t] = (chan_min[c] + chan_step[c] * kbook[code]) * 2^-ek      (channel-major, as stored)
-//      score[r][t] = (q_rot[r] . kd[:, t]) * row_scale[t] * 2^ek * scale * log2(e) / s_r
-//   V: vd[t][c] = (tok_min[t] + tok_step[t] * vbook[code]) * 2^-ev * col_scale[c] / cmax
-//      V[t][c] = fV * vd[t][c] with the tile factor fV = cmax * 2^ev
-// with ek, ev chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands
-// never overflow whatever the magnitudes (the tile factors go to f32). Values are computed in f32
-// and rounded once to f16. The accumulator is kept in units of fV_run, the largest tile factor seen so
-// far: P' = p * fV / fV_run <= 1 is the f16 MMA operand, and when a tile raises fV_run the
-// accumulator is rescaled by old/new (<= 1; nothing can overflow). At the end of the phase the
-// accumulator is multiplied by fV_run and rotated back (the inverse WHT in registers).
+// max|q_rot| lies in [2^7, 2^8), rounded to f16. The producers copy each record into a two-slot ring
+// (cp.async, one tile ahead) and dequantize it block by block into f16 operands:
+//   K: kd[c][t] = f16(chan_min' + chan_step' * kbook[code])     (one fma rounding, channel-major)
+//      with chan_*' = f16(chan_* * 2^-ek); score[r][t] = (q_rot[r] . kd[:, t]) * row_scale[t] * 2^ek *
+//      scale * log2(e) / s_r
+//   V: vd[t][c] = f16(f16(tok_min' + tok_step' * vbook[code]) * f16(col_scale[c] / cmax))   (f16 scales;
+//      f32 scales: f32 math, one rounding) with tok_*' = tok_* * 2^-ev; V[t][c] = fV * vd[t][c], tile factor fV = cmax * 2^ev
+// ek, ev chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands never
+// overflow whatever the magnitudes (the tile factors stay in f32). The accumulator is kept in units
+// of fV_run, the largest tile factor so far: P' = p * fV / fV_run <= 1 is the f16 MMA operand, and
+// when a tile raises fV_run the accumulator is rescaled by old/new (<= 1; nothing can overflow). After
+// the tiles the consumers multiply the accumulator by fV_run and rotate it back (inverse WHT in
+// registers). kvarn_cutlass.prefill._emulate does the same arithmetic in torch.
 //
 // Phase B, exact tokens (original domain): q scaled per row by a power of two (|q| < 2^8) in the cache
-// dtype; K and V blocks of BLOCK_N tokens are copied (cp.async, double buffered) from the sink, window
-// and chunk buffers, token by token (a block may straddle them); P in the cache dtype.
+// dtype; the producers copy K and V blocks (cp.async) from the sink, window and chunk buffers, token by
+// token (a block may straddle them); P in the cache dtype.
 //
 // Output: acc / l in q's dtype, [B, Hq, n, D] with element strides.
 //
-// Compile-time parameters (defines from kvarn_cutlass.prefill.fused_spec; the record layout from
+// Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
-// K_CODEBOOK, V_CODEBOOK, ROWS_PER_WARP, NUM_WARPS, BLOCK_N, OFF_* and RECORD_BYTES, KERNEL_NAME.
+// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_GROUPS, BLOCK_N,
+// OFF_* and RECORD_BYTES,
+// KERNEL_NAME.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -42,36 +52,54 @@ constexpr int D = HEAD_DIM;
 constexpr int T = TILE_TOKENS;
 constexpr int VB = V_BITS;
 constexpr int RPW = ROWS_PER_WARP;
-constexpr int NW = NUM_WARPS;
+constexpr int NC = CONSUMER_WARPS;    // consumer warps (4 or 8)
+constexpr int NP = 4;                 // producer warps (one warpgroup)
 constexpr int BN = BLOCK_N;
-constexpr int NT = NW * 32;           // threads
-constexpr int BM = NW * RPW;          // rows per CTA
+constexpr int NT = (NC + NP) * 32;    // threads
+constexpr int PT = NP * 32;           // producer threads
+constexpr int NG = PRODUCER_GROUPS;   // producer groups (1 or 2), each its own tiles
+constexpr int GT = PT / NG;           // threads of a producer group
+constexpr int BM = NC * RPW;          // rows per CTA
 constexpr int MT = RPW / 16;          // m16 tiles per warp
 constexpr int SN = BN / 8;            // n8 tiles of a score block
 constexpr int ON = D / 8;             // n8 tiles of the output
 constexpr int QS = D + 8;             // row stride (halves) of Q and token-major K/V buffers
 constexpr int KS = BN + 8;            // row stride (halves) of the channel-major dequantized K
 constexpr int REC = RECORD_BYTES;
-constexpr int SCALE_BYTES = SCALE_F32 ? 4 : 2;
+constexpr int BPT = T / BN;           // blocks per tile
+// stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
+// tiles' blocks (tile g's blocks go to group g % 2)
+constexpr int NSTAGE = NG == 1 ? 3 : NG * BPT;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
+static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
+static_assert(NG == 1 || (NG == 2 && BPT <= 2), "PRODUCER_GROUPS is 1, or 2 with at most 2 blocks per tile");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");
 static_assert(D == 64 || D == 128 || D == 256, "head_dim");
 
-// Shared memory, bytes. Phase A and phase B use the union region U in turn.
+// Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
+// byte tables, the per-row factors, and two stages. A stage holds a tile block (kd [D][KS] f16,
+// vd [BN][QS] f16, tokf [BN] f32, the tile factor) or an exact block (K and V [BN][QS], cache dtype);
+// NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_REC = 2 * REC;
-constexpr int SM_KD = D * KS * 2;
-constexpr int SM_VD = BN * QS * 2;
-constexpr int SM_PAR = (3 * D + 3 * T) * 4;   // k_step, k_min, v_colratio [D]; v_step, v_min, tok_factor [T]
-constexpr int SM_A = SM_REC + SM_KD + SM_VD + SM_PAR;
-constexpr int SM_BLK = BN * QS * 2;            // one token-major K or V block of phase B
-constexpr int SM_B = 4 * SM_BLK;               // K and V, double buffered
-constexpr int SM_U = SM_A > SM_B ? SM_A : SM_B;
+constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4;  // kp [D], cr [D], vp [T], rs [T] (see Params)
+constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
+constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
-constexpr int SMEM_TOTAL = SM_Q + SM_U + SM_ROWF;
+constexpr int ST_KD = D * KS * 2;
+constexpr int ST_VD = BN * QS * 2;
+constexpr int ST_TILE = ST_KD + ST_VD + BN * 4 + 16;  // + the tile factor fV (first block of a tile)
+constexpr int ST_EXACT = 2 * BN * QS * 2;
+constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 15) / 16 * 16;
+constexpr int OFF_SM_REC = SM_Q;
+constexpr int OFF_SM_PAR = OFF_SM_REC + SM_REC;
+constexpr int OFF_SM_LUT = OFF_SM_PAR + SM_PAR;
+constexpr int OFF_SM_ROWF = OFF_SM_LUT + SM_LUT;
+constexpr int OFF_SM_STAGE = (OFF_SM_ROWF + SM_ROWF + 15) / 16 * 16;
+constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
 
 // The launcher reads this from the module (one source for the layout above).
 extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
@@ -124,6 +152,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -163,13 +193,18 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 
+// frexp's exponent of a positive finite float (x = m * 2^e, m in [0.5, 1)) from its bits; subnormals
+// count as 2^-126 (the callers clamp their exponents far inside that range anyway).
+__device__ __forceinline__ int frexp_exponent(float x) {
+    return max(1, (__float_as_int(x) >> 23) & 0xff) - 126;
+}
+// 2^e, exactly, for an int e in [-126, 127]
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+
 // Exponent that brings a bound into [2^14, 2^15): bound * 2^-e in that range (bound = 0 -> 0).
 __device__ __forceinline__ int f16_range_exponent(float bound) {
     if (!(bound > 0.f)) return 0;
-    int e;
-    frexpf(bound, &e);  // bound = m * 2^e, m in [0.5, 1)
-    e -= 15;
-    return max(-100, min(100, e));
+    return max(-100, min(100, frexp_exponent(bound) - 15));
 }
 
 #if LLOYD_MAX
@@ -181,7 +216,7 @@ __constant__ float v_codebook[1 << VB] = V_CODEBOOK;
 __device__ __forceinline__ int row_scale_exponent(float amax) {
     if (!(amax > 0.f)) return 0;
     int e;
-    frexpf(amax, &e);
+    frexpf(amax, &e);  // frexp_exponent here makes ptxas spill the consumers (255 registers); once per row
     return max(-120, min(120, 8 - e));
 }
 
@@ -234,13 +269,13 @@ __device__ __forceinline__ void wht_row(float (&x)[QE], int lane) {
 }
 
 // Stages the CTA's query rows into sQ (f16 rotated for phase A, or the cache dtype for phase B),
-// scaled per row by a power of two; writes scale * log2(e) / s_r per row into sRowf.
+// scaled per row by a power of two; writes scale * log2(e) / s_r per row into sRowf. Consumer warps.
 template <bool ROTATE>
 __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long long q_sb, long long q_sh,
                                         long long q_sn, int b, int h, int G, int n, int r0, float scale_log2,
                                         int warp, int lane) {
     const int M = G * n;
-    for (int rr = warp; rr < BM; rr += NW) {
+    for (int rr = warp; rr < BM; rr += NC) {  // consumer warps only
         const int r = r0 + rr;
         float x[QE];
         if (r < M) {
@@ -255,7 +290,7 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
 #pragma unroll
         for (int e = 0; e < QE; ++e) amax = fmaxf(amax, fabsf(x[e]));
         const int p = row_scale_exponent(warp_max(amax));
-        const float s = ldexpf(1.f, p);
+        const float s = exp2i(p);
         u32 w[QE / 2];
 #pragma unroll
         for (int e = 0; e < QE; e += 2) w[e / 2] = ROTATE ? pack_f16(x[e] * s, x[e + 1] * s) : pack_cache(x[e] * s, x[e + 1] * s);
@@ -263,7 +298,7 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
         if constexpr (QE == 2) *reinterpret_cast<u32*>(dst) = w[0];
         else if constexpr (QE == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        if (lane == 0) sRowf[rr] = ldexpf(scale_log2, -p);
+        if (lane == 0) sRowf[rr] = scale_log2 * exp2i(-p);
     }
 }
 
@@ -348,6 +383,7 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
     }
 
     // online softmax per row (quad-reduced max; the sum stays per thread until the end)
+    float a_acc[MT][2];
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
@@ -372,13 +408,23 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
                     s[mi][nt][2 * hr + c] = TILE ? p * ratio : p;
                 }
             st.l[mi][hr] = fmaf(st.l[mi][hr], alpha, sum);
-            const float a_acc = alpha * acc_rescale;
+            a_acc[mi][hr] = alpha * acc_rescale;
+        }
+    }
+    // the accumulator rescale, skipped when no row of the warp changed its max (most blocks after the first)
+    bool moved = false;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) moved |= a_acc[mi][0] != 1.f || a_acc[mi][1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
             for (int dn = 0; dn < ON; ++dn) {
-                acc[mi][dn][2 * hr] *= a_acc;
-                acc[mi][dn][2 * hr + 1] *= a_acc;
+                acc[mi][dn][0] *= a_acc[mi][0];
+                acc[mi][dn][1] *= a_acc[mi][0];
+                acc[mi][dn][2] *= a_acc[mi][1];
+                acc[mi][dn][3] *= a_acc[mi][1];
             }
-        }
     }
 
     // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
@@ -415,9 +461,25 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
     }
 }
 
-// --- phase A: per-tile parameters and dequantization --------------------------------------------
-// Tile factors, the same in every warp (each warp reduces the record's scales redundantly: a few
-// dozen instructions against ~1000 per warp per tile, and no extra barrier).
+
+// --- synchronization ----------------------------------------------------------------------------
+// Named barriers (0 is __syncthreads, unused after the roles split).
+constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers wait
+constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait
+constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
+constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
+constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
+static_assert(BAR_GROUP + NG <= 16, "16 named barriers");
+__device__ __forceinline__ void bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// --- phase A producers: per-tile parameters and dequantization ------------------------------------
+// Tile factors, the same in every producer warp (each reduces the record's scales redundantly: a few
+// dozen instructions per tile, and no extra barrier).
 struct TileFactors {
     int ek, ev;
     float cmax;   // max_c col_scale
@@ -443,94 +505,199 @@ __device__ __forceinline__ TileFactors tile_factors(const u8* rec, int lane) {
     f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, warp_max(kstep), warp_max(kmin)));
     f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, warp_max(vstep), warp_max(vmin)));
     f.cmax = warp_max(cmax);
-    f.fv = f.cmax * ldexpf(1.f, f.ev);
+    f.fv = f.cmax * exp2i(f.ev);
     return f;
 }
 
-// f32 parameter arrays of one tile (after the record arrived, before dequantization):
-//   kp[c] = (chan_step, chan_min) * 2^-ek; vr[c] = col_scale[c] / cmax;
-//   vp[t] = (tok_step, tok_min) * 2^-ev; tokf[t] = row_scale[t] * 2^ek.
-__device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, float2* kp, float* vr, float2* vp,
-                                            float* tokf, int tid) {
-    const float kmul = ldexpf(1.f, -f.ek), vmul = ldexpf(1.f, -f.ev), kinv = ldexpf(1.f, f.ek);
+__device__ __forceinline__ u32 h2u(__half2 h) { return *reinterpret_cast<u32*>(&h); }
+__device__ __forceinline__ __half2 u2h(u32 u) { return *reinterpret_cast<__half2*>(&u); }
+__device__ __forceinline__ __half2 bcast(float x) { return __float2half2_rn(x); }
+
+// Producer-side parameter arrays of one tile (written by the producers after the record arrived):
+//   kp[c] = (step', min') with chan_*' = chan_* * 2^-ek; cr[c] = col_scale[c] / cmax;
+//   vp[t] = (tok_step', tok_min') with tok_*' = tok_* * 2^-ev; rs[t] = row_scale[t] * 2^ek.
+// f16 scales: kp, vp hold (half2 step', half2 min') broadcasts and cr is f16 (step', min' are then exact:
+// the f16 scales times a power of two), and the dequantization runs in f16x2 (one fma rounding).
+// f32 scales: kp, vp hold float2 (step', min') and cr f32, and it runs in f32 (one final rounding), so
+// the scales keep their f32 precision.
+struct Params {
+    uint2* kp;
+    void* cr;
+    uint2* vp;
+    float* rs;
+};
+__device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
+
+__device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
+    const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), kinv = exp2i(f.ek);
     const float cinv = 1.f / f.cmax;
-    for (int c = tid; c < D; c += NT) {
-        kp[c] = make_float2(scale_at(rec + OFF_CHAN_STEP, c) * kmul, scale_at(rec + OFF_CHAN_MIN, c) * kmul);
-        vr[c] = scale_at(rec + OFF_COL_SCALE, c) * cinv;
+    for (int c = ptid; c < D; c += GT) {
+        const float step = scale_at(rec + OFF_CHAN_STEP, c) * kmul, mn = scale_at(rec + OFF_CHAN_MIN, c) * kmul;
+        const float ratio = scale_at(rec + OFF_COL_SCALE, c) * cinv;
+#if SCALE_F32
+        P.kp[c] = make_uint2(f2u(step), f2u(mn));
+        reinterpret_cast<float*>(P.cr)[c] = ratio;
+#else
+        P.kp[c] = make_uint2(h2u(bcast(step)), h2u(bcast(mn)));
+        reinterpret_cast<__half*>(P.cr)[c] = __float2half_rn(ratio);
+#endif
     }
-    for (int t = tid; t < T; t += NT) {
-        vp[t] = make_float2(scale_at(rec + OFF_TOK_STEP, t) * vmul, scale_at(rec + OFF_TOK_MIN, t) * vmul);
-        tokf[t] = scale_at(rec + OFF_ROW_SCALE, t) * kinv;
+    for (int t = ptid; t < T; t += GT) {
+        const float step = scale_at(rec + OFF_TOK_STEP, t) * vmul, mn = scale_at(rec + OFF_TOK_MIN, t) * vmul;
+#if SCALE_F32
+        P.vp[t] = make_uint2(f2u(step), f2u(mn));
+#else
+        P.vp[t] = make_uint2(h2u(bcast(step)), h2u(bcast(mn)));
+#endif
+        P.rs[t] = scale_at(rec + OFF_ROW_SCALE, t) * kinv;
     }
 }
 
-// Code value as f32: the code itself (uniform; exact through the 2^23 mantissa trick) or its centroid.
-__device__ __forceinline__ float k_value(u32 code) {
+// The byte tables of lloyd_max codes (a byte holds 2 codes of 4 bits or 4 of 2 bits, lowest first):
+// lut4[b] = half2 (cb4[b & 15], cb4[b >> 4]); lut2[b] = 4 halves (cb2[(b >> 2i) & 3]).
+__device__ __forceinline__ void build_luts(u8* lut, int ptid) {
 #if LLOYD_MAX
-    return k_codebook[code];
-#else
-    return __uint_as_float(0x4B000000u | code) - 8388608.f;
+    u32* lut4 = reinterpret_cast<u32*>(lut);
+    for (int b = ptid; b < 256; b += PT) lut4[b] = h2u(__floats2half2_rn(k_codebook[b & 15], k_codebook[b >> 4]));
+    if (VB == 2) {
+        uint2* lut2 = reinterpret_cast<uint2*>(lut + 256 * 4);
+        for (int b = ptid; b < 256; b += PT)
+            lut2[b] = make_uint2(h2u(__floats2half2_rn(v_codebook[b & 3], v_codebook[(b >> 2) & 3])),
+                                 h2u(__floats2half2_rn(v_codebook[(b >> 4) & 3], v_codebook[b >> 6])));
+    }
 #endif
 }
-__device__ __forceinline__ float v_value(u32 code) {
+
+// (1024 + code) pairs of the 4-bit fields k and k + 4 of w (f16: 0x6400 | code), minus 1024: exact.
+__device__ __forceinline__ __half2 nib_pair(u32 w, int k) {
+    return __hsub2(u2h(((w >> (4 * k)) & 0x000F000Fu) | 0x64006400u), bcast(1024.f));
+}
+__device__ __forceinline__ __half2 crumb_pair(u32 w, int k) {  // 2-bit fields k and k + 8
+    return __hsub2(u2h(((w >> (2 * k)) & 0x00030003u) | 0x64006400u), bcast(1024.f));
+}
+__device__ __forceinline__ u32 lo_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x5410); }
+__device__ __forceinline__ u32 hi_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x7632); }
+
+// 8 consecutive 4-bit codes of w -> 4 half2 of consecutive code values (uniform: the codes; lloyd_max: centroids)
+__device__ __forceinline__ void values8(u32 w, __half2 (&v)[4], const u8* lut) {
 #if LLOYD_MAX
-    return v_codebook[code];
+    const u32* lut4 = reinterpret_cast<const u32*>(lut);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = u2h(lut4[(w >> (8 * j)) & 0xFFu]);
 #else
-    return __uint_as_float(0x4B000000u | code) - 8388608.f;
+    const __half2 p0 = nib_pair(w, 0), p1 = nib_pair(w, 1), p2 = nib_pair(w, 2), p3 = nib_pair(w, 3);
+    v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3));  // (t0, t1), (t2, t3)
+    v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));  // (t4, t5), (t6, t7)
+#endif
+}
+// 16 consecutive 2-bit codes of w -> 8 half2 of consecutive code values
+__device__ __forceinline__ void values16(u32 w, __half2 (&v)[8], const u8* lut) {
+#if LLOYD_MAX
+    const uint2* lut2 = reinterpret_cast<const uint2*>(lut + 256 * 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint2 e = lut2[(w >> (8 * j)) & 0xFFu];
+        v[2 * j] = u2h(e.x);
+        v[2 * j + 1] = u2h(e.y);
+    }
+#else
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        const __half2 a = crumb_pair(w, k), b = crumb_pair(w, k + 1);  // (k, k+8), (k+1, k+9)
+        v[k / 2] = u2h(lo_pair(a, b));
+        v[4 + k / 2] = u2h(hi_pair(a, b));
+    }
+#endif
+}
+
+// step * v + min for a pair of code values, as packed f16 (see Params for the two precisions).
+__device__ __forceinline__ u32 affine(__half2 v, uint2 p) {
+#if SCALE_F32
+    const float2 f = __half22float2(v);
+    return pack_f16(fmaf(__uint_as_float(p.x), f.x, __uint_as_float(p.y)),
+                    fmaf(__uint_as_float(p.x), f.y, __uint_as_float(p.y)));
+#else
+    return h2u(__hfma2(v, u2h(p.x), u2h(p.y)));
+#endif
+}
+// ... times the col_scale ratios of the pair's channels
+#if SCALE_F32
+typedef float2 ratio_t;
+#else
+typedef __half2 ratio_t;
+#endif
+__device__ __forceinline__ u32 affine_scaled(__half2 v, uint2 p, ratio_t r) {
+#if SCALE_F32
+    const float2 f = __half22float2(v);
+    return pack_f16(fmaf(__uint_as_float(p.x), f.x, __uint_as_float(p.y)) * r.x,
+                    fmaf(__uint_as_float(p.x), f.y, __uint_as_float(p.y)) * r.y);
+#else
+    return h2u(__hmul2(__hfma2(v, u2h(p.x), u2h(p.y)), r));
 #endif
 }
 
 // K codes of tokens [t0, t0 + BN) -> kd [D][KS] f16, channel-major: item = (channel, 8-token word).
-// Consecutive threads read consecutive words of one channel and write 16 contiguous bytes each.
-__device__ __forceinline__ void dequant_k(const u8* rec, const float2* kp, u8* sKd, int t0, int tid) {
+// Consecutive producer threads read consecutive words of one channel and write 16 contiguous bytes each.
+__device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const u8* lut, u8* sKd, int t0, int ptid) {
     constexpr int WPC = BN / 8;  // words per channel in a block
     constexpr int ITEMS = D * WPC;
-#pragma unroll
-    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
-        const int item = tid + it * NT;
-        if (ITEMS % NT && item >= ITEMS) break;
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
+#pragma unroll 4
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int c = item / WPC, wi = item - c * WPC;
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
-        const float2 p = kp[c];
-        float v[8];
+        const uint2 kp = P.kp[c];
+        __half2 v[4];
+        values8(w, v, lut);
+        u32 out[4];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = fmaf(p.x, k_value((w >> (4 * k)) & 15u), p.y);
-        *reinterpret_cast<uint4*>(sKd + (c * KS + wi * 8) * 2) =
-            make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]), pack_f16(v[6], v[7]));
+        for (int j = 0; j < 4; ++j) out[j] = affine(v[j], kp);
+        *reinterpret_cast<uint4*>(sKd + (c * KS + wi * 8) * 2) = make_uint4(out[0], out[1], out[2], out[3]);
     }
 }
 
-// V codes of tokens [t0, t0 + BN) -> vd [BN][QS] f16, token-major: item = (token, 32-bit word of codes).
-__device__ __forceinline__ void dequant_v(const u8* rec, const float2* vp, const float* vr, u8* sVd, int t0,
-                                          int tid) {
-    constexpr int CPW = 32 / VB;          // channels per word
-    constexpr int WPT = D / CPW;          // words per token
-    constexpr int ROWB = D * VB / 8;      // bytes per token of codes
-    constexpr int MASK = (1 << VB) - 1;
-    constexpr int ITEMS = BN * WPT;
+// V codes of tokens [t0, t0 + BN) -> vd [BN][QS] f16, token-major: item = (token, 32-bit word of codes);
+// a producer thread always handles the same channels, so their col_scale ratios stay in registers.
+constexpr int CPW = 32 / VB;        // channels per V word
+constexpr int WPT = D / CPW;        // V words per token
+static_assert(GT % WPT == 0, "a producer thread keeps its channels");
+__device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[CPW / 2], int ptid) {
+    const int c0 = (ptid % WPT) * CPW;
 #pragma unroll
-    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
-        const int item = tid + it * NT;
-        if (ITEMS % NT && item >= ITEMS) break;
+    for (int k = 0; k < CPW / 2; ++k) cr[k] = reinterpret_cast<const ratio_t*>(P.cr)[c0 / 2 + k];
+}
+__device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const ratio_t (&cr)[CPW / 2],
+                                          const u8* lut, u8* sVd, int t0, int ptid) {
+    constexpr int ROWB = D * VB / 8;  // bytes per token of codes
+    constexpr int ITEMS = BN * WPT;
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
+#pragma unroll 2
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int tt = item / WPT, wi = item - tt * WPT;
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
-        const float2 p = vp[t0 + tt];
-        const int c0 = wi * CPW;
+        const uint2 vp = P.vp[t0 + tt];
         u32 out[CPW / 2];
+        if constexpr (VB == 2) {
+            __half2 v[8];
+            values16(w, v, lut);
 #pragma unroll
-        for (int k = 0; k < CPW; k += 2) {
-            const float a = fmaf(p.x, v_value((w >> (VB * k)) & MASK), p.y) * vr[c0 + k];
-            const float b = fmaf(p.x, v_value((w >> (VB * (k + 1))) & MASK), p.y) * vr[c0 + k + 1];
-            out[k / 2] = pack_f16(a, b);
+            for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], vp, cr[k]);
+        } else {
+            __half2 v[4];
+            values8(w, v, lut);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp, cr[k]);
         }
-        u8* dst = sVd + (tt * QS + c0) * 2;
+        u8* dst = sVd + (tt * QS + wi * CPW) * 2;
 #pragma unroll
         for (int k = 0; k < CPW / 2; k += 4)
             *reinterpret_cast<uint4*>(dst + k * 4) = make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
     }
 }
 
-// --- phase B: one block of exact tokens ---------------------------------------------------------
+// --- phase B producers: one block of exact tokens --------------------------------------------------
 struct ExactSource {
     const cache_t* sink_k; const cache_t* sink_v; int sink_cap; int sink_len;
     const cache_t* win_k; const cache_t* win_v; int win_cap; int win_len;
@@ -539,14 +706,13 @@ struct ExactSource {
 };
 
 __device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, int h, int Hkv, int e0, int E,
-                                                 u8* sK, u8* sV, int tid) {
+                                                 u8* sK, u8* sV, int ptid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per token row
-    const int s0 = src.sink_len, s1 = src.sink_len + src.win_len;
     constexpr int ITEMS = BN * CPR;
-#pragma unroll
-    for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
-        const int item = tid + it * NT;
-        if (ITEMS % NT && item >= ITEMS) break;
+    static_assert(ITEMS % GT == 0, "whole items per producer thread");
+    const int s0 = src.sink_len, s1 = src.sink_len + src.win_len;
+    for (int it = 0; it < ITEMS / GT; ++it) {
+        const int item = ptid + it * GT;
         const int tt = item / CPR, ch = item - tt * CPR;
         const int e = e0 + tt;
         const cache_t* pk = src.chunk_k;
@@ -566,6 +732,7 @@ __device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, 
         cp_async16(sK + (tt * QS + ch * 8) * 2, pk + ch * 8, valid);
         cp_async16(sV + (tt * QS + ch * 8) * 2, pv + ch * 8, valid);
     }
+    cp_async_commit();
 }
 
 // --- the output accumulator: rotation back and store ------------------------------------------------
@@ -623,6 +790,25 @@ __device__ __forceinline__ u32 pack_q(float a, float b) {
     return *reinterpret_cast<u32*>(&h);
 }
 
+// Block schedule shared by both roles: NBA tile blocks (tile g = bi / BPT), then the exact blocks up to
+// the CTA's last visible key.
+struct Schedule {
+    int nba, nb, E0, E, e_end;
+};
+
+__device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_len, int n, int M, int r0) {
+    Schedule sc;
+    sc.nba = n_tiles * BPT;
+    sc.E0 = sink_len + win_len;
+    sc.E = sc.E0 + n;
+    // the CTA's last query: rows r0 .. min(M, r0 + BM) - 1; one head's rows unless the block straddles two
+    const int r_last = min(M, r0 + BM) - 1;
+    const int q_last = (r0 / n == r_last / n) ? r_last % n : n - 1;
+    sc.e_end = min(sc.E, sc.E0 + q_last + 1);
+    sc.nb = sc.nba + (sc.e_end + BN - 1) / BN;
+    return sc;
+}
+
 // --- the kernel ---------------------------------------------------------------------------------------
 // grid (ceil(G * n / BM), Hkv, B), NT threads, kvarn_prefill_smem_bytes of dynamic shared memory.
 //   q, out: [B, G * Hkv, n, D] with element strides (D contiguous, rows 16-byte aligned)
@@ -630,7 +816,7 @@ __device__ __forceinline__ u32 pack_q(float a, float b) {
 //         pool + (tile_table[b * table_stride + g] * Hkv + h) * RECORD_BYTES
 //   sink/window buffers [B, Hkv, cap, D] (contiguous, live prefixes sink_len / win_len);
 //   chunk k, v [B, Hkv, n, D] with element strides (D contiguous).
-extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) KERNEL_NAME(
+extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const q_t* __restrict__ q, long long q_sb, long long q_sh, long long q_sn,
     q_t* __restrict__ out, long long o_sb, long long o_sh, long long o_sn,
     const u8* __restrict__ pool, const int* __restrict__ tile_table, int table_stride, int n_tiles,
@@ -641,22 +827,84 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) KERNEL_NAME(
     int Hkv, int G, int n, float scale_log2) {
     extern __shared__ __align__(16) u8 smem[];
     u8* sQ = smem;
-    u8* sU = smem + SM_Q;
-    float* sRowf = reinterpret_cast<float*>(smem + SM_Q + SM_U);
-    // phase A views of U
-    u8* sRec = sU;
-    u8* sKd = sU + SM_REC;
-    u8* sVd = sKd + SM_KD;
-    float2* sKp = reinterpret_cast<float2*>(sVd + SM_VD);
-    float* sVr = reinterpret_cast<float*>(sKp + D);
-    float2* sVp = reinterpret_cast<float2*>(sVr + D);
-    float* sTokf = reinterpret_cast<float*>(sVp + T);
+    u8* sRec = smem + OFF_SM_REC;
+    u8* sLut = smem + OFF_SM_LUT;
+    float* sRowf = reinterpret_cast<float*>(smem + OFF_SM_ROWF);
+    u8* sStage = smem + OFF_SM_STAGE;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int M = G * n, r0 = rb * BM;
-    const u8* sQw = sQ + warp * RPW * QS * 2;
+    const Schedule sc = schedule(n_tiles, sink_len, win_len, n, M, r0);
 
+    if (warp >= NC) {
+        // ================= producers =================
+        const int ptid = tid - NC * 32;
+        const int pg = ptid / GT, gtid = ptid - pg * GT;  // producer group, thread within it
+        Params P;
+        P.kp = reinterpret_cast<uint2*>(smem + OFF_SM_PAR + pg * SM_PAR1);
+        P.cr = P.kp + D;
+        P.vp = reinterpret_cast<uint2*>(reinterpret_cast<float*>(P.cr) + D);
+        P.rs = reinterpret_cast<float*>(P.vp + T);
+        const ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
+                              ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
+        // records through a two-slot ring (tile g in slot g % 2): a group fetches tile g + 2 as soon as it is
+        // done with tile g, so each record has at least one other tile's time to land
+        auto fetch = [&](int g) {
+            const long long slot = tile_table[(long long)b * table_stride + g];
+            const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
+            u8* dst = sRec + (g & 1) * REC;
+            for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            cp_async_commit();
+        };
+        if (n_tiles > 0) {
+            build_luts(sLut, ptid);
+            for (int g = 0; g < 2 && g < n_tiles; ++g)
+                if (g % NG == pg) fetch(g);
+            bar_sync(BAR_PROD, PT);  // the byte tables are written
+        }
+        ratio_t cr[CPW / 2];
+        float fv_tile = 0.f;
+        const u8* rec = sRec;
+        for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
+            if (NG > 1 && s / BPT != pg) continue;  // another group's stage
+            u8* st = sStage + s * ST_BYTES;
+            if (bi < sc.nba) {
+                const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
+                if (t0 == 0) {  // a new tile: its record, factors and parameters
+                    if (NG == 1 && g + 1 < n_tiles) cp_async_wait_group<1>();  // tile g + 1 may stay in flight
+                    else cp_async_wait_all();
+                    bar_sync(BAR_GROUP + pg, GT);  // record g landed
+                    rec = sRec + (g & 1) * REC;
+                    const TileFactors f = tile_factors(rec, lane);
+                    tile_params(rec, f, P, gtid);
+                    bar_sync(BAR_GROUP + pg, GT);  // parameters written
+                    load_col_ratios(P, cr, gtid);
+                    fv_tile = f.fv;
+                }
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);  // the consumers are done with this stage
+                dequant_k(rec, P, sLut, st, t0, gtid);
+                dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);
+                float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
+                if (gtid < BN) tokf[gtid] = P.rs[t0 + gtid];
+                if (gtid == 0) tokf[BN] = fv_tile;  // the consumers keep the running max of the tile factors
+                if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + 2
+                    bar_sync(BAR_GROUP + pg, GT);
+                    if (g + 2 < n_tiles) fetch(g + 2);
+                }
+                bar_arrive(BAR_FULL + s, NT);
+            } else {
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);
+                load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, gtid);
+                cp_async_wait_all();
+                bar_arrive(BAR_FULL + s, NT);
+            }
+        }
+        return;
+    }
+
+    // ================= consumers =================
+    const u8* sQw = sQ + warp * RPW * QS * 2;
     RowState st;
     float acc[MT][ON][4];
 #pragma unroll
@@ -679,88 +927,55 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) KERNEL_NAME(
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) st.rowf[mi][hr] = sRowf[warp * RPW + mi * 16 + hr * 8 + (lane >> 2)];
     };
+    // the warp's rows, for skipping exact blocks no row of the warp sees
+    const int wr0 = r0 + warp * RPW, wr1 = min(M, wr0 + RPW) - 1;
+    const bool w_rows = wr0 < M;
+    const bool w_one_head = w_rows && wr0 / n == wr1 / n;
+    const int wq_last = !w_rows ? -1 : (w_one_head ? wr1 % n : n - 1);
+    const int wq_first = !w_rows ? n : (w_one_head ? wr0 % n : 0);
 
-    // ---- phase A: the tiles ----
-    if (n_tiles > 0) {
-        auto fetch = [&](int g) {
-            const long long slot = tile_table[(long long)b * table_stride + g];
-            const u8* src = pool + (slot * Hkv + h) * (long long)REC;
-            u8* dst = sRec + (g & 1) * REC;
-            for (int i = tid; i < REC / 16; i += NT) cp_async16(dst + i * 16, src + i * 16, true);
-            cp_async_commit();
-        };
-        fetch(0);
-        stage_q<true>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
-        float fv_run = 0.f;
-        for (int g = 0; g < n_tiles; ++g) {
-            cp_async_wait_all();
-            __syncthreads();  // record g landed; every thread is done with tile g - 1 (and sQ is staged)
-            if (g == 0) load_rowf();
-            if (g + 1 < n_tiles) fetch(g + 1);  // into the slot tile g - 1 used
-            const u8* rec = sRec + (g & 1) * REC;
-            const TileFactors f = tile_factors(rec, lane);
-            tile_params(rec, f, sKp, sVr, sVp, sTokf, tid);
-            const float fv_new = fmaxf(fv_run, f.fv);
-            float rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
-            const float ratio = f.fv / fv_new;
-            fv_run = fv_new;
-            for (int t0 = 0; t0 < T; t0 += BN) {
-                __syncthreads();  // parameters written; the previous block's operands no longer read
-                dequant_k(rec, sKp, sKd, t0, tid);
-                dequant_v(rec, sVp, sVr, sVd, t0, tid);
-                __syncthreads();
-                attend_block<true>(sQw, sKd, sVd, sTokf + t0, ratio, rescale, st, acc, lane, 0, 0, 0, false);
-                rescale = 1.f;
+    if (sc.nba > 0) stage_q<true>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+    else stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+    bar_sync(BAR_CONS, NC * 32);
+    load_rowf();
+    float fv_run = 0.f, ratio = 1.f;
+    for (int bi = 0; bi < sc.nb; ++bi) {
+        const int s = bi % NSTAGE;
+        const u8* stg = sStage + s * ST_BYTES;
+        bar_sync(BAR_FULL + s, NT);
+        if (bi < sc.nba) {
+            const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
+            float rescale = 1.f;
+            if (bi % BPT == 0) {  // a new tile: its factor against the running max (see the header)
+                const float fv_g = tokf[BN], fv_new = fmaxf(fv_run, fv_g);
+                rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
+                ratio = fv_g / fv_new;
+                fv_run = fv_new;
             }
-        }
+            attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
+            if (bi == sc.nba - 1) {  // the tiles are done: back to the original domain, q unrotated
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi)
+                for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-            for (int dn = 0; dn < ON; ++dn)
+                    for (int dn = 0; dn < ON; ++dn)
 #pragma unroll
-                for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
-        wht_acc(acc, lane);
-        __syncthreads();  // every warp is done with sQ and the phase A buffers
-    }
-
-    // ---- phase B: sink, window and the chunk, exactly ----
-    ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
-                    ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
-    const int E0 = sink_len + win_len, E = E0 + n;
-    // the CTA's last query: rows r0 .. min(M, r0 + BM) - 1; one head's rows unless the block straddles two
-    const int r_last = min(M, r0 + BM) - 1;
-    const int q_last = (r0 / n == r_last / n) ? r_last % n : n - 1;
-    const int e_end = min(E, E0 + q_last + 1);
-    int w_first = M, w_last = -1;  // the warp's rows, for skipping blocks no row of the warp sees
-    {
-        const int wr0 = r0 + warp * RPW, wr1 = min(M, wr0 + RPW) - 1;
-        w_first = wr0 < M ? wr0 : M;
-        w_last = wr1;
-    }
-    const int wq_last = w_last < w_first ? -1 : ((w_first / n == w_last / n) ? w_last % n : n - 1);
-    const int wq_first = w_last < w_first ? n : ((w_first / n == w_last / n) ? w_first % n : 0);
-
-    u8* sKb = sU;
-    u8* sVb = sU + 2 * SM_BLK;
-    load_exact_block(src, b, h, Hkv, 0, E, sKb, sVb, tid);
-    cp_async_commit();
-    stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
-    int buf = 0;
-    for (int e0 = 0; e0 < e_end; e0 += BN) {
-        cp_async_wait_all();
-        __syncthreads();  // block e0 landed; the other buffer is free; sQ staged
-        if (e0 == 0) load_rowf();
-        if (e0 + BN < e_end) {
-            load_exact_block(src, b, h, Hkv, e0 + BN, E, sKb + (buf ^ 1) * SM_BLK, sVb + (buf ^ 1) * SM_BLK, tid);
-            cp_async_commit();
+                        for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
+                wht_acc(acc, lane);
+                bar_sync(BAR_CONS, NC * 32);  // every consumer is done reading the rotated q
+                stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+                bar_sync(BAR_CONS, NC * 32);
+                load_rowf();
+            }
+        } else {
+            const int e0 = (bi - sc.nba) * BN;
+            if (e0 < sc.E0 + wq_last + 1) {  // some row of this warp sees a key of the block
+                const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
+                attend_block<false>(sQw, stg, stg + BN * QS * 2, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
+                                    need_mask);
+            }
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
         }
-        const bool visible = e0 < E0 + wq_last + 1;  // some row of this warp sees a key of the block
-        if (visible) {
-            const bool need_mask = e0 + BN > min(E, E0 + wq_first + 1);  // some key is hidden from some row
-            attend_block<false>(sQw, sKb + buf * SM_BLK, sVb + buf * SM_BLK, nullptr, 1.f, 1.f, st, acc, lane, e0,
-                                E, E0, need_mask);
-        }
-        buf ^= 1;
     }
 
     // ---- normalize and store ----

@@ -30,11 +30,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
+from ..runtime.diskcache import read_cache_file, write_cache_file
 from .config import GemmConfig
 from .emit import ARGS_FIELDS, QUERY, emit_source, entry_name
 
-__all__ = ["GemmBinary", "build_gemm", "nvcc_flags", "cutlass_include_dirs", "KvarnKScoreArgs", "HostLib"]
+__all__ = ["GemmBinary", "build_gemm", "gemm_cache_path", "nvcc_flags", "cutlass_include_dirs", "KvarnKScoreArgs",
+           "HostLib"]
 
 
 # ---- runtime contract (kvarn_cutlass.runtime) ------------------------------------------------
@@ -172,6 +175,8 @@ def _compile(src: str, entry: str, arch: int, flags: list[str]) -> tuple[bytes, 
         so = Path(tmp) / "kscore.so"
         cmd = [nvcc_path(), *flags, "-keep", f"-keep-dir={tmp}", "-o", str(so), str(cu)]
         t0 = time.perf_counter()
+        # nvcc stays in the caller's process group: stopping the demo's compile child or a build worker
+        # (each leads a group of its own) stops nvcc and the cicc/ptxas it started with it
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
         secs = time.perf_counter() - t0
         log = proc.stdout + proc.stderr
@@ -190,12 +195,9 @@ def _compile(src: str, entry: str, arch: int, flags: list[str]) -> tuple[bytes, 
 _BUILD_LOCK = threading.Lock()
 
 
-def build_gemm(cfg: GemmConfig, arch: "int | str" = 90) -> GemmBinary:
-    """Emit + compile (or fetch from the disk cache) the K-score GEMM for ``cfg``.  No GPU needed."""
-    rt = _rt()
-    cc = rt.normalize_arch(arch)
+def _cache_key(cfg: GemmConfig, cc: int) -> tuple[dict, str, list[str]]:
+    """(kernel-cache key, emitted source, nvcc flags) of ``cfg`` on sm_``cc``."""
     src = emit_source(cfg)
-    entry = entry_name(cfg)
     flags = nvcc_flags(cc)
     key = {
         "arch": f"sm_{cc}a",
@@ -207,11 +209,34 @@ def build_gemm(cfg: GemmConfig, arch: "int | str" = 90) -> GemmBinary:
         "config": cfg.to_dict(),
         "format": 1,
     }
+    return key, src, flags
+
+
+def gemm_cache_path(cfg: GemmConfig, arch: "int | str" = 90) -> Path:
+    """Where the kernel cache keeps ``cfg``'s build (present or not; :func:`build_gemm` checks its
+    contents). Needs nvcc (its version is part of the key), no GPU."""
+    from ..runtime.diskcache import entry_path
+
+    cc = _rt().normalize_arch(arch)
+    return entry_path("gemm", cfg.name, _cache_key(cfg, cc)[0])
+
+
+def build_gemm(cfg: GemmConfig, arch: "int | str" = 90, on_compile: Callable[[], None] | None = None) -> GemmBinary:
+    """Emit + compile (or fetch from the disk cache) the K-score GEMM for ``cfg``.  No GPU needed.
+
+    ``on_compile()`` is called when nvcc is about to run (a cache miss, with the entry's lock held),
+    never on a cache hit."""
+    rt = _rt()
+    cc = rt.normalize_arch(arch)
+    key, src, flags = _cache_key(cfg, cc)
+    entry = entry_name(cfg)
 
     compiled = []  # build() runs only when the cache holds no valid entry
 
     def build() -> bytes:
         compiled.append(True)
+        if on_compile is not None:
+            on_compile()
         cubin, so, log, secs = _compile(src, entry, cc, flags)
         meta = {"nvcc": key["nvcc"], "flags": flags, "log": log, "seconds": round(secs, 2),
                 "source_sha256": key["source_sha256"], "entry": entry, "nvidia_cutlass": key["nvidia_cutlass"]}
@@ -258,14 +283,11 @@ class HostLib:
             hit = cls._loaded.get(digest)
             if hit is not None:
                 return hit
-            d = _rt().cache_root() / f"sm_{binary.arch}a" / "gemm_so"
-            d.mkdir(parents=True, exist_ok=True)
-            path = d / f"{binary.config.name}-{digest}.so"
-            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest()[:16] != digest:
-                fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(binary.host_so)
-                os.replace(tmp, path)
+            path = _rt().cache_root() / f"sm_{binary.arch}a" / "gemm_so" / f"{binary.config.name}-{digest}.so"
+            # dlopen needs a file: rewrite it when absent, unreadable, not a file or not these bytes
+            have, _ = read_cache_file(path)
+            if have is None or hashlib.sha256(have).hexdigest()[:16] != digest:
+                write_cache_file(path, binary.host_so)
             lib = cls(ctypes.CDLL(str(path)), binary.entry)
             cls._loaded[digest] = lib
             return lib

@@ -1,4 +1,4 @@
-"""Config selection from ``gemm_configs/sm<arch>.json``.
+"""Config selection from ``gemm_configs/sm<arch>.json`` (package data, see :func:`config_dir`).
 
 Schema (``schema: 1``)::
 
@@ -32,14 +32,16 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import warnings
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .config import GemmConfig, validate_for_problem
 
-__all__ = ["UntunedConfigWarning", "bucket_key", "default_config", "gemm_depth", "select_config", "load_table", "config_dir",
-           "M_BUCKETS", "T_BUCKETS", "D_BUCKETS", "OUT_BUCKETS", "untuned_table"]
+__all__ = ["UntunedConfigWarning", "bucket_key", "parse_bucket", "default_config", "gemm_depth", "select_config",
+           "load_table", "config_dir", "M_BUCKETS", "T_BUCKETS", "D_BUCKETS", "OUT_BUCKETS", "untuned_table"]
 
 CONFIG_ENV = "KVARN_CUTLASS_GEMM_CONFIGS"
 M_BUCKETS = tuple(2 ** i for i in range(7, 15))  # 128 .. 16384
@@ -53,11 +55,13 @@ class UntunedConfigWarning(UserWarning):
 
 
 def config_dir() -> Path:
-    """``$KVARN_CUTLASS_GEMM_CONFIGS`` or the repository's ``gemm_configs/``."""
+    """``$KVARN_CUTLASS_GEMM_CONFIGS``, else the tables shipped in the package (``kvarn_cutlass/gemm_configs/``,
+    package data: an installed wheel has them too; in a checkout ``gemm_configs/`` at the repository root
+    links to the same directory, which ``kvarn-cutlass tune`` updates)."""
     env = os.environ.get(CONFIG_ENV, "").strip()
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "gemm_configs"
+    return Path(os.fspath(resources.files("kvarn_cutlass") / "gemm_configs"))
 
 
 def m_bucket(M: int) -> int:
@@ -67,6 +71,44 @@ def m_bucket(M: int) -> int:
 
 def bucket_key(M: int, N: int, K: int, out_dtype: str) -> str:
     return f"M{m_bucket(M)}_T{N}_D{K}_{out_dtype}"
+
+
+BUCKET_FORMAT = "M<rows>_T<tile tokens>_D<head_dim>_<f16|f32>"
+_BUCKET_RE = re.compile(r"M(\d+)_T(\d+)_D(\d+)(?:_(\w+))?")
+
+
+def parse_bucket(key: str, table_key: bool = True) -> tuple[int, int, int, str]:
+    """``(M, T, D, out)`` of a bucket key such as ``M4096_T128_D128_f16``.
+
+    ``table_key``: the key must name a bucket of the table (M one of :data:`M_BUCKETS`, the ``_<out>``
+    suffix present); otherwise any M >= 1 is taken (a problem size, rounded to its bucket by
+    :func:`select_config`) and a missing suffix means ``f16``.
+
+    Raises:
+        ValueError: the key is malformed, or names a head_dim, tile size, output dtype or M that the
+            K-score GEMM does not support (the message says which and what is supported).
+    """
+    m = _BUCKET_RE.fullmatch(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"expected a bucket {BUCKET_FORMAT}, e.g. M4096_T128_D128_f16, got {key!r}")
+    M, T, D = (int(g) for g in m.groups()[:3])
+    out = m.group(4)
+    if out is None and table_key:
+        raise ValueError(f"{key!r} lacks the output dtype: expected {BUCKET_FORMAT}, e.g. {key}_f16")
+    out = out or "f16"
+    if D not in D_BUCKETS:
+        raise ValueError(f"{key!r}: head_dim {D} is not supported (the K-score GEMM takes head_dim {list(D_BUCKETS)})")
+    if T not in T_BUCKETS:
+        raise ValueError(f"{key!r}: tiles of {T} tokens are not supported "
+                         f"(the presets' tile sizes are {list(T_BUCKETS)})")
+    if out not in OUT_BUCKETS:
+        raise ValueError(f"{key!r}: output dtype {out!r} is not supported (one of {list(OUT_BUCKETS)})")
+    if M < 1:
+        raise ValueError(f"{key!r}: M (query rows) must be >= 1")
+    if table_key and M not in M_BUCKETS:
+        raise ValueError(f"{key!r}: M{M} is not a bucket (M is a power of two from {M_BUCKETS[0]} to {M_BUCKETS[-1]}; "
+                         f"M{M} falls into M{m_bucket(M)})")
+    return M, T, D, out
 
 
 def default_config(N: int, K: int, out_dtype: str) -> GemmConfig:

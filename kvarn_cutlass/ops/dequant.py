@@ -61,7 +61,7 @@ def _kernel(spec: TileSpec, out_dtype: torch.dtype, device: torch.device):
 
         ks = dequant_spec(spec, out_dtype)
         smem = int.from_bytes(cubin_global(build(ks, arch_target(device_arch(device.index))).cubin,
-                                           "kvarn_dequant_smem_bytes", 4), "little")
+                                           "kvarn_dequant_smem_bytes")[:4], "little")
         k = _kernels[key] = (get_module(ks, device.index).kernel(KERNEL_SYMBOL, _SIG), smem)
     return k
 

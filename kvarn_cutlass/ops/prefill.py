@@ -2,9 +2,8 @@
 
 One NVRTC module per variant: the record layout (``format.TileSpec``: head_dim, tile tokens, V bits,
 scale dtype, quantizer; every section offset is passed as a define), the cache and query dtypes, and
-the launch config (:class:`FusedConfig`: rows per warp, warps, tokens per block, blocks per SM the
-registers are sized for). Configs are emitted here and chosen from the tuned table
-``gemm_configs/prefill_sm<arch>.json`` (written by ``kvarn-cutlass tune --kernel prefill``), else from
+the launch config (:class:`FusedConfig`: rows per consumer warp, consumer warps, tokens per block). Configs are emitted here and chosen from the tuned table
+``gemm_configs/prefill_sm<arch>.json`` (written by ``python -m kvarn_cutlass.ops.prefill_tune``), else from
 :data:`DEFAULT_CONFIGS`. The kernel reports its own shared-memory size (the module global
 ``kvarn_prefill_smem_bytes``), so the layout formula exists once, in the .cu file.
 """
@@ -44,61 +43,75 @@ _SIG = (
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Launch shape of the fused kernel.
+    """Launch shape of the fused kernel: consumer warps (the MMAs) and 4 producer warps (record copies and
+    dequantization), one CTA per SM.
 
-    rows_per_warp: query rows of one warp (16 or 32: one or two m16 MMA tiles; 32 reuses each K/V
-        fragment twice, at twice the accumulator registers).
-    warps: warps per CTA (4 or 8); a CTA owns rows_per_warp * warps rows of one KV head.
+    rows_per_warp: query rows of one consumer warp (16 or 32: one or two m16 MMA tiles; 32 reuses each
+        K/V fragment twice, at twice the accumulator registers).
+    consumer_warps: 4 or 8 (8: two consumer warps per scheduler, so one's softmax overlaps the other's
+        MMAs; needs 16 rows per warp to fit the 168 registers of 384 threads). A CTA owns
+        consumer_warps * rows_per_warp rows of one KV head.
     block_n: tokens per score block (32 or 64; a tile is T / block_n blocks).
-    min_blocks: CTAs per SM the register allocation is sized for (``__launch_bounds__``).
+    producer_groups: 1 (the 4 producer warps work on every tile together) or 2 (two groups of 2 warps take
+        alternate tiles, so one group's per-tile scale reductions overlap the other's dequantization;
+        needs at most 2 blocks per tile and shared memory for 2 stages per group).
     """
 
-    rows_per_warp: int = 16
-    warps: int = 4
+    rows_per_warp: int = 32
     block_n: int = 64
-    min_blocks: int = 2
+    consumer_warps: int = 4
+    producer_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rows_per_warp", (16, 32)), ("warps", (4, 8)), ("block_n", (32, 64)),
-                              ("min_blocks", (1, 2))):
+        for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
+                              ("producer_groups", (1, 2))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
     @property
     def rows(self) -> int:
         """Query rows per CTA."""
-        return self.rows_per_warp * self.warps
+        return self.consumer_warps * self.rows_per_warp
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * (self.consumer_warps + 4)
 
     @property
     def name(self) -> str:
-        return f"r{self.rows_per_warp}w{self.warps}n{self.block_n}b{self.min_blocks}"
+        return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> "FusedConfig":
+        """The config of a :attr:`name` such as ``r32c4n64`` or ``r16c8n64g2``; ValueError otherwise."""
+        import re
+
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?", name) if isinstance(name, str) else None
+        if m is None:
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2], e.g. r32c4n64)")
+        return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1)
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
-        """Whether the config is valid for (head_dim, tile_tokens): registers (D=256 keeps 16 rows per warp,
-        since two m16 tiles would need 256 accumulator registers) and registers per SM."""
+        """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
+        sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers),
+        4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
-        if head_dim == 256 and self.rows_per_warp != 16:
+        if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
             return False
-        return self.threads * self.min_blocks <= 256  # 255 registers per thread at most 256 threads per SM
+        if self.producer_groups == 2 and (tile_tokens // self.block_n > 2 or head_dim == 256):
+            return False
+        return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32 and self.consumer_warps == 4)
 
 
-# Tuner candidates (``kvarn-cutlass tune --kernel prefill``), filtered by FusedConfig.fits per bucket.
-CANDIDATES = tuple(
-    FusedConfig(r, w, n, b)
-    for r in (16, 32) for w in (4, 8) for n in (32, 64) for b in (1, 2)
-    if 32 * w * b <= 256
-)
-# Untuned fallback per head_dim: no register spills in the sm_90 build (ptxas), two CTAs per SM where
-# the shared memory allows it.
+# Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
+CANDIDATES = tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
+                   if c == 4 or r == 16)
+# Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
-    64: FusedConfig(32, 4, 64, 2),
-    128: FusedConfig(16, 4, 64, 2),
-    256: FusedConfig(16, 4, 32, 1),
+    64: FusedConfig(32, 64),
+    128: FusedConfig(32, 64),
+    256: FusedConfig(16, 32),
 }
 
 
@@ -134,9 +147,9 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "CACHE_BF16": int(cache_dtype == torch.bfloat16),
         "Q_BF16": int(q_dtype == torch.bfloat16),
         "ROWS_PER_WARP": config.rows_per_warp,
-        "NUM_WARPS": config.warps,
+        "CONSUMER_WARPS": config.consumer_warps,
+        "PRODUCER_GROUPS": config.producer_groups,
         "BLOCK_N": config.block_n,
-        "MIN_BLOCKS": config.min_blocks,
     }
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
@@ -184,7 +197,7 @@ def select_config(spec: TileSpec, arch: str = "sm90") -> FusedConfig:
 @functools.lru_cache(maxsize=None)
 def _warn_untuned(key: str, arch: str) -> None:
     warnings.warn(f"no tuned fused-prefill config for {key} on {arch}; using the default "
-                  "(run `kvarn-cutlass tune --kernel prefill` on the GPU)", UntunedPrefillConfigWarning, stacklevel=3)
+                  "(run `python -m kvarn_cutlass.ops.prefill_tune` on the GPU)", UntunedPrefillConfigWarning, stacklevel=3)
 
 
 def fused_specs() -> list[KernelSpec]:
@@ -210,7 +223,7 @@ def smem_bytes(cubin: bytes) -> int:
     """The kernel's dynamic shared memory, read from the module global ``kvarn_prefill_smem_bytes``."""
     from ..runtime.compiler import cubin_global
 
-    return int.from_bytes(cubin_global(cubin, SMEM_SYMBOL, 4), "little", signed=True)
+    return int.from_bytes(cubin_global(cubin, SMEM_SYMBOL)[:4], "little", signed=True)
 
 
 # --- launch ---------------------------------------------------------------------------------------

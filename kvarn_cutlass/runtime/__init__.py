@@ -20,7 +20,8 @@ atomic, checksummed disk cache under :func:`cache_root`), :func:`load_module`.
 """
 
 from .arch import arch_target, device_arch, normalize_arch
-from .compiler import CompileResult, KernelResources, compile_cubin, compiler_version, cubin_sm, cubin_symbols
+from .compiler import (CompileResult, KernelResources, compile_cubin, compiler_version, cubin_global, cubin_sm,
+                       cubin_symbols)
 from .diskcache import cache_root, cached_artifact
 from .errors import CompileError, CudaError
 from .module import Kernel, Module, PreparedLaunch, load_module
@@ -38,6 +39,7 @@ __all__ = [
     "Module",
     "PreparedLaunch",
     "arch_target",
+    "cubin_global",
     "build",
     "cache_root",
     "cached_artifact",

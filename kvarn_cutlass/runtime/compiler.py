@@ -45,8 +45,8 @@ __all__ = [
     "cubin_resources",
     "kernel_resources",
     "cubin_symbols",
-    "cubin_global",
     "cubin_sm",
+    "cubin_global",
 ]
 
 COMPILER_ENV = "KVARN_CUTLASS_COMPILER"
@@ -350,6 +350,8 @@ _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
 _ELF64_SECTION = struct.Struct("<IIQQQQIIQQ")
 _ELF64_SYMBOL = struct.Struct("<IBBHQQ")
 _SHT_SYMTAB = 2
+_SHT_NOBITS = 8
+_STT_OBJECT = 1
 _STT_FUNC = 2
 # .nv.info attribute records: u8 format, u8 attribute, then a u16 value, or for format
 # EIFMT_SVAL a u16 size and that many bytes. The attributes read here hold (symbol index, value).
@@ -411,13 +413,15 @@ def cubin_symbols(cubin: bytes) -> set[str]:
     return {name for name, info in _elf_symbols(cubin, _elf_sections(cubin)) if info & 0xF == _STT_FUNC}
 
 
-def cubin_global(cubin: bytes, name: str, nbytes: int) -> bytes:
-    """The initial bytes of a module global (``extern "C" __device__ const`` with an initializer), read from
-    the CUBIN's ELF symbol table and the section holding the symbol: what a kernel reports about itself
-    (e.g. its shared-memory size) without a GPU.
+def cubin_global(cubin: bytes, name: str) -> bytes:
+    """The initial bytes of the ``__device__`` variable ``name`` of a CUBIN (``extern "C"`` keeps the name).
+
+    A kernel source can export compile-time numbers the host needs (shared-memory sizes, block shapes)
+    as an initialized ``extern "C" __device__ const`` array; this reads them without a GPU.
 
     Raises:
-        KeyError: no such symbol. ValueError: not a 64-bit ELF image, or the symbol is smaller than nbytes.
+        ValueError: ``cubin`` is not a 64-bit ELF image.
+        KeyError: no initialized variable ``name`` in the CUBIN.
     """
     sections = _elf_sections(cubin)
     for sec in sections:
@@ -425,14 +429,13 @@ def cubin_global(cubin: bytes, name: str, nbytes: int) -> bytes:
             continue
         names_at = sections[sec.link].offset
         for pos in range(sec.offset, sec.offset + sec.size, sec.entsize or _ELF64_SYMBOL.size):
-            st_name, _info, _other, shndx, value, size = _ELF64_SYMBOL.unpack_from(cubin, pos)
-            if _cstr(cubin, names_at + st_name) != name:
-                continue
-            if size < nbytes:
-                raise ValueError(f"global {name!r} has {size} bytes, fewer than {nbytes}")
-            start = sections[shndx].offset + value
-            return bytes(cubin[start : start + nbytes])
-    raise KeyError(f"no global {name!r} in the CUBIN")
+            st_name, st_info, _, st_shndx, st_value, st_size = _ELF64_SYMBOL.unpack_from(cubin, pos)
+            if st_info & 0xF == _STT_OBJECT and 0 < st_shndx < len(sections) and _cstr(cubin, names_at + st_name) == name:
+                data = sections[st_shndx]
+                if data.type == _SHT_NOBITS:
+                    break
+                return cubin[data.offset + st_value : data.offset + st_value + st_size]
+    raise KeyError(f"the CUBIN has no initialized __device__ variable {name!r}")
 
 
 def cubin_sm(cubin: bytes) -> int:

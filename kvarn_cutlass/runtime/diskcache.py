@@ -3,7 +3,7 @@
 Layout::
 
     <cache_root()>/<arch target>/<kind>/<name>-<hash16>.bin   entry
-    <cache_root()>/<arch target>/<kind>/<name>-<hash16>.lock  per-entry lock file
+    <cache_root()>/<arch target>/<kind>/<name>-<hash16>.lock  per-entry lock file (filelock)
 
 ``hash16`` is a prefix of the sha256 of every compile-time input (the ``key``
 dict), so the file name is readable and any change of source, options, compiler
@@ -11,30 +11,42 @@ version or arch selects a different entry.
 
 Each entry is ``MAGIC | u32 header length | header JSON | payload``; the header
 holds the payload's sha256 and length and the key's hash, so a truncated or
-corrupted entry (or a stale one from a hash-prefix collision) is detected,
-removed and rebuilt. Writes go to a temporary file in the entry's directory and
-are published with ``os.replace`` (atomic on POSIX), under an exclusive
-``fcntl.flock`` on the entry's lock file, so concurrent processes building the
-same entry build it once and never observe a partial file. Nothing is written
-outside the cache root, in particular never into the working directory.
+corrupted entry (or a stale one from a hash-prefix collision) is detected and
+rebuilt. Writes go to a temporary file in the entry's directory and are
+published with ``os.replace`` (atomic on POSIX), under an exclusive
+:class:`filelock.FileLock` on the entry's lock file, so concurrent processes
+building the same entry build it once and never observe a partial file.
+Nothing is written outside the cache root, in particular never into the
+working directory.
+
+Shared caches (a team or CI directory, or ``sudo kvarn-cutlass build`` into a
+user's cache): entries, lock files and directories are created with the
+process's umask (``umask 002`` in a group directory makes them group-writable),
+not private to their creator. An entry that cannot be read (permissions) or is
+not a regular file is treated like a corrupt one: it is rebuilt and replaced.
+When the directory cannot be written, the error names the path and
+``KVARN_CUTLASS_CACHE``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
+import stat
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import filelock
+import platformdirs
+
 from .arch import arch_target
 
-__all__ = ["CACHE_ENV", "cache_root", "entry_path", "cached_artifact"]
+__all__ = ["CACHE_ENV", "cache_root", "entry_path", "cached_artifact", "read_cache_file", "write_cache_file"]
 
 CACHE_ENV = "KVARN_CUTLASS_CACHE"
 
@@ -50,17 +62,15 @@ _log = logging.getLogger(__name__)
 def cache_root() -> Path:
     """Root directory of the on-disk cache (not created here).
 
-    ``$KVARN_CUTLASS_CACHE`` if set and non-empty, else ``$XDG_CACHE_HOME/kvarn-cutlass``,
-    else ``~/.cache/kvarn-cutlass``. The result is absolute, so a relative setting is
-    resolved once against the working directory rather than followed as it changes.
+    ``$KVARN_CUTLASS_CACHE`` if set and non-empty, else the user cache directory of
+    ``platformdirs`` (``$XDG_CACHE_HOME/kvarn-cutlass`` or ``~/.cache/kvarn-cutlass`` on Linux).
+    The result is absolute, so a relative setting is resolved once against the working
+    directory rather than followed as it changes.
     """
     env = os.environ.get(CACHE_ENV, "").strip()
     if env:
         return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    # The XDG spec says a relative XDG_CACHE_HOME is invalid and must be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "kvarn-cutlass"
+    return platformdirs.user_cache_path("kvarn-cutlass", appauthor=False).absolute()
 
 
 def _canonical_key(key: Mapping[str, Any]) -> str:
@@ -125,27 +135,64 @@ def _decode(blob: bytes, key_digest: str) -> tuple[bytes | None, str]:
     return payload, ""
 
 
-def _read(path: Path, key_digest: str) -> tuple[bytes | None, str]:
+def read_cache_file(path: Path) -> tuple[bytes | None, str]:
+    """``(contents, "")`` of a cache file, ``(None, "")`` when there is none, ``(None, reason)`` when
+    something that cannot serve as one is there (unreadable, a directory, a FIFO, a device)."""
     try:
-        blob = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO planted at the path must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError):
         return None, ""
+    except OSError as e:  # permissions, a socket (ENXIO), a symlink loop
+        return None, f"unreadable ({e.strerror or e})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(), ""
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path, key_digest: str) -> tuple[bytes | None, str]:
+    blob, reason = read_cache_file(path)
+    if blob is None:
+        return None, reason
     return _decode(blob, key_digest)
 
 
-def _write_atomic(path: Path, blob: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _unwritable(path: Path, e: OSError) -> OSError:
+    message = (f"cannot write the kernel cache at {path}: {e.strerror or e}; make it writable or set {CACHE_ENV} "
+               "to a writable directory")
+    return OSError(e.errno, message) if e.errno is not None else OSError(message)
+
+
+def write_cache_file(path: Path, data: bytes) -> None:
+    """Publish ``data`` at ``path`` atomically: a temporary file in the same directory, then ``os.replace``.
+
+    The file gets mode ``0o666`` less the umask, as any file the process creates (``tempfile.mkstemp``
+    would make it 0600, unreadable to the other users of a shared cache). Whatever was at ``path``
+    (a corrupt, unreadable or foreign entry) is replaced. Raises OSError naming ``path`` and
+    ``KVARN_CUTLASS_CACHE`` when the directory cannot be written or ``path`` is a directory.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        raise _unwritable(path.parent, e) from e
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise _unwritable(path, e) from e
         raise
 
 
@@ -174,23 +221,22 @@ def cached_artifact(kind: str, name: str, key: dict, build: Callable[[], bytes])
         return payload
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = filelock.FileLock(path.with_suffix(".lock"))
+        lock.acquire()
     except OSError as e:
-        raise OSError(f"cannot write the cache directory {path.parent}: {e}; set {CACHE_ENV} to a writable directory") from e
+        raise _unwritable(path.parent, e) from e
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         # Another process may have finished the entry while this one waited for the lock.
         payload, reason = _read(path, digest)
         if payload is not None:
             return payload
         if reason:
             _log.warning("kvarn-cutlass cache entry %s is invalid (%s); rebuilding", path, reason)
-            path.unlink(missing_ok=True)
         built = build()
         if not isinstance(built, (bytes, bytearray, memoryview)):
             raise TypeError(f"build() for {kind}/{name} must return bytes, got {type(built).__name__}")
         payload = bytes(built)
-        _write_atomic(path, _encode(payload, digest, key))
+        write_cache_file(path, _encode(payload, digest, key))
         return payload
     finally:
-        os.close(lock_fd)  # closing the descriptor releases the flock
+        lock.release()

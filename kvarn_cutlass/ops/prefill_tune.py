@@ -1,0 +1,143 @@
+"""Offline tuning of the fused prefill kernel: time every candidate config per bucket, write the table.
+
+``kvarn-cutlass tune --kernel prefill [--buckets KEY ...]`` (or ``python -m kvarn_cutlass.ops.prefill_tune``)
+on a GPU: for each bucket
+(``ops.prefill.bucket_key``: head_dim, tile tokens, V bits, quantizer) builds a cache of
+``--context`` tokens (Qwen3-8B heads: 8 KV heads, 32 q heads) and times ``prefill_attention`` of one
+``--chunk``-token chunk over it (attention only, ``append=False``; CUDA events, median of ``--reps``
+after a warm-up) for every :data:`CANDIDATES` config that fits, checks each result against the torch
+path of the same inputs, and writes the fastest correct one into ``gemm_configs/prefill_sm<arch>.json``
+with the measured times and provenance, atomically after each bucket. A bucket whose candidates all
+fail keeps its old entry (never written as tuned from failed measurements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ..format import PRESETS, TileSpec
+from .prefill import CANDIDATES, bucket_key, table_path
+
+__all__ = ["tune_bucket", "main"]
+
+DEFAULT_BUCKETS = ("D128_T128_V2", "D128_T128_V4", "D128_T128_V2_lm", "D64_T128_V2", "D256_T128_V2",
+                   "D128_T64_V2")
+HQ, HKV = 32, 8
+
+
+def _spec_of(key: str) -> TileSpec:
+    parts = key.split("_")
+    D, T, V = int(parts[0][1:]), int(parts[1][1:]), int(parts[2][1:])
+    preset = next(p for p, (kb, vb, t) in PRESETS.items() if vb == V and t == T)
+    return TileSpec(preset, D, quantizer="lloyd_max" if parts[-1] == "lm" else "uniform")
+
+
+def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
+    import kvarn_cutlass as kc
+
+    spec = _spec_of(key)
+    D = spec.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = kc.KVarNCache(1, 1, HKV, D, preset=spec.preset, window=256, quantizer=spec.quantizer, device="cuda",
+                          max_seq_len=context + chunk)
+    k = torch.randn(1, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+    cache.append(0, k, torch.randn_like(k))
+    q = torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
+    kn = torch.randn(1, HKV, chunk, D, device="cuda", dtype=torch.float16, generator=g)
+    vn = torch.randn_like(kn)
+    want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
+    rows = []
+    for cfg in CANDIDATES:
+        if not cfg.fits(D, spec.tile_tokens):
+            continue
+        row = {"config": cfg.name}
+        try:
+            out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
+            err = ((out.float() - want).norm() / want.norm()).item()
+            if not err < 5e-3:
+                raise RuntimeError(f"error {err:.2e} against the torch path")
+            times = []
+            for _ in range(reps + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg, out=out)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            row.update(time_ms=round(statistics.median(times[1:]), 4), error=err, fields=vars(cfg).copy())
+        except Exception as e:  # a failing candidate is recorded and skipped, never selected
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    ok = [r for r in rows if "time_ms" in r]
+    return {"rows": rows, "best": min(ok, key=lambda r: r["time_ms"]) if ok else None}
+
+
+def parse_bucket(key: str) -> TileSpec:
+    """The TileSpec a bucket key stands for; ValueError naming what is wrong."""
+    parts = key.split("_")
+    if len(parts) not in (3, 4) or parts[0][:1] != "D" or parts[1][:1] != "T" or parts[2][:1] != "V" or (
+            len(parts) == 4 and parts[3] != "lm"):
+        raise ValueError(f"{key!r} is not a prefill bucket: expected D<head_dim>_T<tile_tokens>_V<v_bits>[_lm], "
+                         f"e.g. {DEFAULT_BUCKETS[0]}")
+    try:
+        spec = _spec_of(key)
+    except StopIteration:
+        raise ValueError(f"{key!r}: no preset has that tile size and V width (presets: {list(PRESETS)})") from None
+    except ValueError as e:  # the TileSpec's own message (e.g. an unsupported head_dim)
+        raise ValueError(f"{key!r}: {e}") from None
+    if bucket_key(spec) != key:
+        raise ValueError(f"{key!r} is not a prefill bucket (head_dim {spec.head_dim}?)")
+    return spec
+
+
+def run_tune(buckets, context: int = 16384, chunk: int = 512, reps: int = 10, output: str | None = None) -> int:
+    """Tune ``buckets`` on the current GPU and merge the winners into the table (``output`` or
+    :func:`kvarn_cutlass.ops.prefill.table_path`); returns a process exit status."""
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm{major}{minor}"
+    path = Path(output) if output else table_path(arch)
+    table = json.loads(path.read_text()) if path.exists() else {"schema": 1, "arch": arch, "buckets": {}}
+    prov = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "date": datetime.date.today().isoformat(), "tool": "kvarn-cutlass tune --kernel prefill",
+            "shape": f"context {context}, chunk {chunk}, {HQ} q / {HKV} KV heads"}
+    failed = 0
+    for key in buckets:
+        res = tune_bucket(key, context, chunk, reps)
+        print(key, json.dumps(res["rows"]))
+        if res["best"] is None:
+            print(f"{key}: no candidate ran correctly; the table keeps its entry", file=sys.stderr)
+            failed += 1
+            continue
+        table["buckets"][key] = {"status": "tuned", "config": res["best"]["fields"], "time_ms": res["best"]["time_ms"],
+                                 "candidates": res["rows"], "provenance": prov}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)  # after every bucket, atomically: a later failure loses nothing measured
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvarn_cutlass.ops.prefill_tune", description=__doc__.split("\n")[0])
+    ap.add_argument("--buckets", nargs="+", default=list(DEFAULT_BUCKETS))
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: tuning needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for key in args.buckets:
+        parse_bucket(key)
+    return run_tune(args.buckets, args.context, args.chunk, args.reps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

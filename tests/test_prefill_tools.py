@@ -1,0 +1,76 @@
+"""The fused prefill kernel's tooling without a GPU: config names, `tune --kernel prefill` argument
+handling and dry run, `sass --kernel prefill`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvarn_cutlass.cli import main
+from kvarn_cutlass.ops.prefill import CANDIDATES, FusedConfig
+from kvarn_cutlass.ops.prefill_tune import DEFAULT_BUCKETS, parse_bucket
+
+
+def test_config_names_round_trip_and_bad_names_are_refused():
+    assert len({c.name for c in CANDIDATES}) == len(CANDIDATES)
+    for c in CANDIDATES:
+        assert FusedConfig.from_name(c.name) == c
+    for bad in ("r32c4", "r33c4n64", "x", "r32c4n64g3", None):
+        with pytest.raises(ValueError):
+            FusedConfig.from_name(bad)
+
+
+def test_buckets_parse_to_their_tile_spec():
+    for key in DEFAULT_BUCKETS:
+        spec = parse_bucket(key)
+        assert f"D{spec.head_dim}_T{spec.tile_tokens}_V{spec.v_bits}" in key
+        assert (spec.quantizer == "lloyd_max") == key.endswith("_lm")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--kernel", "prefill", "--buckets", "D96_T128_V2"], ["head_dim=96"]),
+    (["--kernel", "prefill", "--buckets", "D128_T32_V2"], ["no preset has that tile size"]),
+    (["--kernel", "prefill", "--buckets", "M4096_T128_D128_f16"], ["GEMM buckets", "--kernel prefill takes"]),
+    (["--buckets", "D128_T128_V2"], ["prefill buckets need --kernel prefill"]),
+])
+def test_tune_prefill_bad_buckets_fail_with_one_line(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", *args, "--dry-run"])
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err + str(e.value)
+    for w in words:
+        assert w in err, err
+
+
+def test_tune_prefill_dry_run_lists_the_candidates_that_fit(capsys):
+    assert main(["tune", "--kernel", "prefill", "--dry-run", "--buckets", "D128_T128_V2", "D256_T128_V2",
+                 "D128_T64_V2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    listed, key = {}, None
+    for line in out:
+        if not line.startswith(" "):
+            key = line.split(":")[0]
+            listed[key] = []
+        else:
+            listed[key].append(line.strip())
+    # D=256 keeps one config; T=64 tiles take 64-token blocks as one block, 32-token ones as two
+    assert listed["D256_T128_V2"] == ["r16c4n32"]
+    assert "r32c4n64g2" in listed["D128_T128_V2"] and "r16c8n64" in listed["D128_T128_V2"]
+    assert all(FusedConfig.from_name(n).fits(128, 64) for n in listed["D128_T64_V2"])
+    assert len(listed["D128_T128_V2"]) == sum(c.fits(128, 128) for c in CANDIDATES)
+
+
+def test_sass_of_the_fused_kernel(tmp_path, capsys):
+    pytest.importorskip("cuda.bindings")
+    try:
+        from kvarn_cutlass.gemm.sass import find_tool
+    except ImportError:
+        pytest.skip("no SASS tools")
+    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
+        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    listing = tmp_path / "k.sass"
+    assert main(["sass", "--kernel", "prefill", "--prefill-config", "r32c4n64", "-o", str(listing)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["config"] == "r32c4n64" and s["threads"] == 256
+    assert s["hmma"] > 0 and s["spill_store_bytes"] == 0 and 0 < s["smem_bytes"] <= 227 * 1024
+    assert "HMMA" in listing.read_text()
