@@ -18,7 +18,7 @@ Topology (fixed): a snapshot of the device lengths (``cache.device_lengths()``, 
 error flag is clean), then per layer ``append_compress`` (at most one tile per sequence and head, its
 blocks predicated on the lengths the kernels read on the device, and a copy of the window into the
 layer's backup when a tile completes), ``append_commit``, and the two decode kernels, which read the
-same device lengths. The host keeps its copy of the lengths by replaying the same arithmetic
+same device lengths (and the layer's ``tile_table``). The host keeps its copy of the lengths by replaying the same arithmetic
 (:func:`kvarn_cutlass.ops.append.plan_append`) after each replay.
 
 Errors: the append kernels set the cache's device-side error flag, and once it is set every later
@@ -155,9 +155,10 @@ class StepGraph:
         self.appends = StepAppends(cache, self.k, self.v)
         buf0 = cache.buffers(0)
         cap = cache.tile_pool(0).shape[1]
+        # the workspace decode_attention's plan would make (so that both launch the same grid)
         workspace = dec.DecodeWorkspace(
             dev, B, H, num_q_heads // H, D, dec.choose_splits(B, H, cap, dev, cache.spec),
-            dec.exact_blocks(cache.spec, buf0["window_k"].shape[2], buf0["sink_k"].shape[2]),
+            dec.exact_blocks(cache.spec, buf0["window_k"].shape[2], buf0["sink_k"].shape[2], dev),
         )
         prepared: dict = {}
         lens = cache.device_lengths()
@@ -167,7 +168,7 @@ class StepGraph:
             dec.decode_attention_ragged(
                 self.q[layer], cache.tile_pool(layer), buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"],
                 lens[layer, 0], lens[layer, 1], lens[layer, 2], cache.spec, scale=self.scale, out=self.out[layer],
-                workspace=workspace, _prepared=prepared,
+                workspace=workspace, tile_table=cache.tile_table(layer), _prepared=prepared,
             )
 
         side = torch.cuda.Stream(device=dev)
