@@ -16,8 +16,10 @@ Errors go into an int32 flag on the device (``ERROR_BITS``). The kernels never c
 once it is set and commit nothing then, so a failed append changes no length and no live token. The
 cache decides when the flag is read (at once, or at the end of a ``deferred_checks`` block).
 
-Host cost per call: argument updates of prepared launches (:meth:`PreparedLaunch.set_arg`) and one
-``cuLaunchKernelEx`` (two when a tile completes); no torch op, allocation or synchronization.
+Host cost per call: argument updates of prepared launches (:meth:`PreparedLaunch.set_args`) and one
+``cuLaunchKernelEx`` (two when a tile completes); no torch op, allocation or synchronization, unless
+an input must be copied first (rows not 16-byte aligned, or a view of the cache's own buffers; the
+cache converts inputs of another dtype to its own before).
 """
 
 from __future__ import annotations
