@@ -248,7 +248,10 @@ def test_hf_cache_on_cpu_0_takes_cpu_tensors():
     cache = kh.KVarNCache(_qwen3_config(), preset="k4v4_g64", window=64, device="cpu:0")
     g = torch.Generator().manual_seed(43)
     k, v = torch.randn(1, 1, 200, 128, generator=g), torch.randn(1, 1, 200, 128, generator=g)
-    cache.update(k, v, 0)
+    kt, vt = cache.update(k, v, 0)
+    from kvarn_cutlass.hf.dispatch import attend
+
+    attend(torch.randn(1, 2, 200, 128, generator=g), kt, vt, cache.library, 0)  # attends, then appends
     assert cache.library.device == torch.device("cpu") and cache.library.num_tiles(0) == 3
 
 
