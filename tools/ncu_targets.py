@@ -113,8 +113,25 @@ def append_small() -> None:
     torch.cuda.synchronize()
 
 
+def decode_small() -> None:
+    """Small shapes for compute-sanitizer: the one-kernel decode with several splits (the last block's
+    merge through the ticket), both dtypes and quantizers, GQA 4 and 8, a sink, ragged via two calls."""
+    for dtype, D, G, quantizer in ((torch.float16, 128, 4, "uniform"), (torch.bfloat16, 64, 8, "lloyd_max")):
+        cache = kc.KVarNCache(1, 2, 2, D, window=256, sink_tokens=128, dtype=dtype, device="cuda",
+                              quantizer=quantizer, max_seq_len=4096)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        k = torch.randn(2, 2, 3000, D, device="cuda", dtype=dtype, generator=g)
+        cache.append(0, k, torch.randn_like(k))
+        for _ in range(2):
+            q = torch.randn(2, 2 * G, 1, D, device="cuda", dtype=dtype, generator=g)
+            kc.decode_attention(q, cache, 0)
+            k1 = torch.randn(2, 2, 1, D, device="cuda", dtype=dtype, generator=g)
+            cache.append(0, k1, torch.randn_like(k1))
+    torch.cuda.synchronize()
+
+
 TARGETS = {"compress": compress, "decode": decode, "prefill": prefill, "prefill_small": prefill_small,
-           "append_small": append_small}
+           "append_small": append_small, "decode_small": decode_small}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in TARGETS:
