@@ -470,6 +470,8 @@ constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
 constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
 constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
 static_assert(BAR_GROUP + NG <= 16, "16 named barriers");
+// threads on a stage's FULL / EMPTY barrier: the consumers and the one producer group that owns the stage
+constexpr int HANDOFF = NC * 32 + GT;
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -882,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     load_col_ratios(P, cr, gtid);
                     fv_tile = f.fv;
                 }
-                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);  // the consumers are done with this stage
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);  // the consumers are done with this stage
                 dequant_k(rec, P, sLut, st, t0, gtid);
                 dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);
                 float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
@@ -892,12 +894,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     bar_sync(BAR_GROUP + pg, GT);
                     if (g + 2 < n_tiles) fetch(g + 2);
                 }
-                bar_arrive(BAR_FULL + s, NT);
+                bar_arrive(BAR_FULL + s, HANDOFF);
             } else {
-                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, NT);
+                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, gtid);
                 cp_async_wait_all();
-                bar_arrive(BAR_FULL + s, NT);
+                bar_arrive(BAR_FULL + s, HANDOFF);
             }
         }
         return;
@@ -942,7 +944,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     for (int bi = 0; bi < sc.nb; ++bi) {
         const int s = bi % NSTAGE;
         const u8* stg = sStage + s * ST_BYTES;
-        bar_sync(BAR_FULL + s, NT);
+        bar_sync(BAR_FULL + s, HANDOFF);
         if (bi < sc.nba) {
             const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
             float rescale = 1.f;
@@ -953,7 +955,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 fv_run = fv_new;
             }
             attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
-            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, HANDOFF);
             if (bi == sc.nba - 1) {  // the tiles are done: back to the original domain, q unrotated
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
@@ -974,7 +976,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 attend_block<false>(sQw, stg, stg + BN * QS * 2, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
                                     need_mask);
             }
-            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, NT);
+            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, HANDOFF);
         }
     }
 
