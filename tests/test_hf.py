@@ -408,7 +408,7 @@ def test_prefill_defers_checks_and_restores_on_failure(model_tok, text_ids):
     fresh = kh.KVarNCache(model.config, preset="k4v2_g64", window=64)
     with pytest.raises(KeyError):
         with fresh.deferred_checks():
-            model(input_ids=ids[:, :10], use_cache=True, past_key_values=fresh)
+            model(input_ids=ids[:, :10], use_cache=True, **{cache_kwarg(model): fresh})
             raise KeyError("stop")
     assert fresh.library is None and fresh.get_seq_length() == 0
     kh.prefill(model, ids[:, :10], fresh, chunk_size=4)

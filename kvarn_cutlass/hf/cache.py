@@ -5,7 +5,8 @@ Usage (transformers >= 5)::
     import kvarn_cutlass.hf as kh
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvarn")
     cache = kh.KVarNCache(model.config, preset="k4v2_g128", window=256)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    from kvarn_cutlass.hf.generate import generate
+    out = generate(model, input_ids, cache, max_new_tokens=64)  # cache= or past_key_values=
 
 How the pieces meet: the model's attention layer calls ``cache.update(k, v, layer_idx)`` with the
 post-RoPE keys/values of the new tokens; the update returns the same new k/v tagged with a handle to
