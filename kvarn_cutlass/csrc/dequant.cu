@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "wht_lanes.cuh"
+
 typedef unsigned char u8;
 typedef unsigned int u32;
 
@@ -52,31 +54,13 @@ __device__ __forceinline__ float v_value(u32 c) { return (float)c; }
 
 // Transforms the staged rows and stores them: out rows [T][D] at `dst` (row stride D).
 __device__ __forceinline__ void wht_store(const float* stage, out_t* dst, int warp, int lane) {
-    const float norm = rsqrtf((float)D);
     for (int t = warp; t < T; t += NT / 32) {
         float x[QE];
 #pragma unroll
         for (int e = 0; e < QE; ++e) x[e] = stage[t * PS + lane * QE + e];
+        wht_lanes(x, lane);
 #pragma unroll
-        for (int h = 1; h < QE; h <<= 1)
-#pragma unroll
-            for (int e = 0; e < QE; ++e)
-                if (!(e & h)) {
-                    const float a = x[e], b = x[e + h];
-                    x[e] = a + b;
-                    x[e + h] = a - b;
-                }
-#pragma unroll
-        for (int ls = 1; ls < 32; ls <<= 1) {
-            const bool upper = lane & ls;
-#pragma unroll
-            for (int e = 0; e < QE; ++e) {
-                const float o = __shfl_xor_sync(0xffffffffu, x[e], ls);
-                x[e] = upper ? o - x[e] : x[e] + o;
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < QE; ++e) dst[t * D + lane * QE + e] = to_out(x[e] * norm);
+        for (int e = 0; e < QE; ++e) dst[t * D + lane * QE + e] = to_out(x[e]);
     }
 }
 

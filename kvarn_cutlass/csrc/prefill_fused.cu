@@ -45,6 +45,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "wht_lanes.cuh"
+
 typedef unsigned char u8;
 typedef unsigned int u32;
 
@@ -129,19 +131,19 @@ __device__ __forceinline__ float scale_at(const u8* p, int i) {
 #endif
 }
 
-// f32 pair -> packed 16-bit pair (lower index in the low half), in f16 or the cache dtype.
-__device__ __forceinline__ u32 pack_f16(float a, float b) {
+// f32 pair -> packed 16-bit pair (lower index in the low half), in bf16 or f16.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float a, float b) {
+    if (BF16) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<u32*>(&h);
+    }
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<u32*>(&h);
 }
-__device__ __forceinline__ u32 pack_cache(float a, float b) {
-#if CACHE_BF16
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-#else
-    __half2 h = __floats2half2_rn(a, b);
-#endif
-    return *reinterpret_cast<u32*>(&h);
-}
+__device__ __forceinline__ u32 pack_f16(float a, float b) { return pack2<false>(a, b); }
+__device__ __forceinline__ u32 pack_cache(float a, float b) { return pack2<(bool)CACHE_BF16>(a, b); }
+__device__ __forceinline__ u32 pack_q(float a, float b) { return pack2<(bool)Q_BF16>(a, b); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -241,32 +243,6 @@ __device__ __forceinline__ void load_q_row(float (&x)[QE], const q_t* row, int l
     }
 }
 
-// Normalized Walsh-Hadamard transform of a row held QE elements per lane (lane-major order).
-__device__ __forceinline__ void wht_row(float (&x)[QE], int lane) {
-#pragma unroll
-    for (int hh = 1; hh < QE; hh <<= 1) {
-#pragma unroll
-        for (int e = 0; e < QE; ++e) {
-            if (!(e & hh)) {
-                const float a = x[e], b = x[e + hh];
-                x[e] = a + b;
-                x[e + hh] = a - b;
-            }
-        }
-    }
-#pragma unroll
-    for (int ls = 1; ls < 32; ls <<= 1) {
-        const bool upper = lane & ls;
-#pragma unroll
-        for (int e = 0; e < QE; ++e) {
-            const float o = __shfl_xor_sync(0xffffffffu, x[e], ls);
-            x[e] = upper ? o - x[e] : x[e] + o;
-        }
-    }
-    const float norm = rsqrtf((float)D);
-#pragma unroll
-    for (int e = 0; e < QE; ++e) x[e] *= norm;
-}
 
 // Stages the CTA's query rows into sQ (f16 rotated for phase A, or the cache dtype for phase B),
 // scaled per row by a power of two; writes scale * log2(e) / s_r per row into sRowf. Consumer warps.
@@ -281,7 +257,7 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
         if (r < M) {
             const int j = r / n, i = r - j * n;
             load_q_row(x, q + b * q_sb + (long long)(h * G + j) * q_sh + (long long)i * q_sn, lane);
-            if (ROTATE) wht_row(x, lane);
+            if (ROTATE) wht_lanes(x, lane);
         } else {
 #pragma unroll
             for (int e = 0; e < QE; ++e) x[e] = 0.f;
@@ -783,14 +759,6 @@ __device__ __forceinline__ void wht_acc(float (&acc)[MT][ON][4], int lane) {
         }
 }
 
-__device__ __forceinline__ u32 pack_q(float a, float b) {
-#if Q_BF16
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-#else
-    __half2 h = __floats2half2_rn(a, b);
-#endif
-    return *reinterpret_cast<u32*>(&h);
-}
 
 // Block schedule shared by both roles: NBA tile blocks (tile g = bi / BPT), then the exact blocks up to
 // the CTA's last visible key.
