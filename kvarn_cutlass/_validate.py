@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["check_device", "check_scale"]
+__all__ = ["check_device", "check_scale", "resolve_scale"]
 
 
 def check_scale(scale, name: str = "scale") -> float:
@@ -24,6 +24,11 @@ def check_scale(scale, name: str = "scale") -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
     return value
+
+
+def resolve_scale(scale, head_dim: int, name: str = "scale") -> float:
+    """The softmax scale of an attention entry point: ``head_dim ** -0.5`` for None, else :func:`check_scale`."""
+    return head_dim**-0.5 if scale is None else check_scale(scale, name)
 
 
 def check_device(device, name: str = "device") -> torch.device:

@@ -45,6 +45,7 @@ import torch
 
 from .cache import KVarNCache
 from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
+from ._validate import resolve_scale
 from .runtime import KernelSpec, build, cubin_global, get_module, register
 from .runtime.arch import arch_target, device_arch
 
@@ -217,12 +218,6 @@ def _check_cache(cache: Any) -> None:
         raise TypeError(f"cache must be a KVarNCache, got {type(cache).__name__}")
 
 
-def _check_scale(scale: Any, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    return float(scale)
 
 
 def _check_len_tensor(name: str, x: Any, batch: int, device: torch.device) -> None:
@@ -417,7 +412,7 @@ def decode_attention_ragged(
           or tuple(tile_table.shape) != (B, cap) or not tile_table.is_contiguous() or tile_table.device != device):
         raise ValueError(f"tile_table must be a contiguous int32 tensor [{B}, {cap}] on {device}, got "
                          f"{getattr(tile_table, 'dtype', type(tile_table).__name__)} {list(getattr(tile_table, 'shape', []))}")
-    scale = _check_scale(scale, D)
+    scale = resolve_scale(scale, D)
     Hq = q.shape[1]
     G = Hq // Hkv
     if out is None:
@@ -589,7 +584,7 @@ def decode_attention(q: torch.Tensor, cache: KVarNCache, layer: int, scale: floa
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
     if cache.seq_len(layer) < 1:
         raise ValueError(f"layer {layer} of the cache is empty; decode needs at least one token")
-    scale = _check_scale(scale, cache.head_dim)
+    scale = resolve_scale(scale, cache.head_dim)
     plan = get_plan(cache)
     plan.refresh(layer)
     if out is None:
@@ -630,7 +625,7 @@ class DecodeGraph:
                 or num_q_heads // Hkv > MAX_GROUP:
             raise ValueError(f"num_q_heads must be num_kv_heads={Hkv} x group 1..{MAX_GROUP}, got {num_q_heads!r}")
         self.cache, self.layer = cache, layer
-        self.scale = _check_scale(scale, cache.head_dim)
+        self.scale = resolve_scale(scale, cache.head_dim)
         self.plan = plan or get_plan(cache)
         dev = cache.device
         self.q = torch.zeros(cache.batch_size, num_q_heads, 1, cache.head_dim, dtype=dtype, device=dev)

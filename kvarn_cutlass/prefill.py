@@ -23,11 +23,10 @@ Backends (``impl``):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import codec
+from ._validate import resolve_scale
 from .cache import KVarNCache
 from .reference import check_query, chunk_kv
 
@@ -44,9 +43,6 @@ def _check_args(q, cache, layer, scale, impl, out):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
     if q.device != cache.device:
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-                              or scale <= 0):
-        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if out is not None:
@@ -94,7 +90,7 @@ def prefill_attention(
         impl = "gpu" if q.is_cuda else "torch"
     if impl == "gpu" and not q.is_cuda:
         raise ValueError(f"impl='gpu' needs CUDA tensors; q is on {q.device} (use impl='torch')")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     if impl == "gpu":
         res = _launch(q, k, v, cache, layer, scale, out, config)
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import codec
+from ._validate import resolve_scale
 from .cache import KVarNCache
 
 FORMULATIONS = ("dequant_free", "dense")
@@ -112,7 +113,7 @@ def attention(
     spec, dev, f64 = cache.spec, cache.device, torch.float64
     B, Hq, n_q, D = q.shape
     group = Hq // cache.num_kv_heads
-    scale = D**-0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, D)
     L = cache.seq_len(layer)
     pos = cache.positions(layer)
     q64 = q.to(dev, f64)

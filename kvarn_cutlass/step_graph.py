@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import resolve_scale
 from .cache import KVarNCache
 from .ops.append import error_message, plan_append
 
@@ -146,7 +147,7 @@ class StepGraph:
                 or num_q_heads // H > dec.MAX_GROUP:
             raise ValueError(f"num_q_heads must be num_kv_heads={H} x group 1..{dec.MAX_GROUP}, got {num_q_heads!r}")
         self.cache = cache
-        self.scale = dec._check_scale(scale, cache.head_dim)
+        self.scale = resolve_scale(scale, cache.head_dim)
         L, B, D, dev = cache.num_layers, cache.batch_size, cache.head_dim, cache.device
         self.q = torch.zeros(L, B, num_q_heads, 1, D, dtype=dtype, device=dev)
         self.k = torch.zeros(L, B, H, 1, D, dtype=cache.dtype, device=dev)

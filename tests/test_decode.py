@@ -140,9 +140,13 @@ def test_ragged_argument_errors():
 
 
 def test_scale_validation():
-    with pytest.raises(ValueError, match="scale must be a positive finite float"):
-        decode._check_scale(-1.0, 64)
-    assert decode._check_scale(None, 64) == 0.125
+    from kvarn_cutlass._validate import resolve_scale
+
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        resolve_scale(-1.0, 64)
+    with pytest.raises(TypeError, match="scale must be a positive finite number"):
+        resolve_scale("0.1", 64)
+    assert resolve_scale(None, 64) == 0.125 and resolve_scale(2, 64) == 2.0
 
 
 def test_exact_blocks_and_layout():

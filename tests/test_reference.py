@@ -135,3 +135,13 @@ def test_bad_formulation():
     cache, _, _ = _cache()
     with pytest.raises(ValueError, match="formulation"):
         kc.reference.attention(torch.zeros(2, 2, 1, 64), cache, 0, formulation="fast")
+
+
+@pytest.mark.parametrize("scale, exc", [(float("nan"), ValueError), (0.0, ValueError), (-0.5, ValueError),
+                                        (float("inf"), ValueError), ("1", TypeError)])
+def test_reference_rejects_bad_scales(scale, exc):
+    cache = kc.KVarNCache(1, 1, 1, 64, preset="k4v2_g64", window=64)
+    cache.append(0, torch.ones(1, 1, 3, 64), torch.ones(1, 1, 3, 64))
+    with pytest.raises(exc, match="scale"):
+        kc.reference.attention(torch.ones(1, 1, 1, 64), cache, 0, scale=scale)
+
