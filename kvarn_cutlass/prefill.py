@@ -28,13 +28,13 @@ import torch
 from . import codec
 from ._validate import resolve_scale
 from .cache import KVarNCache
+from .ops.prefill import LOG2E
 from .reference import check_query, chunk_kv
 
 __all__ = ["prefill_attention", "IMPLS"]
 
 IMPLS = ("auto", "gpu", "torch")
 Q_DTYPES = (torch.float16, torch.bfloat16)
-LOG2E = 1.4426950408889634
 _EMULATION_ROWS = 1024  # rows per slab of the torch path (bounds its score tensors)
 
 

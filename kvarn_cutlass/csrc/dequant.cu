@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "record_scales.cuh"
 #include "wht_lanes.cuh"
 
 typedef unsigned char u8;
@@ -34,13 +35,6 @@ typedef __half out_t;
 __device__ __forceinline__ out_t to_out(float x) { return __float2half_rn(x); }
 #endif
 
-__device__ __forceinline__ float scale_at(const u8* p, int i) {
-#if SCALE_F32
-    return reinterpret_cast<const float*>(p)[i];
-#else
-    return __half2float(reinterpret_cast<const __half*>(p)[i]);
-#endif
-}
 
 #if LLOYD_MAX
 __constant__ float k_codebook[16] = K_CODEBOOK;

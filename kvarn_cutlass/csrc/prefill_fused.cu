@@ -45,6 +45,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "record_scales.cuh"
 #include "wht_lanes.cuh"
 
 typedef unsigned char u8;
@@ -123,13 +124,6 @@ typedef __half q_t;
 
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float scale_at(const u8* p, int i) {
-#if SCALE_F32
-    return reinterpret_cast<const float*>(p)[i];
-#else
-    return __half2float(reinterpret_cast<const __half*>(p)[i]);
-#endif
-}
 
 // f32 pair -> packed 16-bit pair (lower index in the low half), in bf16 or f16.
 template <bool BF16>

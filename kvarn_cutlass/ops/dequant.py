@@ -15,19 +15,17 @@ from .. import codec
 from ..cache import KVarNCache
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ..runtime import KernelSpec, register
+from .prefill import DTYPES, _c_floats
 
 __all__ = ["dequantize_layer", "dequant_spec"]
 
 KERNEL_SYMBOL = "kvarn_dequant_tiles"
 _SIG = ("ptr pool", "ptr tile_table", "i32 table_stride", "i32 Hkv", "ptr k_out", "ptr v_out", "i32 out_tokens",
         "i32 tok0")
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def dequant_spec(spec: TileSpec, out_dtype: torch.dtype) -> KernelSpec:
     """The KernelSpec of one (record layout, output dtype); every offset comes from ``spec``."""
-    from .prefill import _c_floats
-
     defines = {
         "KERNEL_NAME": KERNEL_SYMBOL, "HEAD_DIM": spec.head_dim, "TILE_TOKENS": spec.tile_tokens,
         "V_BITS": spec.v_bits, "SCALE_F32": int(spec.scale_bytes == 4), "OUT_BF16": int(out_dtype == torch.bfloat16),
@@ -37,13 +35,13 @@ def dequant_spec(spec: TileSpec, out_dtype: torch.dtype) -> KernelSpec:
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
     lm = "lm" if spec.quantizer == "lloyd_max" else ""
-    name = f"dequant_d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}{lm}_s{spec.scale_bytes}_{_DTYPES[out_dtype]}"
+    name = f"dequant_d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}{lm}_s{spec.scale_bytes}_{DTYPES[out_dtype]}"
     return KernelSpec("dequant.cu", (KERNEL_SYMBOL,), defines=defines, name=name)
 
 
 def _all_specs() -> list[KernelSpec]:
     return [dequant_spec(TileSpec(p, d, sd, quantizer=q), dt)
-            for p in PRESETS for d in HEAD_DIMS for sd in SCALE_DTYPES for q in QUANTIZERS for dt in _DTYPES]
+            for p in PRESETS for d in HEAD_DIMS for sd in SCALE_DTYPES for q in QUANTIZERS for dt in DTYPES]
 
 
 register("dequant", _all_specs)
