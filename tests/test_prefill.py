@@ -278,6 +278,33 @@ def test_fused_kernel_compiles(arch):
         assert 0 < smem <= MAX_SMEM_PER_BLOCK, (ks.name, smem)
 
 
+@pytest.mark.parametrize("D,preset,scale_dtype,quantizer,dtype", [
+    (128, "k4v2_g128", torch.float16, "uniform", torch.float16),
+    (128, "k4v4_g128", torch.float32, "lloyd_max", torch.bfloat16),
+    (64, "k4v2_g64", torch.float16, "uniform", torch.bfloat16),
+])
+def test_wgmma_variant_compiles_for_sm90a(D, preset, scale_dtype, quantizer, dtype):
+    """The wgmma configs build for sm_90a (CuTe's GMMA atoms: the source refuses any other target) with no
+    register spills, and are refused where they cannot run."""
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.ops.prefill import CANDIDATES, fused_spec
+    from kvarn_cutlass.runtime.errors import CompileError
+    from kvarn_cutlass.runtime.spec import build
+
+    spec = kc.TileSpec(preset, D, scale_dtype, quantizer=quantizer)
+    wg = [c for c in CANDIDATES if c.mma == "wgmma" and c.fits(D, spec.tile_tokens)]
+    assert len(wg) == 2
+    for cfg in wg:
+        assert cfg.supported_on(90) and not cfg.supported_on(80) and not cfg.supported_on(100)
+        m = build(fused_spec(spec, dtype, dtype, cfg), "sm_90")
+        assert m.target == "sm_90a"
+        res = m.resources["kvarn_prefill_fused"]
+        assert res.spill_store_bytes in (0, None) and res.stack_bytes == 0, (cfg, res)
+    with pytest.raises(CompileError, match="sm_90a"):
+        build(fused_spec(spec, dtype, dtype, wg[0]), "sm_80")
+    assert not any(c.fits(256, 128) for c in wg)
+
+
 def test_every_candidate_fits_shared_memory_for_its_buckets():
     """Shared memory of the largest record (k4v4, f32 scales) for each candidate config that fits a head_dim:
     read from the compiled module, as the launcher does."""
@@ -373,6 +400,23 @@ def test_gpu(chunks, kw):
 
 
 @gpu
+@pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if c[1].get("D", 128) != 256])
+@pytest.mark.parametrize("consumer_warps", [4, 8])
+def test_gpu_wgmma(chunks, kw, consumer_warps):
+    """The wgmma configs (sm_90 only) on every shape they take: both phases, ragged row blocks, GQA 1..8,
+    bf16, both quantizers, f32 scales, sink tokens."""
+    _gpu_skip()
+    from kvarn_cutlass.ops.prefill import FusedConfig
+    from kvarn_cutlass.runtime.arch import device_arch
+
+    cfg = FusedConfig(16, 64, consumer_warps, mma="wgmma")
+    if not cfg.supported_on(device_arch()):
+        pytest.skip("wgmma needs sm_90")
+    for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 100, config=cfg, **kw):
+        assert e < TOL, (chunks, kw, n, nt, e)
+
+
+@gpu
 @pytest.mark.parametrize("case", ADVERSARIAL)
 def test_gpu_adversarial(case):
     _gpu_skip()
@@ -423,9 +467,11 @@ def test_gpu_every_candidate_config():
     _gpu_skip()
     from kvarn_cutlass.ops.prefill import CANDIDATES
 
+    from kvarn_cutlass.runtime.arch import device_arch
+
     for D in (64, 128, 256):
         for cfg in CANDIDATES:
-            if not cfg.fits(D, 128):
+            if not cfg.fits(D, 128) or not cfg.supported_on(device_arch()):
                 continue
             for n, nt, e in run_chunks([700, 333], D=D, device="cuda", impl="gpu", config=cfg, seed=11):
                 assert e < TOL, (D, cfg, n, nt, e)

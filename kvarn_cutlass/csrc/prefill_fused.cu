@@ -37,16 +37,31 @@
 //
 // Output: acc / l in q's dtype, [B, Hq, n, D] with element strides.
 //
+// MMA kind (WGMMA): 0, mma.sync m16n8k16 per consumer warp from ldmatrix fragments (sm_80+); 1, wgmma
+// (sm_90a, CuTe's SM90 GMMA atoms) per consumer warpgroup of 64 rows: S = Q . K^T with both operands in
+// shared memory, O += P . V with P from registers (the S accumulator re-packed, as in FlashAttention 3).
+// The wgmma operands sit in the canonical no-swizzle core-matrix layout (8 rows x 16 bytes, contiguous):
+// Q and the exact K are K-major, the dequantized tile K and every V are MN-major (see the *_off helpers);
+// the producers write that layout directly, and fence the generic-proxy stores for the async proxy.
+//
 // Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
 // K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_GROUPS, BLOCK_N,
-// OFF_* and RECORD_BYTES,
+// WGMMA, OFF_* and RECORD_BYTES,
 // KERNEL_NAME.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #include "record_scales.cuh"
 #include "wht_lanes.cuh"
+
+#if WGMMA
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#if !defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+#error "WGMMA=1 needs the sm_90a target (CuTe's GMMA atoms compile to nothing elsewhere)"
+#endif
+#endif
 
 typedef unsigned char u8;
 typedef unsigned int u32;
@@ -66,8 +81,9 @@ constexpr int BM = NC * RPW;          // rows per CTA
 constexpr int MT = RPW / 16;          // m16 tiles per warp
 constexpr int SN = BN / 8;            // n8 tiles of a score block
 constexpr int ON = D / 8;             // n8 tiles of the output
-constexpr int QS = D + 8;             // row stride (halves) of Q and token-major K/V buffers
-constexpr int KS = BN + 8;            // row stride (halves) of the channel-major dequantized K
+// mma.sync: padded rows against ldmatrix bank conflicts; wgmma: dense core matrices
+constexpr int QS = WGMMA ? D : D + 8;    // row stride (halves) of Q and token-major K/V buffers
+constexpr int KS = WGMMA ? BN : BN + 8;  // row stride (halves) of the channel-major dequantized K
 constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
 // stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
@@ -81,6 +97,8 @@ static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");
 static_assert(D == 64 || D == 128 || D == 256, "head_dim");
+static_assert(!WGMMA || (RPW == 16 && BN == 64 && D <= 128),
+              "wgmma: 16 rows per warp (64 per warpgroup), 64-token blocks, head_dim 64 or 128");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and two stages. A stage holds a tile block (kd [D][KS] f16,
@@ -95,13 +113,15 @@ constexpr int SM_ROWF = BM * 4;
 constexpr int ST_KD = D * KS * 2;
 constexpr int ST_VD = BN * QS * 2;
 constexpr int ST_TILE = ST_KD + ST_VD + BN * 4 + 16;  // + the tile factor fV (first block of a tile)
-constexpr int ST_EXACT = 2 * BN * QS * 2;
-constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 15) / 16 * 16;
+constexpr int ST_EK = BN * QS * 2;  // the exact block's K; its V follows
+constexpr int ST_EXACT = 2 * ST_EK;
+// 128-byte aligned stages (wgmma descriptors address whole core matrices)
+constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 127) / 128 * 128;
 constexpr int OFF_SM_REC = SM_Q;
 constexpr int OFF_SM_PAR = OFF_SM_REC + SM_REC;
 constexpr int OFF_SM_LUT = OFF_SM_PAR + SM_PAR;
 constexpr int OFF_SM_ROWF = OFF_SM_LUT + SM_LUT;
-constexpr int OFF_SM_STAGE = (OFF_SM_ROWF + SM_ROWF + 15) / 16 * 16;
+constexpr int OFF_SM_STAGE = (OFF_SM_ROWF + SM_ROWF + 127) / 128 * 128;
 constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
 
 // The launcher reads this from the module (one source for the layout above).
@@ -174,6 +194,96 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 }
+
+// --- shared-memory operand layouts (byte offsets inside a buffer) -----------------------------------
+// mma.sync: padded rows. wgmma: core matrices of 8 rows x 16 bytes, contiguous; a matrix descriptor
+// names the stride between core matrices along M/N (SBO) and along K (LBO), see wgmma_desc.
+//   Q [BM][D] (A of S, K-major): per warpgroup a [64][D] block, core matrix (k / 8, r / 8)
+//   tile K kd (c, t) (B of S, MN-major): core matrix (c / 8, t / 8), 8 channels x 8 consecutive tokens
+//   exact K (t, c) (B of S, K-major): core matrix (c / 8, t / 8), 8 tokens x 8 consecutive channels
+//   V (t, c), both phases (B of P.V, MN-major): core matrix (t / 8, c / 8), 8 tokens x 8 consecutive channels
+// The last argument is the element index along the buffer's contiguous axis.
+__device__ __forceinline__ int q_off(int r, int k) {
+    if (!WGMMA) return (r * QS + k) * 2;
+    return (r >> 6) * (64 * D * 2) + (k >> 3) * 1024 + ((r & 63) >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2;
+}
+__device__ __forceinline__ int kd_off(int c, int t) {
+    if (!WGMMA) return (c * KS + t) * 2;
+    return (c >> 3) * (BN * 16) + (t >> 3) * 128 + (c & 7) * 16 + (t & 7) * 2;
+}
+__device__ __forceinline__ int ek_off(int t, int c) {
+    if (!WGMMA) return (t * QS + c) * 2;
+    return (c >> 3) * (BN * 16) + (t >> 3) * 128 + (t & 7) * 16 + (c & 7) * 2;
+}
+__device__ __forceinline__ int v_off(int t, int c) {
+    if (!WGMMA) return (t * QS + c) * 2;
+    return (t >> 3) * (D * 16) + (c >> 3) * 128 + (t & 7) * 16 + (c & 7) * 2;
+}
+
+// Makes this thread's generic-proxy shared-memory stores visible to wgmma (the async proxy); before the
+// barrier that hands the buffer over.
+__device__ __forceinline__ void fence_operands_for_wgmma() {
+#if WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+#if WGMMA
+namespace gmma = cute::SM90::GMMA;
+// No-swizzle matrix descriptor: start address, LBO (K direction) and SBO (M/N direction) in bytes.
+__device__ __forceinline__ uint64_t wgmma_desc(const void* p, u32 lbo, u32 sbo) {
+    cute::GmmaDescriptor d;
+    d.bitfield.start_address_ = (uint16_t)(smem_addr(p) >> 4);
+    d.bitfield.leading_byte_offset_ = (uint16_t)(lbo >> 4);
+    d.bitfield.stride_byte_offset_ = (uint16_t)(sbo >> 4);
+    d.bitfield.base_offset_ = 0;
+    d.bitfield.layout_type_ = 0;  // INTERLEAVE (no swizzle)
+    return d.desc_;
+}
+// The accumulator of m64nNk16 per thread: N / 8 groups of 4 floats, in mma.sync's m16n8 order.
+template <class Op, int NG, size_t... I>
+__device__ __forceinline__ void gmma_ss_(uint64_t da, uint64_t db, float (&d)[NG][4], gmma::ScaleOut sc,
+                                         cuda::std::index_sequence<I...>) {
+    Op::fma(da, db, d[I / 4][I % 4]..., sc);
+}
+template <class Op, int NG, size_t... I>
+__device__ __forceinline__ void gmma_rs_(const u32 (&a)[4], uint64_t db, float (&d)[NG][4], gmma::ScaleOut sc,
+                                         cuda::std::index_sequence<I...>) {
+    Op::fma(a[0], a[1], a[2], a[3], db, d[I / 4][I % 4]..., sc);
+}
+template <class Op, int NG>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[NG][4], gmma::ScaleOut sc) {
+    gmma_ss_<Op>(da, db, d, sc, cuda::std::make_index_sequence<NG * 4>{});
+}
+template <class Op, int NG>
+__device__ __forceinline__ void gmma_rs(const u32 (&a)[4], uint64_t db, float (&d)[NG][4], gmma::ScaleOut sc) {
+    gmma_rs_<Op>(a, db, d, sc, cuda::std::make_index_sequence<NG * 4>{});
+}
+// Keeps the compiler from moving register reads and writes of d across the asynchronous MMAs.
+template <int NG>
+__device__ __forceinline__ void fence_acc(float (&d)[NG][4]) {
+#pragma unroll
+    for (int i = 0; i < NG; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cute::warpgroup_fence_operand(d[i][k]);
+}
+// S = Q . K^T for one 64-token block (f16 or bf16 operands; tile K is MN-major, exact K K-major)
+template <bool BF16, bool K_MN>
+struct ScoreMMA {
+    using Op = typename cuda::std::conditional<
+        BF16, gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, K_MN ? gmma::Major::MN : gmma::Major::K>,
+        gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, K_MN ? gmma::Major::MN : gmma::Major::K>>::type;
+};
+// O += P . V over the head dimension (P from registers, V MN-major)
+template <bool BF16>
+struct ValueMMA {
+    using Op64 = typename cuda::std::conditional<BF16, gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+                                                 gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
+    using Op128 = typename cuda::std::conditional<BF16, gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+                                                  gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
+    using Op = typename cuda::std::conditional<D == 64, Op64, Op128>::type;
+};
+#endif
 
 // 2^x (ex2.approx: 2 ulp; -inf -> +0), the exponential of the online softmax
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -264,12 +374,13 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
         u32 w[QE / 2];
 #pragma unroll
         for (int e = 0; e < QE; e += 2) w[e / 2] = ROTATE ? pack_f16(x[e] * s, x[e + 1] * s) : pack_cache(x[e] * s, x[e + 1] * s);
-        u8* dst = sQ + (rr * QS + lane * QE) * 2;
+        u8* dst = sQ + q_off(rr, lane * QE);
         if constexpr (QE == 2) *reinterpret_cast<u32*>(dst) = w[0];
         else if constexpr (QE == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
         if (lane == 0) sRowf[rr] = scale_log2 * exp2i(-p);
     }
+    fence_operands_for_wgmma();
 }
 
 // Online-softmax state and accumulator of one warp's rows. Thread layout of the m16n8 fragments:
@@ -291,6 +402,21 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
                                              bool need_mask) {
     constexpr bool BF = TILE ? false : (bool)CACHE_BF16;
     float s[MT][SN][4];
+#if WGMMA
+    // the warpgroup's 64 rows against the block's 64 tokens, D / 16 k-steps of 16 channels
+    {
+        using Op = typename ScoreMMA<BF, TILE>::Op;
+        fence_acc(s[0]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            gmma_ss<Op>(wgmma_desc(sQw + kk * 2048, 1024, 128), wgmma_desc(sK + kk * 2 * (BN * 16), BN * 16, 128),
+                        s[0], kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_acc(s[0]);
+    }
+#else
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -326,6 +452,7 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
             }
         }
     }
+#endif
 
     const int tq = lane & 3;
     if (TILE) {
@@ -398,6 +525,27 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
     }
 
     // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
+#if WGMMA
+    {
+        using Op = typename ValueMMA<BF>::Op;
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt) {
+            pa[kt][0] = pack2<BF>(s[0][2 * kt][0], s[0][2 * kt][1]);
+            pa[kt][1] = pack2<BF>(s[0][2 * kt][2], s[0][2 * kt][3]);
+            pa[kt][2] = pack2<BF>(s[0][2 * kt + 1][0], s[0][2 * kt + 1][1]);
+            pa[kt][3] = pack2<BF>(s[0][2 * kt + 1][2], s[0][2 * kt + 1][3]);
+        }
+        fence_acc(acc[0]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt)
+            gmma_rs<Op>(pa[kt], wgmma_desc(sV + kt * 2 * (D * 16), D * 16, 128), acc[0], gmma::ScaleOut::One);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_acc(acc[0]);
+    }
+#else
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) {
         u32 pa[MT][4];
@@ -429,6 +577,7 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
             }
         }
     }
+#endif
 }
 
 
@@ -617,7 +766,15 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 #pragma unroll 4
     for (int it = 0; it < ITEMS / GT; ++it) {
         const int item = ptid + it * GT;
+#if WGMMA
+        // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core
+        // matrices), and a warp's code words fall on 16 banks twice (2-way) rather than 4 times
+        static_assert(WPC == 8, "64-token blocks");
+        const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
+        const int c = (item >> 6) * 8 + j, wi = 4 * (((j >> 1) + hw) & 1) + p;
+#else
         const int c = item / WPC, wi = item - c * WPC;
+#endif
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
         const uint2 kp = P.kp[c];
         __half2 v[4];
@@ -625,7 +782,7 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
         u32 out[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) out[j] = affine(v[j], kp);
-        *reinterpret_cast<uint4*>(sKd + (c * KS + wi * 8) * 2) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(sKd + kd_off(c, wi * 8)) = make_uint4(out[0], out[1], out[2], out[3]);
     }
 }
 
@@ -633,9 +790,15 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 // a producer thread always handles the same channels, so their col_scale ratios stay in registers.
 constexpr int CPW = 32 / VB;        // channels per V word
 constexpr int WPT = D / CPW;        // V words per token
-static_assert(GT % WPT == 0, "a producer thread keeps its channels");
+// Item -> (token, word): mma.sync, consecutive threads take consecutive words of a token; wgmma,
+// consecutive threads take 8 consecutive tokens of one word (8 lanes of a store phase then write 8
+// different core-matrix rows).
+constexpr int V_LANES = WGMMA ? 8 : 1;
+static_assert(GT % (WPT * V_LANES) == 0, "a producer thread keeps its channels");
+__device__ __forceinline__ int v_word(int item) { return (item / V_LANES) % WPT; }
+__device__ __forceinline__ int v_token(int item) { return (item / (V_LANES * WPT)) * V_LANES + item % V_LANES; }
 __device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[CPW / 2], int ptid) {
-    const int c0 = (ptid % WPT) * CPW;
+    const int c0 = v_word(ptid) * CPW;
 #pragma unroll
     for (int k = 0; k < CPW / 2; ++k) cr[k] = reinterpret_cast<const ratio_t*>(P.cr)[c0 / 2 + k];
 }
@@ -647,7 +810,7 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
 #pragma unroll 2
     for (int it = 0; it < ITEMS / GT; ++it) {
         const int item = ptid + it * GT;
-        const int tt = item / WPT, wi = item - tt * WPT;
+        const int tt = v_token(item), wi = v_word(item);
         const u32 w = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
         const uint2 vp = P.vp[t0 + tt];
         u32 out[CPW / 2];
@@ -662,10 +825,9 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
 #pragma unroll
             for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp, cr[k]);
         }
-        u8* dst = sVd + (tt * QS + wi * CPW) * 2;
 #pragma unroll
-        for (int k = 0; k < CPW / 2; k += 4)
-            *reinterpret_cast<uint4*>(dst + k * 4) = make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
+        for (int k = 0; k < CPW / 2; k += 4)  // 8 channels wi * CPW + 2k .. + 7 per 16-byte store
+            *reinterpret_cast<uint4*>(sVd + v_off(tt, wi * CPW + 2 * k)) = make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
     }
 }
 
@@ -701,8 +863,8 @@ __device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, 
             pv = src.chunk_v + b * src.cv_sb + h * src.cv_sh + j * src.cv_st;
         }
         const bool valid = e < E;
-        cp_async16(sK + (tt * QS + ch * 8) * 2, pk + ch * 8, valid);
-        cp_async16(sV + (tt * QS + ch * 8) * 2, pv + ch * 8, valid);
+        cp_async16(sK + ek_off(tt, ch * 8), pk + ch * 8, valid);
+        cp_async16(sV + v_off(tt, ch * 8), pv + ch * 8, valid);
     }
     cp_async_commit();
 }
@@ -789,7 +951,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const cache_t* chunk_k, const cache_t* chunk_v, long long ck_sb, long long ck_sh, long long ck_st,
     long long cv_sb, long long cv_sh, long long cv_st,
     int Hkv, int G, int n, float scale_log2) {
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(128) u8 smem[];
     u8* sQ = smem;
     u8* sRec = smem + OFF_SM_REC;
     u8* sLut = smem + OFF_SM_LUT;
@@ -852,6 +1014,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
                 if (gtid < BN) tokf[gtid] = P.rs[t0 + gtid];
                 if (gtid == 0) tokf[BN] = fv_tile;  // the consumers keep the running max of the tile factors
+                fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + 2
                     bar_sync(BAR_GROUP + pg, GT);
                     if (g + 2 < n_tiles) fetch(g + 2);
@@ -859,8 +1022,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 bar_arrive(BAR_FULL + s, HANDOFF);
             } else {
                 if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);
-                load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + BN * QS * 2, gtid);
+                load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + ST_EK, gtid);
                 cp_async_wait_all();
+                fence_operands_for_wgmma();
                 bar_arrive(BAR_FULL + s, HANDOFF);
             }
         }
@@ -868,7 +1032,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     }
 
     // ================= consumers =================
-    const u8* sQw = sQ + warp * RPW * QS * 2;
+    // the rows this warp multiplies: its own (mma.sync) or its warpgroup's 64 (wgmma)
+    constexpr int MMA_ROWS = WGMMA ? 64 : RPW;
+    const int mma_row0 = WGMMA ? (warp >> 2) * 64 : warp * RPW;
+    const u8* sQw = sQ + q_off(mma_row0, 0);
     RowState st;
     float acc[MT][ON][4];
 #pragma unroll
@@ -891,8 +1058,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) st.rowf[mi][hr] = sRowf[warp * RPW + mi * 16 + hr * 8 + (lane >> 2)];
     };
-    // the warp's rows, for skipping exact blocks no row of the warp sees
-    const int wr0 = r0 + warp * RPW, wr1 = min(M, wr0 + RPW) - 1;
+    // the MMA's rows, for skipping exact blocks none of them sees (uniform over a warpgroup for wgmma)
+    const int wr0 = r0 + mma_row0, wr1 = min(M, wr0 + MMA_ROWS) - 1;
     const bool w_rows = wr0 < M;
     const bool w_one_head = w_rows && wr0 / n == wr1 / n;
     const int wq_last = !w_rows ? -1 : (w_one_head ? wr1 % n : n - 1);
@@ -935,7 +1102,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warp sees a key of the block
                 const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
-                attend_block<false>(sQw, stg, stg + BN * QS * 2, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
+                attend_block<false>(sQw, stg, stg + ST_EK, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
                                     need_mask);
             }
             if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, HANDOFF);

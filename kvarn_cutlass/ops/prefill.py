@@ -21,6 +21,13 @@ import torch
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ..runtime import KernelSpec, register
 
+
+def cute_include_dirs() -> tuple[str, ...]:
+    """The CUTLASS/CuTe headers of the nvidia-cutlass wheel (the wgmma variant includes CuTe's GMMA atoms)."""
+    from ..gemm.compile import cutlass_include_dirs
+
+    return cutlass_include_dirs()[:1]
+
 __all__ = ["FusedConfig", "CANDIDATES", "DEFAULT_CONFIGS", "fused_spec", "fused_specs", "select_config",
            "table_path", "smem_bytes", "FusedPrefillKernel", "MAX_SMEM_PER_BLOCK"]
 
@@ -55,16 +62,20 @@ class FusedConfig:
     producer_groups: 1 (the 4 producer warps work on every tile together) or 2 (two groups of 2 warps take
         alternate tiles, so one group's per-tile scale reductions overlap the other's dequantization;
         needs at most 2 blocks per tile and shared memory for 2 stages per group).
+    mma: ``"sync"`` (mma.sync m16n8k16 per consumer warp, sm_80+) or ``"wgmma"`` (sm_90a only: wgmma per
+        consumer warpgroup of 64 rows on CuTe's SM90 GMMA atoms; 16 rows per warp, 64-token blocks, head_dim
+        64 or 128, one producer group).
     """
 
     rows_per_warp: int = 32
     block_n: int = 64
     consumer_warps: int = 4
     producer_groups: int = 1
+    mma: str = "sync"
 
     def __post_init__(self) -> None:
         for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
-                              ("producer_groups", (1, 2))):
+                              ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
@@ -79,17 +90,24 @@ class FusedConfig:
 
     @property
     def name(self) -> str:
-        return f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
+        return (f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
+                + ("wg" if self.mma == "wgmma" else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "FusedConfig":
-        """The config of a :attr:`name` such as ``r32c4n64`` or ``r16c8n64g2``; ValueError otherwise."""
+        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2`` or ``r16c8n64wg``; ValueError otherwise."""
         import re
 
-        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?", name) if isinstance(name, str) else None
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(wg)?", name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2], e.g. r32c4n64)")
-        return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1)
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][wg], "
+                             "e.g. r32c4n64)")
+        return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1,
+                   "wgmma" if m.group(5) else "sync")
+
+    def supported_on(self, arch: int) -> bool:
+        """Whether the config runs on a device of compute capability ``arch`` (e.g. 90): wgmma is sm_90a code."""
+        return arch >= 80 and (self.mma == "sync" or arch == 90)
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
@@ -97,6 +115,9 @@ class FusedConfig:
         4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
+        if self.mma == "wgmma":
+            return (self.rows_per_warp == 16 and self.block_n == 64 and head_dim in (64, 128)
+                    and self.producer_groups == 1)
         if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
             return False
         if self.producer_groups == 2 and (tile_tokens // self.block_n > 2 or head_dim == 256):
@@ -106,7 +127,7 @@ class FusedConfig:
 
 # Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
 CANDIDATES = tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
-                   if c == 4 or r == 16)
+                   if c == 4 or r == 16) + (FusedConfig(16, 64, 4, mma="wgmma"), FusedConfig(16, 64, 8, mma="wgmma"))
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
     64: FusedConfig(32, 64),
@@ -150,10 +171,13 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "CONSUMER_WARPS": config.consumer_warps,
         "PRODUCER_GROUPS": config.producer_groups,
         "BLOCK_N": config.block_n,
+        "WGMMA": int(config.mma == "wgmma"),
     }
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
+    wgmma = config.mma == "wgmma"
     return KernelSpec("prefill_fused.cu", (KERNEL_SYMBOL,), defines=defines, options=("-lineinfo",),
+                      arch_specific=wgmma, include_dirs=cute_include_dirs() if wgmma else (),
                       name=_variant_name(spec, cache_dtype, q_dtype, config))
 
 
@@ -267,10 +291,13 @@ _kernels: dict[tuple, FusedPrefillKernel] = {}
 def get_kernel(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device,
                config: FusedConfig | None = None) -> FusedPrefillKernel:
     """The loaded variant for (spec, dtypes, config) on ``device``; built and loaded once per process."""
-    if config is None:
-        from ..runtime.arch import device_arch
+    from ..runtime.arch import device_arch
 
-        config = select_config(spec, f"sm{device_arch(device.index)}")
+    arch = device_arch(device.index)
+    if config is None:
+        config = select_config(spec, f"sm{arch}")
+    elif not config.supported_on(arch):
+        raise ValueError(f"config {config.name} ({config.mma}) does not run on sm_{arch}")
     key = (spec, cache_dtype, q_dtype, device.index, config)
     k = _kernels.get(key)
     if k is None:

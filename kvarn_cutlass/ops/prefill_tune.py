@@ -54,8 +54,9 @@ def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
     vn = torch.randn_like(kn)
     want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
     rows = []
+    major, minor = torch.cuda.get_device_capability()
     for cfg in CANDIDATES:
-        if not cfg.fits(D, spec.tile_tokens):
+        if not cfg.fits(D, spec.tile_tokens) or not cfg.supported_on(10 * major + minor):
             continue
         row = {"config": cfg.name}
         try:

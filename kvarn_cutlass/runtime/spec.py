@@ -62,6 +62,8 @@ class KernelSpec:
         defines: preprocessor macros, a dict or (name, value) pairs; stored sorted.
         options: extra compiler options (``-lineinfo``, ``--use_fast_math``, ``--maxrregcount=N``).
         arch_specific: compile for the ``a`` target (``sm_90a``) on sm_90+, for wgmma/setmaxnreg.
+        include_dirs: absolute include directories beyond ``csrc`` (e.g. the CuTe headers of the
+            nvidia-cutlass wheel), searched before the CUDA headers; part of the cache key.
         name: readable name for cache files and reports; defaults to the source's stem.
     """
 
@@ -70,6 +72,7 @@ class KernelSpec:
     defines: tuple[tuple[str, str], ...] = ()
     options: tuple[str, ...] = ()
     arch_specific: bool = False
+    include_dirs: tuple[str, ...] = ()
     name: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -83,6 +86,10 @@ class KernelSpec:
         object.__setattr__(self, "kernel_names", names)
         object.__setattr__(self, "defines", _normalize_defines(self.defines))
         object.__setattr__(self, "options", tuple(self.options))
+        if isinstance(self.include_dirs, str) or not all(
+                isinstance(d, str) and Path(d).is_absolute() for d in self.include_dirs):
+            raise TypeError(f"include_dirs must be a sequence of absolute paths, got {self.include_dirs!r}")
+        object.__setattr__(self, "include_dirs", tuple(self.include_dirs))
         object.__setattr__(self, "name", self.name or Path(self.source_file).stem)
 
     @property
@@ -160,7 +167,7 @@ def build(spec: KernelSpec, arch: str | int, backend: str | None = None) -> Comp
     backend = backend or default_backend()
     target = arch_target(arch, spec.arch_specific)
     path = spec.source_path
-    include_dirs = (str(path.parent),)
+    include_dirs = (str(path.parent), *spec.include_dirs)
     key = {
         "arch": target,
         "source": spec.source_file,
