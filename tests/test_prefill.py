@@ -285,7 +285,8 @@ def test_fused_kernel_compiles(arch):
 ])
 def test_wgmma_variant_compiles_for_sm90a(D, preset, scale_dtype, quantizer, dtype):
     """The wgmma configs build for sm_90a (CuTe's GMMA atoms: the source refuses any other target) with no
-    register spills, and are refused where they cannot run."""
+    register spills (512-thread configs, whose warpgroups trade registers by setmaxnreg: at most a few words
+    of producer state), and are refused where they cannot run."""
     pytest.importorskip("cuda.bindings")
     from kvarn_cutlass.ops.prefill import CANDIDATES, fused_spec
     from kvarn_cutlass.runtime.errors import CompileError
@@ -293,13 +294,14 @@ def test_wgmma_variant_compiles_for_sm90a(D, preset, scale_dtype, quantizer, dty
 
     spec = kc.TileSpec(preset, D, scale_dtype, quantizer=quantizer)
     wg = [c for c in CANDIDATES if c.mma == "wgmma" and c.fits(D, spec.tile_tokens)]
-    assert len(wg) == 2
+    assert len(wg) == 6
     for cfg in wg:
         assert cfg.supported_on(90) and not cfg.supported_on(80) and not cfg.supported_on(100)
         m = build(fused_spec(spec, dtype, dtype, cfg), "sm_90")
         assert m.target == "sm_90a"
         res = m.resources["kvarn_prefill_fused"]
-        assert res.spill_store_bytes in (0, None) and res.stack_bytes == 0, (cfg, res)
+        limit = 64 if cfg.threads == 512 else 0
+        assert (res.spill_store_bytes or 0) <= limit and res.stack_bytes <= limit, (cfg, res)
     with pytest.raises(CompileError, match="sm_90a"):
         build(fused_spec(spec, dtype, dtype, wg[0]), "sm_80")
     assert not any(c.fits(256, 128) for c in wg)
@@ -401,15 +403,15 @@ def test_gpu(chunks, kw):
 
 @gpu
 @pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if c[1].get("D", 128) != 256])
-@pytest.mark.parametrize("consumer_warps", [4, 8])
-def test_gpu_wgmma(chunks, kw, consumer_warps):
+@pytest.mark.parametrize("consumer_warps,producer_warps", [(4, 4), (8, 4), (8, 8)])
+def test_gpu_wgmma(chunks, kw, consumer_warps, producer_warps):
     """The wgmma configs (sm_90 only) on every shape they take: both phases, ragged row blocks, GQA 1..8,
     bf16, both quantizers, f32 scales, sink tokens."""
     _gpu_skip()
     from kvarn_cutlass.ops.prefill import FusedConfig
     from kvarn_cutlass.runtime.arch import device_arch
 
-    cfg = FusedConfig(16, 64, consumer_warps, mma="wgmma")
+    cfg = FusedConfig(16, 64, consumer_warps, mma="wgmma", producer_warps=producer_warps)
     if not cfg.supported_on(device_arch()):
         pytest.skip("wgmma needs sm_90")
     for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 100, config=cfg, **kw):

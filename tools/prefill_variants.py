@@ -1,7 +1,8 @@
 """Which role of the fused prefill kernel sets the pace: time variants that leave one role's work out
 (text substitutions of csrc/prefill_fused.cu, built under their own names), on the tuner's shape (16k
 context, one 512-token chunk, 32 q / 8 KV heads, D=128, k4v2_g128). The variants' outputs are wrong by
-design; the shipped one is checked against the torch path. Run on a GPU: python3 tools/prefill_variants.py"""
+design; the shipped one is checked against the torch path.
+Run on a GPU: python3 tools/prefill_variants.py [CONFIG ...]   (config names, default: the tuned one)"""
 import statistics, sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,12 +18,16 @@ SRC = (root / "kvarn_cutlass/csrc/prefill_fused.cu").read_text()
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);"
 DQK = "dequant_k(rec, P, sLut, st, t0, gtid);"
 DQV = "dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);"
+PARAMS = "tile_params(rec, f, P, gtid);"
+FACTORS = "const TileFactors f = tile_factors(P.red);"
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": [(ATTEND, "if (ratio < -1.f) " + ATTEND)],
     "no_dequant": [(DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)],
     "neither": [(ATTEND, "if (ratio < -1.f) " + ATTEND), (DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)],
+    "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 1.f, 1.f};")],
 }
+CONFIGS = [OP.FusedConfig.from_name(n) for n in sys.argv[1:]] or [None]
 orig = OP.fused_spec
 g = torch.Generator(device="cuda").manual_seed(0)
 D, ctx, n = 128, 16384, 512
@@ -33,21 +38,25 @@ q = torch.randn(1, 32, n, D, device="cuda", dtype=torch.float16, generator=g) * 
 kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
 vn = torch.randn_like(kn)
 want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
-for name, subs in VARIANTS.items():
+for cfg, (name, subs) in ((c, v) for c in CONFIGS for v in VARIANTS.items()):
     src = SRC
     for a, b in subs:
         assert a in src, (name, a)
         src = src.replace(a, b)
     path = Path(f"/tmp/prefill_fused_{name}.cu")
     path.write_text(src)
-    OP.fused_spec = lambda *a, _p=str(path), _n=name, **kw: replace(orig(*a, **kw), source_file=_p, name=orig(*a, **kw).name + "_" + _n)
+    # the variant lives outside csrc: its headers are found through include_dirs
+    OP.fused_spec = lambda *a, _p=str(path), _n=name, **kw: replace(
+        orig(*a, **kw), source_file=_p, name=orig(*a, **kw).name + "_" + _n,
+        include_dirs=(str(root / "kvarn_cutlass/csrc"), *orig(*a, **kw).include_dirs))
     OP._kernels.clear()
-    out = kc.prefill_attention(q, kn, vn, cache, 0, append=False)
+    out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
     err = ((out.float() - want).norm() / want.norm()).item()
     ts = []
     for _ in range(11):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); kc.prefill_attention(q, kn, vn, cache, 0, append=False, out=out); b.record(); b.synchronize()
+        a.record(); kc.prefill_attention(q, kn, vn, cache, 0, append=False, out=out, config=cfg); b.record()
+        b.synchronize()
         ts.append(a.elapsed_time(b))
-    print(f"{name:24s} {statistics.median(ts[1:]):.4f} ms  error vs torch path {err:.2e}")
+    print(f"{cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  error vs torch path {err:.2e}")
 OP.fused_spec = orig

@@ -46,8 +46,8 @@
 //
 // Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
-// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_GROUPS, BLOCK_N,
-// WGMMA, OFF_* and RECORD_BYTES,
+// K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_WARPS,
+// PRODUCER_GROUPS, BLOCK_N, WGMMA, OFF_* and RECORD_BYTES,
 // KERNEL_NAME.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -71,7 +71,7 @@ constexpr int T = TILE_TOKENS;
 constexpr int VB = V_BITS;
 constexpr int RPW = ROWS_PER_WARP;
 constexpr int NC = CONSUMER_WARPS;    // consumer warps (4 or 8)
-constexpr int NP = 4;                 // producer warps (one warpgroup)
+constexpr int NP = PRODUCER_WARPS;    // producer warps (4 or 8: one or two warpgroups)
 constexpr int BN = BLOCK_N;
 constexpr int NT = (NC + NP) * 32;    // threads
 constexpr int PT = NP * 32;           // producer threads
@@ -92,6 +92,12 @@ constexpr int NSTAGE = NG == 1 ? 3 : NG * BPT;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
+static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgmma");
+// 512 threads get 128 registers each at launch; the warpgroups then trade them (setmaxnreg): the consumers'
+// accumulators need more than the producers' dequantization
+constexpr bool REG_TRADE = NT == 512;
+constexpr int PRODUCER_REGS = NG == 2 ? 104 : 88, CONSUMER_REGS = NG == 2 ? 152 : 168;
+static_assert(!REG_TRADE || 2 * 128 * (PRODUCER_REGS + CONSUMER_REGS) <= 65536, "register file");
 static_assert(NG == 1 || (NG == 2 && BPT <= 2), "PRODUCER_GROUPS is 1, or 2 with at most 2 blocks per tile");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
@@ -106,7 +112,7 @@ static_assert(!WGMMA || (RPW == 16 && BN == 64 && D <= 128),
 // NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_REC = 2 * REC;
-constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4;  // kp [D], cr [D], vp [T], rs [T] (see Params)
+constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
@@ -392,68 +398,12 @@ struct RowState {
     int qi[MT][2];     // query index i of the row (causal mask)
 };
 
-// One BLOCK_N-token block: S = Q . K^T, online softmax, acc += P . V.
-//   TILE: K channel-major f16 [D][KS] (ldmatrix.trans), V f16 [BN][QS], P' = p * ratio in f16, scores
-//         times tokf[t]; no mask. Else: K and V token-major in the cache dtype, causal/end mask.
+// Online softmax of one block's scores s (in place: s becomes P, times `ratio` for tiles), and the
+// accumulator rescale. TILE: scores times tokf[t], no mask; else the causal/end mask.
 template <bool TILE>
-__device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const u8* sV, const float* tokf,
-                                             float ratio, float acc_rescale, RowState& st,
-                                             float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
-                                             bool need_mask) {
-    constexpr bool BF = TILE ? false : (bool)CACHE_BF16;
-    float s[MT][SN][4];
-#if WGMMA
-    // the warpgroup's 64 rows against the block's 64 tokens, D / 16 k-steps of 16 channels
-    {
-        using Op = typename ScoreMMA<BF, TILE>::Op;
-        fence_acc(s[0]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            gmma_ss<Op>(wgmma_desc(sQw + kk * 2048, 1024, 128), wgmma_desc(sK + kk * 2 * (BN * 16), BN * 16, 128),
-                        s[0], kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_acc(s[0]);
-    }
-#else
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) s[mi][nt][k] = 0.f;
-
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        u32 a[MT][4];
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-            const int row = mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int col = kk * 16 + (lane >> 4) * 8;
-            ldsm_x4(a[mi], sQw + (row * QS + col) * 2);
-        }
-#pragma unroll
-        for (int n2 = 0; n2 < SN / 2; ++n2) {
-            u32 bfr[4];
-            if (TILE) {  // kd[c][t]: matrices (c 0-7, t 0-7), (c 8-15, t 0-7), (c 0-7, t 8-15), (c 8-15, t 8-15)
-                const int c = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                const int t = n2 * 16 + (lane >> 4) * 8;
-                ldsm_x4_t(bfr, sK + (c * KS + t) * 2);
-            } else {     // k[t][c]: matrices (t 0-7, c 0-7), (t 0-7, c 8-15), (t 8-15, c 0-7), (t 8-15, c 8-15)
-                const int t = n2 * 16 + (lane & 7) + (lane >> 4) * 8;
-                const int c = kk * 16 + ((lane >> 3) & 1) * 8;
-                ldsm_x4(bfr, sK + (t * QS + c) * 2);
-            }
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
-                mma16816<BF>(s[mi][2 * n2], a[mi], bfr[0], bfr[1]);
-                mma16816<BF>(s[mi][2 * n2 + 1], a[mi], bfr[2], bfr[3]);
-            }
-        }
-    }
-#endif
-
+__device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], const float* tokf, float ratio, float acc_rescale,
+                                               RowState& st, float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
+                                               bool need_mask) {
     const int tq = lane & 3;
     if (TILE) {
 #pragma unroll
@@ -524,28 +474,84 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
             }
     }
 
-    // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
+}
+
 #if WGMMA
-    {
-        using Op = typename ValueMMA<BF>::Op;
-        u32 pa[BN / 16][4];
+// The warpgroup's S = Q . K^T for one 64-token block (D / 16 k-steps), issued, not waited for.
+template <bool TILE>
+__device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float (&s)[SN][4]) {
+    using Op = typename ScoreMMA<TILE ? false : (bool)CACHE_BF16, TILE>::Op;
 #pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt) {
-            pa[kt][0] = pack2<BF>(s[0][2 * kt][0], s[0][2 * kt][1]);
-            pa[kt][1] = pack2<BF>(s[0][2 * kt][2], s[0][2 * kt][3]);
-            pa[kt][2] = pack2<BF>(s[0][2 * kt + 1][0], s[0][2 * kt + 1][1]);
-            pa[kt][3] = pack2<BF>(s[0][2 * kt + 1][2], s[0][2 * kt + 1][3]);
-        }
-        fence_acc(acc[0]);
-        cute::warpgroup_arrive();
+    for (int kk = 0; kk < D / 16; ++kk)
+        gmma_ss<Op>(wgmma_desc(sQw + kk * 2048, 1024, 128), wgmma_desc(sK + kk * 2 * (BN * 16), BN * 16, 128), s,
+                    kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+}
+// acc += P . V for one block, P the packed A fragments (k16 step kt: score n8 tiles 2kt, 2kt + 1), issued.
+template <bool TILE>
+__device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], const u8* sV, float (&acc)[ON][4]) {
+    using Op = typename ValueMMA<TILE ? false : (bool)CACHE_BF16>::Op;
 #pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt)
-            gmma_rs<Op>(pa[kt], wgmma_desc(sV + kt * 2 * (D * 16), D * 16, 128), acc[0], gmma::ScaleOut::One);
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_acc(acc[0]);
+    for (int kt = 0; kt < BN / 16; ++kt)
+        gmma_rs<Op>(pa[kt], wgmma_desc(sV + kt * 2 * (D * 16), D * 16, 128), acc, gmma::ScaleOut::One);
+}
+template <bool BF16>
+__device__ __forceinline__ void pack_p(const float (&s)[SN][4], u32 (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) {
+        pa[kt][0] = pack2<BF16>(s[2 * kt][0], s[2 * kt][1]);
+        pa[kt][1] = pack2<BF16>(s[2 * kt][2], s[2 * kt][3]);
+        pa[kt][2] = pack2<BF16>(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+        pa[kt][3] = pack2<BF16>(s[2 * kt + 1][2], s[2 * kt + 1][3]);
     }
+}
 #else
+// One BLOCK_N-token block with mma.sync: S = Q . K^T from ldmatrix fragments, online softmax, acc += P . V.
+//   TILE: K channel-major f16 [D][KS] (ldmatrix.trans), V f16 [BN][QS]; else K and V token-major in the
+//   cache dtype.
+template <bool TILE>
+__device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const u8* sV, const float* tokf,
+                                             float ratio, float acc_rescale, RowState& st,
+                                             float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
+                                             bool need_mask) {
+    constexpr bool BF = TILE ? false : (bool)CACHE_BF16;
+    float s[MT][SN][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) s[mi][nt][k] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+            const int row = mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int col = kk * 16 + (lane >> 4) * 8;
+            ldsm_x4(a[mi], sQw + (row * QS + col) * 2);
+        }
+#pragma unroll
+        for (int n2 = 0; n2 < SN / 2; ++n2) {
+            u32 bfr[4];
+            if (TILE) {  // kd[c][t]: matrices (c 0-7, t 0-7), (c 8-15, t 0-7), (c 0-7, t 8-15), (c 8-15, t 8-15)
+                const int c = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int t = n2 * 16 + (lane >> 4) * 8;
+                ldsm_x4_t(bfr, sK + (c * KS + t) * 2);
+            } else {     // k[t][c]: matrices (t 0-7, c 0-7), (t 0-7, c 8-15), (t 8-15, c 0-7), (t 8-15, c 8-15)
+                const int t = n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+                const int c = kk * 16 + ((lane >> 3) & 1) * 8;
+                ldsm_x4(bfr, sK + (t * QS + c) * 2);
+            }
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi) {
+                mma16816<BF>(s[mi][2 * n2], a[mi], bfr[0], bfr[1]);
+                mma16816<BF>(s[mi][2 * n2 + 1], a[mi], bfr[2], bfr[3]);
+            }
+        }
+    }
+    online_softmax<TILE>(s, tokf, ratio, acc_rescale, st, acc, lane, e0, E, E0, need_mask);
+
+    // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) {
         u32 pa[MT][4];
@@ -577,8 +583,8 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
             }
         }
     }
-#endif
 }
+#endif
 
 
 // --- synchronization ----------------------------------------------------------------------------
@@ -588,7 +594,8 @@ constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers 
 constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
 constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
 constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
-static_assert(BAR_GROUP + NG <= 16, "16 named barriers");
+constexpr int BAR_TURN = BAR_GROUP + NG;   // + warpgroup: its turn to issue MMAs (wgmma, 2 consumer warpgroups)
+static_assert(BAR_TURN + 2 <= 16, "16 named barriers");
 // threads on a stage's FULL / EMPTY barrier: the consumers and the one producer group that owns the stage
 constexpr int HANDOFF = NC * 32 + GT;
 __device__ __forceinline__ void bar_sync(int id, int count) {
@@ -599,8 +606,8 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
 }
 
 // --- phase A producers: per-tile parameters and dequantization ------------------------------------
-// Tile factors, the same in every producer warp (each reduces the record's scales redundantly: a few
-// dozen instructions per tile, and no extra barrier).
+// Tile factors: the maxima of the record's scales, reduced over a producer group (each thread takes a
+// few channels and tokens, each warp reduces its lanes into Params::red, every thread combines the warps).
 struct TileFactors {
     int ek, ev;
     float cmax;   // max_c col_scale
@@ -611,21 +618,34 @@ struct TileFactors {
 constexpr float K_CB_ABSMAX = K_CB_LIMIT;
 constexpr float V_CB_ABSMAX = V_CB_LIMIT;
 
-__device__ __forceinline__ TileFactors tile_factors(const u8* rec, int lane) {
-    float kmin = 0.f, kstep = 0.f, cmax = 0.f, vmin = 0.f, vstep = 0.f;
-    for (int c = lane; c < D; c += 32) {
-        kmin = fmaxf(kmin, fabsf(scale_at(rec + OFF_CHAN_MIN, c)));
-        kstep = fmaxf(kstep, fabsf(scale_at(rec + OFF_CHAN_STEP, c)));
-        cmax = fmaxf(cmax, scale_at(rec + OFF_COL_SCALE, c));
+// this thread's channels and tokens, reduced over its warp into red[warp][0..4]; then a group barrier
+__device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
+    float m[5] = {0.f, 0.f, 0.f, 0.f, 0.f};  // |chan_min|, |chan_step|, col_scale, |tok_min|, |tok_step|
+    for (int c = gtid; c < D; c += GT) {
+        m[0] = fmaxf(m[0], fabsf(scale_at(rec + OFF_CHAN_MIN, c)));
+        m[1] = fmaxf(m[1], fabsf(scale_at(rec + OFF_CHAN_STEP, c)));
+        m[2] = fmaxf(m[2], scale_at(rec + OFF_COL_SCALE, c));
     }
-    for (int t = lane; t < T; t += 32) {
-        vmin = fmaxf(vmin, fabsf(scale_at(rec + OFF_TOK_MIN, t)));
-        vstep = fmaxf(vstep, fabsf(scale_at(rec + OFF_TOK_STEP, t)));
+    for (int t = gtid; t < T; t += GT) {
+        m[3] = fmaxf(m[3], fabsf(scale_at(rec + OFF_TOK_MIN, t)));
+        m[4] = fmaxf(m[4], fabsf(scale_at(rec + OFF_TOK_STEP, t)));
     }
+#pragma unroll
+    for (int k = 0; k < 5; ++k) m[k] = warp_max(m[k]);
+    if ((gtid & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < 5; ++k) red[(gtid >> 5) * 8 + k] = m[k];
+}
+__device__ __forceinline__ TileFactors tile_factors(const float* red) {
+    float m[5] = {0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < GT / 32; ++w)
+#pragma unroll
+        for (int k = 0; k < 5; ++k) m[k] = fmaxf(m[k], red[w * 8 + k]);
     TileFactors f;
-    f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, warp_max(kstep), warp_max(kmin)));
-    f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, warp_max(vstep), warp_max(vmin)));
-    f.cmax = warp_max(cmax);
+    f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, m[1], m[0]));
+    f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, m[4], m[3]));
+    f.cmax = m[2];
     f.fv = f.cmax * exp2i(f.ev);
     return f;
 }
@@ -646,6 +666,7 @@ struct Params {
     void* cr;
     uint2* vp;
     float* rs;
+    float* red;  // [GT / 32][8]: per-warp scale maxima (tile_partial_max)
 };
 __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 
@@ -763,26 +784,47 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
     constexpr int WPC = BN / 8;  // words per channel in a block
     constexpr int ITEMS = D * WPC;
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
-#pragma unroll 4
-    for (int it = 0; it < ITEMS / GT; ++it) {
-        const int item = ptid + it * GT;
+    // Items in batches whose loads are all issued before the first store: the compiler cannot move a
+    // shared-memory load above a shared-memory store, so a plain loop pays two load latencies per item.
+    constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;
+    static_assert(NI % NB == 0, "whole batches");
+    // item -> (channel, word of 8 tokens)
+    auto where = [&](int i, int& c, int& wi) {
+        const int item = ptid + i * GT;
 #if WGMMA
         // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core
         // matrices), and a warp's code words fall on 16 banks twice (2-way) rather than 4 times
         static_assert(WPC == 8, "64-token blocks");
         const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
-        const int c = (item >> 6) * 8 + j, wi = 4 * (((j >> 1) + hw) & 1) + p;
+        c = (item >> 6) * 8 + j;
+        wi = 4 * (((j >> 1) + hw) & 1) + p;
 #else
-        const int c = item / WPC, wi = item - c * WPC;
+        c = item / WPC;
+        wi = item - c * WPC;
 #endif
-        const u32 w = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
-        const uint2 kp = P.kp[c];
-        __half2 v[4];
-        values8(w, v, lut);
-        u32 out[4];
+    };
+#pragma unroll 1
+    for (int i0 = 0; i0 < NI; i0 += NB) {
+        u32 w[NB];
+        uint2 kp[NB];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) out[j] = affine(v[j], kp);
-        *reinterpret_cast<uint4*>(sKd + kd_off(c, wi * 8)) = make_uint4(out[0], out[1], out[2], out[3]);
+        for (int i = 0; i < NB; ++i) {
+            int c, wi;
+            where(i0 + i, c, wi);
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
+            kp[i] = P.kp[c];
+        }
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            int c, wi;
+            where(i0 + i, c, wi);
+            __half2 v[4];
+            values8(w[i], v, lut);
+            u32 out[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out[j] = affine(v[j], kp[i]);
+            *reinterpret_cast<uint4*>(sKd + kd_off(c, wi * 8)) = make_uint4(out[0], out[1], out[2], out[3]);
+        }
     }
 }
 
@@ -807,27 +849,39 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
     constexpr int ROWB = D * VB / 8;  // bytes per token of codes
     constexpr int ITEMS = BN * WPT;
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
-#pragma unroll 2
-    for (int it = 0; it < ITEMS / GT; ++it) {
-        const int item = ptid + it * GT;
-        const int tt = v_token(item), wi = v_word(item);
-        const u32 w = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
-        const uint2 vp = P.vp[t0 + tt];
-        u32 out[CPW / 2];
-        if constexpr (VB == 2) {
-            __half2 v[8];
-            values16(w, v, lut);
+    constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;  // batches of loads, as in dequant_k
+    static_assert(NI % NB == 0, "whole batches");
+#pragma unroll 1
+    for (int i0 = 0; i0 < NI; i0 += NB) {
+        u32 w[NB];
+        uint2 vp[NB];
+        const int wi = v_word(ptid);  // the same for every item of this thread
 #pragma unroll
-            for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], vp, cr[k]);
-        } else {
-            __half2 v[4];
-            values8(w, v, lut);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp, cr[k]);
+        for (int i = 0; i < NB; ++i) {
+            const int tt = v_token(ptid + (i0 + i) * GT);
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
+            vp[i] = P.vp[t0 + tt];
         }
 #pragma unroll
-        for (int k = 0; k < CPW / 2; k += 4)  // 8 channels wi * CPW + 2k .. + 7 per 16-byte store
-            *reinterpret_cast<uint4*>(sVd + v_off(tt, wi * CPW + 2 * k)) = make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
+        for (int i = 0; i < NB; ++i) {
+            const int tt = v_token(ptid + (i0 + i) * GT);
+            u32 out[CPW / 2];
+            if constexpr (VB == 2) {
+                __half2 v[8];
+                values16(w[i], v, lut);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], vp[i], cr[k]);
+            } else {
+                __half2 v[4];
+                values8(w[i], v, lut);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp[i], cr[k]);
+            }
+#pragma unroll
+            for (int k = 0; k < CPW / 2; k += 4)  // 8 channels wi * CPW + 2k .. + 7 per 16-byte store
+                *reinterpret_cast<uint4*>(sVd + v_off(tt, wi * CPW + 2 * k)) =
+                    make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
+        }
     }
 }
 
@@ -965,6 +1019,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 
     if (warp >= NC) {
         // ================= producers =================
+#if WGMMA
+        if (REG_TRADE) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+#endif
         const int ptid = tid - NC * 32;
         const int pg = ptid / GT, gtid = ptid - pg * GT;  // producer group, thread within it
         Params P;
@@ -972,6 +1029,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         P.cr = P.kp + D;
         P.vp = reinterpret_cast<uint2*>(reinterpret_cast<float*>(P.cr) + D);
         P.rs = reinterpret_cast<float*>(P.vp + T);
+        P.red = P.rs + T;
         const ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
         // records through a two-slot ring (tile g in slot g % 2): a group fetches tile g + 2 as soon as it is
@@ -1000,9 +1058,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 if (t0 == 0) {  // a new tile: its record, factors and parameters
                     if (NG == 1 && g + 1 < n_tiles) cp_async_wait_group<1>();  // tile g + 1 may stay in flight
                     else cp_async_wait_all();
-                    bar_sync(BAR_GROUP + pg, GT);  // record g landed
+                    bar_sync(BAR_GROUP + pg, GT);  // record g landed (and the last tile's red was read)
                     rec = sRec + (g & 1) * REC;
-                    const TileFactors f = tile_factors(rec, lane);
+                    tile_partial_max(rec, P.red, gtid);
+                    bar_sync(BAR_GROUP + pg, GT);
+                    const TileFactors f = tile_factors(P.red);
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
                     load_col_ratios(P, cr, gtid);
@@ -1032,6 +1092,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     }
 
     // ================= consumers =================
+#if WGMMA
+    if (REG_TRADE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+#endif
     // the rows this warp multiplies: its own (mma.sync) or its warpgroup's 64 (wgmma)
     constexpr int MMA_ROWS = WGMMA ? 64 : RPW;
     const int mma_row0 = WGMMA ? (warp >> 2) * 64 : warp * RPW;
@@ -1070,34 +1133,119 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
     float fv_run = 0.f, ratio = 1.f;
+    // the per-tile factor of the block's tile against the running max (see the header)
+    auto tile_factor = [&](int bi, const float* tokf) {
+        float rescale = 1.f;
+        if (bi % BPT == 0) {
+            const float fv_g = tokf[BN], fv_new = fmaxf(fv_run, fv_g);
+            rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
+            ratio = fv_g / fv_new;
+            fv_run = fv_new;
+        }
+        return rescale;
+    };
+    // the tiles are done: back to the original domain, q unrotated
+    auto end_of_tiles = [&]() {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int dn = 0; dn < ON; ++dn)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
+        wht_acc(acc, lane);
+        bar_sync(BAR_CONS, NC * 32);  // every consumer is done reading the rotated q
+        stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+        bar_sync(BAR_CONS, NC * 32);
+        load_rowf();
+    };
+    auto release = [&](int bi) {
+        if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + bi % NSTAGE, HANDOFF);
+    };
+#if WGMMA
+    // A turn issues the block's S = Q . K^T together with the previous block's P . V, then waits for both;
+    // the softmax of the block follows, so the P . V of a block overlaps the next block's scores. With two
+    // consumer warpgroups the turns alternate (FA3's ping-pong): one warpgroup's MMAs run while the other
+    // does its softmax.
+    constexpr bool PINGPONG = NC == 8;
+    const int wg = warp >> 2;
+    if (PINGPONG && wg == 1) bar_arrive(BAR_TURN, 256);  // the first turn is warpgroup 0's
+    float s[1][SN][4];
+    u32 pa[BN / 16][4];
+    int pv_bi = -1;  // the block whose P . V is pending (its P in pa), -1: none
+    // SCORES: 0 none, 1 a tile block's, 2 an exact block's (K at sK); PV: 0 none, 1 a tile block's, 2 an
+    // exact block's pending P . V. Each combination is one straight-line MMA sequence (a branch between
+    // warpgroup_arrive and the MMAs would make ptxas serialize every wgmma).
+    auto turn = [&](auto scores_kind, auto pv_kind, const u8* sK) {
+        constexpr int SC = decltype(scores_kind)::value, PV = decltype(pv_kind)::value;
+        if (PINGPONG) bar_sync(BAR_TURN + wg, 256);
+        if (SC != 0 || PV != 0) {
+            const u8* pst = sStage + (pv_bi % NSTAGE) * ST_BYTES;
+            fence_acc(s[0]);
+            fence_acc(acc[0]);
+            cute::warpgroup_arrive();
+            if constexpr (SC == 1) issue_scores<true>(sQw, sK, s[0]);
+            if constexpr (SC == 2) issue_scores<false>(sQw, sK, s[0]);
+            if constexpr (PV == 1) issue_pv<true>(pa, pst + ST_KD, acc[0]);
+            if constexpr (PV == 2) issue_pv<false>(pa, pst + ST_EK, acc[0]);
+            cute::warpgroup_commit_batch();
+        }
+        if (PINGPONG) bar_arrive(BAR_TURN + (wg ^ 1), 256);
+        cute::warpgroup_wait<0>();
+        fence_acc(s[0]);
+        fence_acc(acc[0]);
+        if (PV != 0) release(pv_bi);
+        pv_bi = -1;
+    };
+    using K0 = cuda::std::integral_constant<int, 0>;
+    using K1 = cuda::std::integral_constant<int, 1>;
+    using K2 = cuda::std::integral_constant<int, 2>;
+    // the pending P . V's kind: none, a tile block's or an exact block's
+    auto pending = [&]() { return pv_bi < 0 ? 0 : pv_bi < sc.nba ? 1 : 2; };
     for (int bi = 0; bi < sc.nb; ++bi) {
-        const int s = bi % NSTAGE;
-        const u8* stg = sStage + s * ST_BYTES;
-        bar_sync(BAR_FULL + s, HANDOFF);
+        const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
+        bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
         if (bi < sc.nba) {
             const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
-            float rescale = 1.f;
-            if (bi % BPT == 0) {  // a new tile: its factor against the running max (see the header)
-                const float fv_g = tokf[BN], fv_new = fmaxf(fv_run, fv_g);
-                rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
-                ratio = fv_g / fv_new;
-                fv_run = fv_new;
+            const float rescale = tile_factor(bi, tokf);
+            if (pending() == 1) turn(K1{}, K1{}, stg);
+            else turn(K1{}, K0{}, stg);
+            online_softmax<true>(s, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+            pack_p<false>(s[0], pa);
+            pv_bi = bi;
+            if (bi == sc.nba - 1) {
+                turn(K0{}, K1{}, nullptr);
+                end_of_tiles();
             }
+        } else {
+            const int e0 = (bi - sc.nba) * BN;
+            if (e0 < sc.E0 + wq_last + 1) {  // some row of this warpgroup sees a key of the block
+                const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
+                if (pending() == 2) turn(K2{}, K2{}, stg);
+                else turn(K2{}, K0{}, stg);
+                online_softmax<false>(s, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0, need_mask);
+                pack_p<(bool)CACHE_BF16>(s[0], pa);
+                pv_bi = bi;
+            } else {  // no scores, but a turn all the same: the turns stay paired across the warpgroups
+                if (pending() == 2) turn(K0{}, K2{}, nullptr);
+                else turn(K0{}, K0{}, nullptr);
+                release(bi);
+            }
+        }
+    }
+    // the last P . V (an exact block's: a tile block's was flushed at the end of the tiles)
+    if (pending() == 2) turn(K0{}, K2{}, nullptr);
+    else turn(K0{}, K0{}, nullptr);
+    if (PINGPONG && wg == 0) bar_sync(BAR_TURN, 256);  // warpgroup 1's last arrival
+#else
+    for (int bi = 0; bi < sc.nb; ++bi) {
+        const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
+        bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
+        if (bi < sc.nba) {
+            const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
+            const float rescale = tile_factor(bi, tokf);
             attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
-            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, HANDOFF);
-            if (bi == sc.nba - 1) {  // the tiles are done: back to the original domain, q unrotated
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-                    for (int dn = 0; dn < ON; ++dn)
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
-                wht_acc(acc, lane);
-                bar_sync(BAR_CONS, NC * 32);  // every consumer is done reading the rotated q
-                stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
-                bar_sync(BAR_CONS, NC * 32);
-                load_rowf();
-            }
+            release(bi);
+            if (bi == sc.nba - 1) end_of_tiles();
         } else {
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warp sees a key of the block
@@ -1105,9 +1253,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 attend_block<false>(sQw, stg, stg + ST_EK, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
                                     need_mask);
             }
-            if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + s, HANDOFF);
+            release(bi);
         }
     }
+#endif
 
     // ---- normalize and store ----
     const int tq = lane & 3;

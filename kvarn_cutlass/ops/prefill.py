@@ -64,7 +64,10 @@ class FusedConfig:
         needs at most 2 blocks per tile and shared memory for 2 stages per group).
     mma: ``"sync"`` (mma.sync m16n8k16 per consumer warp, sm_80+) or ``"wgmma"`` (sm_90a only: wgmma per
         consumer warpgroup of 64 rows on CuTe's SM90 GMMA atoms; 16 rows per warp, 64-token blocks, head_dim
-        64 or 128, one producer group).
+        64 or 128; two producer groups only as two warpgroups).
+    producer_warps: 4, or 8 with wgmma (two producer warpgroups: twice the warps to hide the
+        dequantization's latency, sharing every tile or, with two groups, taking alternate tiles; with 8
+        consumer warps the warpgroups trade registers by setmaxnreg).
     """
 
     rows_per_warp: int = 32
@@ -72,10 +75,11 @@ class FusedConfig:
     consumer_warps: int = 4
     producer_groups: int = 1
     mma: str = "sync"
+    producer_warps: int = 4
 
     def __post_init__(self) -> None:
         for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
-                              ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma"))):
+                              ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma")), ("producer_warps", (4, 8))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
@@ -86,24 +90,25 @@ class FusedConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * (self.consumer_warps + 4)
+        return 32 * (self.consumer_warps + self.producer_warps)
 
     @property
     def name(self) -> str:
         return (f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
-                + ("wg" if self.mma == "wgmma" else ""))
+                + ("p8" if self.producer_warps == 8 else "") + ("wg" if self.mma == "wgmma" else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "FusedConfig":
-        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2`` or ``r16c8n64wg``; ValueError otherwise."""
+        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2`` or ``r16c8n64p8wg``; ValueError
+        otherwise."""
         import re
 
-        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(wg)?", name) if isinstance(name, str) else None
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(p8)?(wg)?", name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][wg], "
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][p8][wg], "
                              "e.g. r32c4n64)")
         return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1,
-                   "wgmma" if m.group(5) else "sync")
+                   "wgmma" if m.group(6) else "sync", 8 if m.group(5) else 4)
 
     def supported_on(self, arch: int) -> bool:
         """Whether the config runs on a device of compute capability ``arch`` (e.g. 90): wgmma is sm_90a code."""
@@ -115,9 +120,11 @@ class FusedConfig:
         4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
-        if self.mma == "wgmma":
+        if self.mma == "wgmma":  # two producer groups: one warpgroup each
             return (self.rows_per_warp == 16 and self.block_n == 64 and head_dim in (64, 128)
-                    and self.producer_groups == 1)
+                    and (self.producer_groups == 1 or self.producer_warps == 8))
+        if self.producer_warps != 4:
+            return False
         if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
             return False
         if self.producer_groups == 2 and (tile_tokens // self.block_n > 2 or head_dim == 256):
@@ -127,7 +134,8 @@ class FusedConfig:
 
 # Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
 CANDIDATES = tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
-                   if c == 4 or r == 16) + (FusedConfig(16, 64, 4, mma="wgmma"), FusedConfig(16, 64, 8, mma="wgmma"))
+                   if c == 4 or r == 16) + tuple(FusedConfig(16, 64, c, g, mma="wgmma", producer_warps=p)
+                                                 for c in (4, 8) for p in (4, 8) for g in (1, 2) if g <= p // 4)
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
     64: FusedConfig(32, 64),
@@ -170,6 +178,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "ROWS_PER_WARP": config.rows_per_warp,
         "CONSUMER_WARPS": config.consumer_warps,
         "PRODUCER_GROUPS": config.producer_groups,
+        "PRODUCER_WARPS": config.producer_warps,
         "BLOCK_N": config.block_n,
         "WGMMA": int(config.mma == "wgmma"),
     }
