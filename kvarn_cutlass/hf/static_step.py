@@ -72,6 +72,9 @@ class _DeviceStep:
         from ..decode import get_plan
         from ..step_graph import StepAppends
 
+        if lib.tile_pool(0).shape[1] == 0:  # the append kernels of a step need a tile slot (StepGraph's rule)
+            raise ValueError(f"max_seq_len={lib.max_seq_len} leaves no room for a tile (sink {lib.sink_tokens}); "
+                             "a captured decode step needs one: a larger max_seq_len, or graph=False")
         L, B, H, D = lib.num_layers, lib.batch_size, lib.num_kv_heads, lib.head_dim
         self.lib = lib
         # the append launches are prepared on these addresses; each layer's new K/V is copied in
