@@ -94,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = prompts_from_text(tok, text, args.num_prompts, args.prompt_tokens)
     graph = device == "cuda" and not args.no_graph
-    # a graph captures the cache's buffers, so they are allocated for the longest generation up front
-    capacity = max(p.numel() for p in prompts) + args.max_new_tokens if graph else None
+    # A graph captures the cache's buffers, so they are allocated for the longest generation up front; eager
+    # runs get the same capacity, so that the decode kernel's split grid (sized from it) and the tokens are the same.
     factory = kvarn_cache_factory(model, preset=args.preset, quantizer=args.quantizer, window=args.window,
                                   sink_tokens=args.sink, dtype=getattr(torch, args.cache_dtype),
-                                  cpu_attention=args.cpu_attention, max_seq_len=capacity)
+                                  cpu_attention=args.cpu_attention,
+                                  max_seq_len=max(p.numel() for p in prompts) + args.max_new_tokens)
     passes = 3 if args.teacher_forced else 2  # unquantized, quantized (, teacher-forced)
     per_prompt = passes * args.max_new_tokens
     with Progress(len(prompts) * per_prompt, "generate", unit="tok", enabled=not args.no_progress) as progress:
