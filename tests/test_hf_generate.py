@@ -99,3 +99,153 @@ def test_agreement_counts_tiles_and_reports_progress_per_token(model, prompt_tok
     assert [r["tokens_in_tiles"] for r in res["per_prompt"]] == [want_tiles] * 2, f"seed {seed}"
     assert res["prompts_without_tiles"] == (2 if want_tiles == 0 else 0)
     assert len(steps) == 2 * new * (3 if teacher_forced else 2)
+
+
+# --- static_greedy: the static decode step (kvarn_cutlass.hf.static_step), run eagerly on the CPU -----------------------
+from _helpers import SHARED, assert_same_snapshot, snapshot  # noqa: E402
+
+MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"reference model/data not found under {SHARED}")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, attn_implementation="kvarn").eval()
+
+
+def test_static_step_equals_eager_greedy_on_the_reference_model(ref_model):
+    """The static step (explicit position ids, the argmax fed back on the device, tokens written by a device index)
+    gives the eager loop's tokens and leaves the cache byte for byte as the eager loop does, at batch 2, with a tile
+    completing during decode."""
+    seed = random.randrange(2**31)
+    ids = torch.randint(1, ref_model.config.vocab_size, (2, 240), generator=torch.Generator().manual_seed(seed))
+    new = 20
+    # "dequant": the CPU attention that decodes each tile once (the float64 reference is ~5x slower here)
+    eager_cache = kh.KVarNCache(ref_model.config, window=128, cpu_attention="dequant")
+    want = G.greedy(ref_model, ids, new, eager_cache, chunk_size=120)
+    cache = kh.KVarNCache(ref_model.config, window=128, cpu_attention="dequant")
+    run = G.StaticGreedy(ref_model, ids, new, cache, chunk_size=120)
+    assert not run.graph  # the CPU default
+    run.prefill()
+    tiles_after_prefill = cache.library.num_tiles(0)
+    for _ in range(new - 1):
+        run.step()
+    got = run.finish()
+    assert (tiles_after_prefill, cache.library.num_tiles(0)) == (1, 2)  # 240 -> 259 tokens, window 128
+    assert torch.equal(got, want), f"seed {seed}: first difference at {(got != want).nonzero()[:1].tolist()}"
+    assert_same_snapshot(snapshot(cache.library), snapshot(eager_cache.library))
+    assert cache.get_seq_length() == 240 + new - 1
+    assert ref_model.config._attn_implementation == kh.ATTN_IMPLEMENTATION  # restored after the steps
+
+
+def test_static_step_with_a_transformers_static_cache_equals_eager_greedy(ref_model):
+    from transformers import StaticCache
+
+    seed = random.randrange(2**31)
+    ids = torch.randint(1, ref_model.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(seed))
+    new = 16
+    capacity = 100 + new - 1  # exactly what the generation needs
+    eager_cache = StaticCache(config=ref_model.config, max_cache_len=capacity)
+    want = G.greedy(ref_model, ids, new, eager_cache, chunk_size=64)
+    cache = StaticCache(config=ref_model.config, max_cache_len=capacity)
+    got = G.static_greedy(ref_model, ids, new, cache, chunk_size=64)
+    assert torch.equal(got, want), f"seed {seed}"
+    assert int(cache.get_seq_length()) == capacity
+    for a, b in zip(cache.layers, eager_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_static_greedy_reads_the_tokens_back_every_sync_every_tokens(model):
+    ids = torch.randint(1, 96, (2, 50), generator=torch.Generator().manual_seed(3))
+    want = G.greedy(model, ids, 11, kh.KVarNCache(model.config, preset="k4v2_g64", window=64), chunk_size=32)
+    seen = []
+    got = G.static_greedy(model, ids, 11, kh.KVarNCache(model.config, preset="k4v2_g64", window=64), chunk_size=32,
+                          sync_every=4, on_tokens=seen.append)
+    assert [t.shape for t in seen] == [(2, 4), (2, 4), (2, 3)] and all(t.device.type == "cpu" for t in seen)
+    assert torch.equal(torch.cat(seen, 1), got) and torch.equal(got, want)
+    one = G.static_greedy(model, ids, 1, kh.KVarNCache(model.config, preset="k4v2_g64", window=64), chunk_size=32)
+    assert torch.equal(one, want[:, :1])
+
+
+def _static_cache(config, n):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=n)
+
+
+@pytest.mark.parametrize("make,kwargs,error,match", [
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"graph": True}, ValueError, r"max_seq_len >= 57"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64, max_seq_len=57), {"graph": True}, ValueError, "CUDA device"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64, max_seq_len=56), {}, ValueError,
+     r"57 in all, over the cache's max_seq_len=56"),
+    (lambda c: _static_cache(c, 56), {}, ValueError, "max_cache_len=56"),
+    (lambda c: G._baseline_cache(_Model(c)), {}, TypeError, "StaticCache"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"input_ids": torch.ones(1, 5)}, ValueError, "int64"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"chunk_size": 0}, ValueError, "chunk_size"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"sync_every": -1}, ValueError, "sync_every"),
+])
+def test_static_greedy_refuses_before_the_model_or_the_cache_runs(model, make, kwargs, error, match):
+    cache = make(model.config)
+    args = {"input_ids": torch.arange(1, 51)[None], "max_new_tokens": 8, **kwargs}
+    calls, handle = _forward_counter(model)
+    try:
+        with pytest.raises(error, match=match):
+            G.static_greedy(model, args.pop("input_ids"), args.pop("max_new_tokens"), cache, **args)
+    finally:
+        handle.remove()
+    assert calls == [] and int(cache.get_seq_length()) == 0
+
+
+class _Model:
+    """Stands in for a model where only ``.config`` is read."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def test_a_kvarn_cache_needs_the_kvarn_attention_and_kvarn_step_serves_only_decode(model):
+    cache = kh.KVarNCache(model.config, preset="k4v2_g64", window=64)
+    ids = torch.arange(1, 51)[None]
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match="attention implementation 'kvarn'"):
+            G.StaticGreedy(model, ids, 4, cache)
+    finally:
+        model.set_attn_implementation(kh.ATTN_IMPLEMENTATION)
+    from kvarn_cutlass.hf.static_step import STEP_ATTN_IMPLEMENTATION
+
+    model.set_attn_implementation(STEP_ATTN_IMPLEMENTATION)
+    try:
+        with pytest.raises(ValueError, match="one query per sequence"):
+            model(input_ids=ids[:, :3], use_cache=True, **{G.cache_kwarg(model): cache})
+    finally:
+        model.set_attn_implementation(kh.ATTN_IMPLEMENTATION)
+
+
+def test_static_greedy_steps_in_order(model):
+    run = G.StaticGreedy(model, torch.arange(1, 51)[None], 2, kh.KVarNCache(model.config, preset="k4v2_g64", window=64))
+    with pytest.raises(RuntimeError, match="prefill"):
+        run.step()
+    run.prefill()
+    with pytest.raises(RuntimeError, match="already"):
+        run.prefill()
+    run.step()
+    with pytest.raises(RuntimeError, match="all 2 tokens"):
+        run.step()
+    assert run.finish().shape == (1, 2)
+
+
+def test_cli_generate_says_how_it_decoded(capsys):
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"reference model/data not found under {SHARED}")
+    import json
+
+    from kvarn_cutlass.cli import main
+
+    assert main(["generate", "--model", str(MODEL_DIR), "--prompt", "def add(a, b):", "--max-new-tokens", "3",
+                 "--device", "cpu", "--window", "128", "--no-graph", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"] == "eager"  # never a graph on the CPU

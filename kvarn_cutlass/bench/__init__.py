@@ -22,6 +22,7 @@ SECTION_MODULES: tuple[str, ...] = (
     "kvarn_cutlass.gemm.bench",
     "kvarn_cutlass.bench.prefill",
     "kvarn_cutlass.bench.decode",
+    "kvarn_cutlass.bench.e2e",
 )
 
 

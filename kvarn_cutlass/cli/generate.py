@@ -1,6 +1,10 @@
 """``kvarn-cutlass generate``: greedy generation with a KVarN cache, plus agreement with the
 unquantized cache (fraction of identical greedy tokens; with --teacher-forced also the fraction of
-steps where the quantized model, fed the unquantized continuation, picks the same next token)."""
+steps where the quantized model, fed the unquantized continuation, picks the same next token).
+
+On CUDA the quantized run decodes from one CUDA graph per prompt (``kvarn_cutlass.hf.generate.static_greedy``:
+the whole model step captured once and replayed per token, no host sync per token; the same tokens as
+eager decoding); --no-graph decodes it eagerly, one forward pass per token. On the CPU it is always eager."""
 
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cpu-attention", choices=("reference", "dequant"), default="reference",
                    help="CPU attention: float64 reference (default) or tiles decoded once + float32 SDPA (faster)")
     p.add_argument("--teacher-forced", action="store_true", help="also report teacher-forced agreement")
+    p.add_argument("--no-graph", action="store_true",
+                   help="on CUDA, decode the quantized run eagerly instead of replaying one CUDA graph per token")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
@@ -81,14 +87,19 @@ def run(args: argparse.Namespace) -> int:
     from ..hf.generate import agreement, kvarn_cache_factory, prompts_from_text
 
     model, tok = load_model(args.model, device, args.dtype)
-    factory = kvarn_cache_factory(model, preset=args.preset, quantizer=args.quantizer, window=args.window,
-                                  sink_tokens=args.sink, dtype=getattr(torch, args.cache_dtype), cpu_attention=args.cpu_attention)
     if args.prompt is not None:
         prompts = [tok(args.prompt, return_tensors="pt").input_ids[0]]
         if prompts[0].numel() == 0:
             raise ValueError(f"--prompt {args.prompt!r} gives no tokens")
     else:
         prompts = prompts_from_text(tok, text, args.num_prompts, args.prompt_tokens)
+    graph = device == "cuda" and not args.no_graph
+    # A graph captures the cache's buffers, so they are allocated for the longest generation up front; eager
+    # runs get the same capacity, so that the decode kernel's split grid (sized from it) and the tokens are the same.
+    factory = kvarn_cache_factory(model, preset=args.preset, quantizer=args.quantizer, window=args.window,
+                                  sink_tokens=args.sink, dtype=getattr(torch, args.cache_dtype),
+                                  cpu_attention=args.cpu_attention,
+                                  max_seq_len=max(p.numel() for p in prompts) + args.max_new_tokens)
     passes = 3 if args.teacher_forced else 2  # unquantized, quantized (, teacher-forced)
     per_prompt = passes * args.max_new_tokens
     with Progress(len(prompts) * per_prompt, "generate", unit="tok", enabled=not args.no_progress) as progress:
@@ -97,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             progress.step(note=f"prompt {done // per_prompt}/{len(prompts)} done" if done % per_prompt == 0 else None)
 
         res = agreement(model, prompts, args.max_new_tokens, factory, args.chunk, teacher_forced=args.teacher_forced,
-                        progress=step)
+                        progress=step, graph=graph)
     res.update(model=args.model, preset=args.preset, quantizer=args.quantizer, window=args.window, sink_tokens=args.sink, device=device)
     if args.json:
         json.dump(res, sys.stdout, indent=2)
@@ -108,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(args.prompt + tok.decode(row["quantized_tokens"]))
         print("---", file=sys.stderr)
     tf = f", teacher-forced {100 * res['teacher_forced']:.1f}%" if args.teacher_forced else ""
-    print(f"{args.preset} window={args.window}: {res['prompts']} prompt(s) x {args.max_new_tokens} tokens, identical "
+    print(f"{args.preset} window={args.window}, {res['decode']} decode: {res['prompts']} prompt(s) x {args.max_new_tokens} tokens, identical "
           f"greedy tokens vs unquantized {100 * res['identical']:.1f}%{tf} ({res['seconds']:.1f}s)"
           f"{_no_tiles_note(res, args)}", file=sys.stderr)
     return 0

@@ -1,5 +1,9 @@
 """Greedy generation with a KVarN cache and its agreement with the unquantized cache, and
-:func:`generate`: ``model.generate`` with a KVarN cache, its decoding strategy checked first."""
+:func:`generate`: ``model.generate`` with a KVarN cache, its decoding strategy checked first.
+
+Two greedy loops: :func:`greedy` (eager, one forward pass per token through ``model(...)``) and
+:func:`static_greedy` (:mod:`kvarn_cutlass.hf.static_step`: the decode step on static buffers, replayed
+from one CUDA graph on CUDA with no host synchronization per token), equal token for token."""
 
 from __future__ import annotations
 
@@ -12,6 +16,13 @@ import torch
 from ._compat import cache_kwarg
 from .cache import KVarNCache
 from .prefill import prefill
+from .static_step import StaticGreedy, static_greedy
+
+__all__ = ["StaticGreedy", "agreement", "check_generation_mode", "generate", "greedy", "kvarn_cache_factory",
+           "prompts_from_text", "static_greedy", "teacher_forced_agreement"]
+
+# tokens between readbacks of the graph-decoded run of agreement(graph=True) (its progress reports)
+GRAPH_PROGRESS_EVERY = 16
 
 
 def _baseline_cache(model):
@@ -70,6 +81,18 @@ def teacher_forced_agreement(model, input_ids: torch.Tensor, reference: torch.Te
     return torch.stack(hits, 1).float().mean().item()
 
 
+def _per_token(progress: Callable[[], None] | None) -> Callable[[torch.Tensor], None] | None:
+    """``static_greedy``'s ``on_tokens`` that calls ``progress()`` once per token read back."""
+    if progress is None:
+        return None
+
+    def on_tokens(tokens: torch.Tensor) -> None:
+        for _ in range(tokens.shape[1]):
+            progress()
+
+    return on_tokens
+
+
 def prompts_from_text(tokenizer, text: str, num_prompts: int, prompt_tokens: int) -> list[torch.Tensor]:
     """``num_prompts`` prompts of ``prompt_tokens`` tokens taken at evenly spaced offsets of the text."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
@@ -87,9 +110,15 @@ def agreement(
     chunk_size: int = 512,
     teacher_forced: bool = True,
     progress: Callable[[], None] | None = None,
+    graph: bool = False,
 ) -> dict:
     """Greedy generation per prompt with ``cache_factory()`` (a fresh KVarNCache) and with the
     unquantized cache.
+
+    ``graph``: the quantized free-running generation runs through :func:`static_greedy` with its decode
+    step replayed from a CUDA graph (CUDA only; the factory's caches need ``max_seq_len`` >= prompt +
+    ``max_new_tokens``), its tokens read back every :data:`GRAPH_PROGRESS_EVERY` tokens; the unquantized
+    and teacher-forced runs stay eager.
 
     Per prompt: ``identical`` (fraction of positions where the two free-running greedy outputs hold
     the same token), ``first_divergence`` (index of the first differing token, None if none),
@@ -105,7 +134,11 @@ def agreement(
         ids = p.reshape(1, -1)
         base = greedy(model, ids, max_new_tokens, None, chunk_size, on_token=progress)
         cache = cache_factory()
-        quant = greedy(model, ids, max_new_tokens, cache, chunk_size, on_token=progress)
+        if graph:
+            quant = static_greedy(model, ids, max_new_tokens, cache, chunk_size, graph=True,
+                                  sync_every=GRAPH_PROGRESS_EVERY, on_tokens=_per_token(progress))
+        else:
+            quant = greedy(model, ids, max_new_tokens, cache, chunk_size, on_token=progress)
         same = (base == quant)[0]
         diff = (~same).nonzero()
         lo, hi = cache.library.positions(0)["tiles"]
@@ -125,6 +158,7 @@ def agreement(
     res = {
         "prompts": len(rows),
         "max_new_tokens": max_new_tokens,
+        "decode": "graph" if graph else "eager",
         "identical": sum(r["identical"] for r in rows) / len(rows),
         "prompts_without_tiles": sum(1 for r in rows if r["tokens_in_tiles"] == 0),
         "seconds": time.time() - t0,

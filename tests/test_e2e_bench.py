@@ -1,0 +1,175 @@
+"""``bench --section e2e`` without a GPU: the memory arithmetic against what the library and transformers
+allocate, the granted context at the edge of its budget, the plan against the H200's memory, and the README
+headline block and plot generated from a record."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from kvarn_cutlass.bench import e2e
+from kvarn_cutlass.cache import KVarNCache
+
+H200_GIB = 139
+
+
+def _tensor_bytes(cache: KVarNCache) -> int:
+    """Every tensor a fresh cache holds (the per-layer lengths are views of the cache's own)."""
+    total = cache.device_lengths().nbytes + cache._errors.nbytes + cache._counter.nbytes
+    for st in cache._layers:
+        total += sum(t.nbytes for t in (st.tiles, st.tile_table, st.window_k, st.window_v, st.sink_k, st.sink_v))
+    return total
+
+
+@pytest.mark.parametrize("tokens,layers,batch,heads,dim,preset,window,sink", [
+    (1000, 2, 1, 2, 128, "k4v2_g128", 256, 0),
+    (1024, 3, 2, 1, 64, "k4v4_g64", 128, 64),
+    (129, 1, 3, 4, 256, "k4v2_g128", 128, 128),
+    (5, 2, 1, 2, 128, "k4v2_g64", 64, 0),
+])
+def test_kvarn_cache_bytes_is_what_the_cache_allocates(tokens, layers, batch, heads, dim, preset, window, sink):
+    cache = KVarNCache(layers, batch, heads, dim, preset=preset, window=window, sink_tokens=sink, max_seq_len=tokens)
+    assert e2e.kvarn_cache_bytes(tokens, layers, batch, heads, dim, preset, window, sink) == _tensor_bytes(cache)
+
+
+def test_fp16_cache_bytes_and_backups_are_what_transformers_and_the_cache_allocate():
+    from transformers import Qwen3Config, StaticCache
+
+    config = Qwen3Config(**{**e2e.QWEN3_8B, "num_hidden_layers": 3})
+    static = StaticCache(config=config, max_cache_len=50)
+    static.early_initialization(2, 8, 128, torch.float16, torch.device("cpu"))
+    assert sum(la.keys.nbytes + la.values.nbytes for la in static.layers) == e2e.fp16_cache_bytes(50, 3, 2, 8, 128)
+    cache = KVarNCache(3, 2, 8, 128, window=256, max_seq_len=600)
+    before = cache.allocated_nbytes()
+    for layer in range(3):
+        cache._backup(layer)  # what a step graph allocates per layer
+    assert cache.allocated_nbytes() - before == e2e.backup_bytes(3, 2, 8, 128)
+
+
+@pytest.mark.parametrize("budget,layers,heads,window", [(3_000_000, 2, 2, 256), (2 * 10**8, 36, 8, 256), (40_000_000, 3, 1, 128)])
+def test_granted_context_is_the_longest_that_fits(budget, layers, heads, window):
+    g = e2e.granted_context(budget, layers, heads, 128, window=window)
+    kv = lambda n: e2e.kvarn_cache_bytes(n, layers, 1, heads, 128, window=window)  # noqa: E731
+    fp = lambda n: e2e.fp16_cache_bytes(n, layers, 1, heads, 128)  # noqa: E731
+    assert kv(g["kvarn"]) <= budget < kv(g["kvarn"] + 1)
+    assert fp(g["fp16"]) <= budget < fp(g["fp16"] + 1)
+    cache = KVarNCache(layers, 1, heads, 128, window=window, max_seq_len=g["kvarn"])
+    assert _tensor_bytes(cache) <= budget
+
+
+def test_the_headline_shape_grants_over_4_5x_the_fp16_context():
+    # k4v2_g128 records are 108 B/token/head against 512 for fp16 (4.74x); the fixed window costs a little of it
+    for gib in e2e.BUDGETS_GIB:
+        g = e2e.granted_context(gib * e2e.GIB, 36, 8, 128)
+        assert 4.5 < g["kvarn"] / g["fp16"] < 512 / 108
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_weight_bytes_is_the_models_parameter_bytes(tie):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    shape = {**e2e.QWEN3_8B, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": tie}
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.float16)
+    assert e2e.weight_bytes(shape) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_the_full_plan_fits_an_h200_by_the_estimate():
+    """Batch 16 at 16k with 36 layers (and the sweep's points) within the H200's memory, with a tenth to spare."""
+    p = e2e.FULL
+    assert (p.layers, p.prompt, p.new_tokens, max(p.batches)) == (36, 16384, 300, 16)
+    for kind in e2e.KINDS:
+        for batch in p.batches:
+            for chunk in p.chunks:
+                assert e2e.estimate_bytes(kind, p.layers, batch, p.prompt + p.new_tokens, chunk) < 0.9 * H200_GIB * e2e.GIB
+        for batch, contexts in p.sweep:
+            for context in contexts:
+                need = e2e.estimate_bytes(kind, p.layers, batch, context + p.sweep_steps + 2, 1)
+                assert need < 0.9 * H200_GIB * e2e.GIB, (kind, batch, context)
+    # the estimate's fp16 cache at batch 16 is the 39.4 GB the module docstring states
+    assert math.isclose(e2e.fp16_cache_bytes(16684, 36, 16, 8, 128) / 1e9, 39.36, abs_tol=0.01)
+
+
+def _record(quick: bool = False) -> dict:
+    rows = [{"batch": 1, "prompt": 16384, "chunk": 512, "new_tokens": 300, "ttft_ms_kvarn": 100.0, "ttft_ms_fp16": 150.0,
+             "decode_tok_s_kvarn": 30.0, "decode_tok_s_fp16": 20.0, "peak_mem_gib_kvarn": 17.2, "peak_mem_gib_fp16": 19.4},
+            {"batch": 16, "prompt": 16384, "chunk": 2048, "new_tokens": 300, "ttft_ms_kvarn": 900.0,
+             "error_fp16": "OutOfMemoryError: CUDA out of memory"}]
+    sweep = [{"batch": b, "context": c, "decode_tok_s_kvarn": 40.0 * b / (1 + c / 65536), "decode_tok_s_fp16": 35.0 * b / (1 + c / 16384)}
+             for b in (1, 16) for c in (1024, 4096, 16384, 32768)]
+    granted = [{"budget_gib": 8, "layers": 36, "kvarn_tokens": 274944, "fp16_tokens": 58254, "ratio": 4.72, "fits": True}]
+    shape = {**e2e.QWEN3_8B, "num_hidden_layers": 4 if quick else 36, "preset": "k4v2_g128", "window": 256}
+    res = {"shape": shape, "plan": {"prompt": 4096 if quick else 16384}, "quick": quick, "rows": rows,
+           "decode_sweep": sweep, "granted_context": granted}
+    res["bars"] = e2e._bars(res)
+    prov = {"gpu": "NVIDIA H200", "date": "2026-12-02T10:00:00+00:00", "git_commit": "abc123"}
+    return {"sections": {"e2e": {"provenance": prov, "results": res}}}
+
+
+def test_headline_table_shows_the_stored_numbers_and_their_ratios():
+    md = e2e.headline_markdown(_record(), plot="docs/benchmarks/h200-e2e_decode.png")
+    assert "| 1 | 16384 + 300 | 512 | 100.0 | 150.0 | 1.50x | 30.0 | 20.0 | 1.50x | 17.2 / 19.4 |" in md
+    assert "| 16 | 16384 + 300 | 2048 | 900.0 | - | - | - | - | - | - / - |" in md
+    assert "batch 16 chunk 2048 fp16: OutOfMemoryError" in md
+    assert "8 GiB: KVarN 274,944 tokens, fp16 58,254 (4.72x)" in md
+    assert "NVIDIA H200, 2026-12-02, commit abc123" in md and "](docs/benchmarks/h200-e2e_decode.png)" in md
+    assert "kvarn-cutlass bench --section e2e" in md and "Smoke-test" not in md
+    assert "Smoke-test numbers** (a reduced run: 4 layers, 4096-token prompt)" in e2e.headline_markdown(_record(quick=True))
+    empty = e2e.headline_markdown({"sections": {}})
+    assert empty.startswith("Not measured yet") and "kvarn-cutlass bench --section e2e" in empty
+
+
+def test_bars_follow_the_issue():
+    bars = _record()["sections"]["e2e"]["results"]["bars"]
+    assert bars == {"b1_c512_ttft_kvarn_le_fp16": True, "b1_c512_decode_kvarn_ge_1.0x_fp16": True,
+                    "goal_b16_32k_decode_kvarn_ge_1.5x_fp16": True, "goal_granted_8gib_ge_4.5x": True}
+
+
+def test_update_readme_replaces_only_the_marked_block():
+    text = f"# t\n\nintro\n\n{e2e.README_BEGIN}\nold\n{e2e.README_END}\n\nrest\n"
+    new = e2e.update_readme(text, "fresh\ntable")
+    assert new == f"# t\n\nintro\n\n{e2e.README_BEGIN}\nfresh\ntable\n{e2e.README_END}\n\nrest\n"
+    assert e2e.update_readme(new, "fresh\ntable") == new
+    for bad in ("no markers", f"{e2e.README_END}\n{e2e.README_BEGIN}", text + e2e.README_BEGIN):
+        with pytest.raises(ValueError, match="markers"):
+            e2e.update_readme(bad, "x")
+
+
+def test_the_readme_carries_the_markers():
+    from kvarn_cutlass.bench.record import REPO_ROOT
+
+    if REPO_ROOT is None:
+        pytest.skip("not a checkout")
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert e2e.update_readme(readme, "x")  # the markers are there once each, in order
+
+
+def test_main_writes_the_plot_and_the_readme_block(tmp_path):
+    pytest.importorskip("matplotlib")
+    record = tmp_path / "docs" / "benchmarks" / "h200.json"
+    record.parent.mkdir(parents=True)
+    doc = _record()
+    record.write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"top\n{e2e.README_BEGIN}\n{e2e.README_END}\n")
+    assert e2e.main(["--record", str(record), "--readme", str(readme)]) == 0
+    png = record.parent / "h200-e2e_decode.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![decode tokens/s against context](docs/benchmarks/h200-e2e_decode.png)" in readme.read_text()
+    # a record without the section leaves the placeholder and draws nothing
+    other = copy.deepcopy(doc)
+    other["sections"] = {"decode": {"results": {}}}
+    record.write_text(json.dumps(other))
+    png.unlink()
+    assert e2e.main(["--record", str(record), "--readme", str(readme)]) == 0
+    assert not png.exists() and "Not measured yet" in readme.read_text()
+
+
+def test_layer_override_is_checked_before_any_gpu_work(monkeypatch):
+    monkeypatch.setenv("KVARN_E2E_LAYERS", "two")
+    with pytest.raises(ValueError, match="KVARN_E2E_LAYERS"):
+        e2e.run(e2e.BenchOptions(quick=True))
