@@ -241,15 +241,3 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
 register_section("prefill", run, "chunked prefill (fused kernel, append included) vs SDPA flash on fp16")
 
-
-if __name__ == "__main__":  # python -m kvarn_cutlass.bench.prefill [--quick]: run and record like the CLI
-    import argparse
-    import sys
-
-    from .command import add_parser, run as cli_run
-
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="cmd")
-    add_parser(sub)
-    args = ap.parse_args(["bench", "--section", "prefill", *sys.argv[1:]])
-    sys.exit(cli_run(args))

@@ -6,6 +6,8 @@
 * :mod:`.simulate`: teacher-forced decode-time simulation (perplexity), :mod:`.perplexity` and
   :mod:`.generate`: the ``kvarn-cutlass perplexity`` / ``generate`` subcommands and their functions.
 * :mod:`.dispatch`: where attention over the cache is computed (CPU reference, CUDA kernels).
+* :func:`static_greedy` / :class:`StaticGreedy`: chunked prefill, then greedy decode of the whole model
+  step on static buffers, replayed from one CUDA graph on CUDA (:mod:`.static_step`).
 """
 
 from .attention import kvarn_attention_forward, register
@@ -13,6 +15,7 @@ from .cache import ATTN_IMPLEMENTATION, KVarNCache, KVarNLayer, check_model_conf
 from .dispatch import attend
 from .prefill import prefill
 from .simulate import SimSpec, simulated_attention
+from .static_step import StaticGreedy, static_greedy
 
 register()
 
@@ -21,10 +24,12 @@ __all__ = [
     "KVarNCache",
     "KVarNLayer",
     "SimSpec",
+    "StaticGreedy",
     "attend",
     "check_model_config",
     "kvarn_attention_forward",
     "prefill",
     "register",
     "simulated_attention",
+    "static_greedy",
 ]
