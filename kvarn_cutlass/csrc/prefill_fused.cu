@@ -87,8 +87,9 @@ constexpr int KS = WGMMA ? BN : BN + 8;  // row stride (halves) of the channel-m
 constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
 // stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
-// tiles' blocks (tile g's blocks go to group g % 2)
-constexpr int NSTAGE = NG == 1 ? 3 : NG * BPT;
+// tiles' blocks (tile g's blocks go to group g % 2); wgmma's consumers hold two stages at a time (a
+// block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead
+constexpr int NSTAGE = NG == 1 ? (WGMMA ? 4 : 3) : NG * BPT;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
