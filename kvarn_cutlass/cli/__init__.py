@@ -34,7 +34,6 @@ COMMANDS: dict[str, str] = {
     "demo": "kvarn_cutlass.cli.demo",
     "info": "kvarn_cutlass.cli.info",
     "build": "kvarn_cutlass.cli.build",
-    "emit": "kvarn_cutlass.cli.emit",
     "sass": "kvarn_cutlass.cli.sass",
     "tune": "kvarn_cutlass.cli.tune",
     "bench": "kvarn_cutlass.cli.bench",
