@@ -1,8 +1,9 @@
 """kvarn-cutlass: attention over a 4-bit KVarN-quantized KV cache on NVIDIA GPUs.
 
 Data flow: ``format`` (tile layout) -> ``codec`` (encode/decode) -> ``cache`` (KVarNCache) ->
-``reference`` (float64 oracle) -> ``runtime`` (compile/load/launch) -> ``gemm`` (CUTLASS K-score
-GEMM) -> ``prefill`` / ``decode`` -> ``hf`` (transformers integration) -> ``cli``.
+``reference`` (float64 oracle) -> ``runtime`` (NVRTC compile, kernel cache, load/launch) -> ``ops``
+(the kernels' Python side: specs emitted from ``format.TileSpec``, launches) -> ``prefill`` / ``decode``
+-> ``hf`` (transformers integration) -> ``cli``.
 
 Everything but the preset and quantizer names is imported on first use, so that ``import
 kvarn_cutlass`` stays light (no torch until a tensor type is needed) and works without transformers.

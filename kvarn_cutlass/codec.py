@@ -211,11 +211,23 @@ def _pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
-def _unpack_low_first(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed code bytes uint8 [..., m] -> codes uint8 [..., m * 8 / bits], code j of a byte at bit j*bits
+    (the record layout: the even token of a K byte in the low nibble, V codes lowest bits first).
+
+    The one unpacking of the format: :func:`unpack_fields` and every reference path and test that needs
+    codes read them through it. ``bits`` is the code width (1, 2, 4 or 8); a TypeError/ValueError names
+    the argument that is wrong.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 torch.Tensor, got "
+                        f"{packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__}")
+    if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8 (codes per byte: 8 / bits), got {bits!r}")
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
-    return c.reshape(*packed.shape[:-1], n).to(torch.uint8)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
 def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -357,8 +369,8 @@ def unpack_fields(rec: torch.Tensor, spec: TileSpec) -> TileFields:
         return raw(name).contiguous().view(sd).to(torch.float32).reshape(*lead, spec.section(name)[1] // spec.scale_bytes)
 
     n = flat.shape[0]
-    k_codes = _unpack_low_first(raw("k_codes").reshape(n, D, T * spec.k_bits // 8), spec.k_bits, T)
-    v_codes = _unpack_low_first(raw("v_codes").reshape(n, T, D * spec.v_bits // 8), spec.v_bits, D)
+    k_codes = unpack_codes(raw("k_codes").reshape(n, D, T * spec.k_bits // 8), spec.k_bits)
+    v_codes = unpack_codes(raw("v_codes").reshape(n, T, D * spec.v_bits // 8), spec.v_bits)
     return TileFields(
         k_codes=k_codes.reshape(*lead, D, T),
         chan_step=scales("chan_step"),

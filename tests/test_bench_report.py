@@ -8,7 +8,6 @@ record layout's byte count written out by hand; plots as PNG files; the CLI's on
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 import shutil
@@ -20,8 +19,7 @@ import pytest
 import torch
 
 from kvarn_cutlass.bench import Section
-from kvarn_cutlass.bench.report import (docs_page_markdown, gemm_bucket_rows, load_record, render_markdown,
-                                        write_report)
+from kvarn_cutlass.bench.report import docs_page_markdown, load_record, render_markdown, write_report
 from kvarn_cutlass.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,54 +120,22 @@ def test_decode_lloyd_max_rows_render_beside_the_uniform_time(h200):
         for r in res["lloyd_max_rows"]], why
 
 
-def test_gemm_and_compress_tables_equal_the_record(h200):
+def test_compress_table_equals_the_record(h200):
     path, raw = h200
     md = render_markdown(load_record(path))
-    gemm = raw["sections"]["gemm"]["results"]
-    kernels = {r["kernel"]: r for r in _table(md, ["kernel", "median µs"])}
-    assert float(kernels["K-score GEMM + epilogue"]["median µs"]) == gemm["gemm"]["timing"]["median_us"]
-    assert float(kernels["K-score GEMM + epilogue"]["TOPS (depth D)"]) == gemm["gemm"]["tops_equiv"]
-    assert float(kernels["fold"]["GB/s"]) == gemm["fold"]["gb_per_s"]
     comp = raw["sections"]["compress"]["results"]["compress"]
     rows = _table(md, ["preset", "quantizer", "head_dim", "batch"])
     assert [(r["preset"], r["quantizer"], float(r["graph µs"])) for r in rows] == [
         (c["preset"], c.get("quantizer", "uniform"), c["graph_us"]) for c in comp]
 
 
-def test_gemm_buckets_come_from_the_tuned_table_when_the_record_has_none(h200):
-    path, _ = h200
-    doc = load_record(path)
-    doc["sections"]["gemm"]["results"].pop("buckets", None)  # a record from before the bench measured buckets
-    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
-    tuned = {k: b for k, b in table["buckets"].items() if b["status"] == "tuned"}
-    rows = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}
-    assert set(rows) == set(tuned)
-    for key, b in tuned.items():
-        assert float(rows[key]["TOPS (depth D)"]) == b["tops"]
-        m, t, d = (int(part[1:]) for part in key.split("_")[:3])
-        # the tuner's TOPS-equivalent: 2*M*T*D*L / time with L = 128 (time rounded to 0.01 us)
-        assert b["tops"] == pytest.approx(2 * m * t * d * 128 / (b["time_us"] * 1e-6) / 1e12, rel=2e-3)
-
-
-def test_gemm_buckets_measured_by_the_bench_take_precedence(h200, tmp_path):
-    path, _ = h200
-    doc = load_record(path)
-    seed = random.randrange(2**32)
-    rng, why = random.Random(seed), f"random.Random({seed})"  # why: in every message, so a failure reproduces
-    measured = [{"bucket": f"M{m}_T128_D128_f16", "time_us": round(rng.uniform(10, 500), 2),
-                 "tops": round(rng.uniform(10, 400), 2)} for m in rng.sample([128, 512, 2048, 8192], 3)]
-    failed = {"bucket": "M1024_T128_D256_f16", "error": "RuntimeError: no kernel"}
-    doc["sections"]["gemm"]["results"]["buckets"] = measured + [failed]
-    rows, source = gemm_bucket_rows(doc)
-    assert "measured by the bench" in source, why
-    assert sorted((r["bucket"], r["tops"], r["time_us"]) for r in rows) == sorted(
-        [(b["bucket"], b["tops"], b["time_us"]) for b in measured] + [(failed["bucket"], None, None)]), why
-    table = {r["bucket"].strip("`"): r for r in _table(render_markdown(doc), ["bucket", "M"])}
-    assert table[failed["bucket"]]["TOPS (depth D)"] == "-", why
-    assert all(float(table[b["bucket"]]["TOPS (depth D)"]) == b["tops"] for b in measured), why
-    if importlib.util.find_spec("matplotlib") is not None:  # the failed bucket is left out of the plot
-        written, _ = write_report(doc, tmp_path, prefix="x-")
-        assert tmp_path / "x-gemm_tops.png" in written, why
+def test_a_section_of_removed_code_is_named_not_tabulated(h200):
+    """The record keeps the CUTLASS K-score GEMM's historical section; the report names it and has no table of it."""
+    path, raw = h200
+    assert "gemm" in raw["sections"]
+    md = render_markdown(load_record(path))
+    assert "Other sections in the record (not tabulated): gemm." in md
+    assert "K-score GEMM" not in md and not [h for h, _ in _tables(md) if h[0] in ("kernel", "bucket")]
 
 
 def test_memory_per_token_matches_the_record_layout_by_hand():
@@ -292,7 +258,7 @@ def test_plots_are_valid_pngs(h200, tmp_path):
     assert notice is None
     names = sorted(p.name for p in written)
     batches = sorted({r["batch"] for r in raw["sections"]["decode"]["results"]["rows"]})
-    assert names == sorted(["results.md", "prefill.png", "gemm_tops.png", "memory_per_token.png"]
+    assert names == sorted(["results.md", "prefill.png", "memory_per_token.png"]
                            + [f"decode_b{b}.png" for b in batches])
     md = (tmp_path / "out" / "results.md").read_text()
     for p in written:
@@ -489,34 +455,15 @@ def test_progress_on_a_terminal_refreshes_one_line():
 
     stream = Terminal()
     progress = _Progress(3, stream)
-    t = progress.start(2, "gemm")
+    t = progress.start(2, "prefill")
     deadline = time.monotonic() + 30
     while "\r" not in stream.getvalue() and time.monotonic() < deadline:  # wait for one refresh, however slow
         time.sleep(0.05)
-    progress.done(2, "gemm", t, "done")
+    progress.done(2, "prefill", t, "done")
     text = stream.getvalue()
-    assert re.fullmatch(r"bench \[2/3\] gemm: \d+:\d\d \(total \d+:\d\d\)"
-                        r"(\rbench \[2/3\] gemm: \d+:\d\d \(total \d+:\d\d\)\033\[K)+"
-                        r"\r\033\[Kbench \[2/3\] gemm: done in \d+:\d\d \(total \d+:\d\d\)\n", text), text
-
-
-@pytest.mark.gpu
-def test_gemm_bucket_sweep_on_the_gpu():
-    """Every tuned sm90 bucket is measured, and its TOPS is 2*M*T*D*L / time with L = 128 (the tuner's definition)."""
-    from kvarn_cutlass.bench import BenchOptions
-    from kvarn_cutlass.gemm.bench import bench_gemm_buckets
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the CUTLASS K-score GEMM is sm_90 only")
-    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
-    tuned = sorted(k for k, b in table["buckets"].items() if b["status"] == "tuned")
-    rows = bench_gemm_buckets(BenchOptions(quick=True))
-    assert [r["bucket"] for r in rows] == tuned
-    for r in rows:
-        assert "error" not in r, r
-        m, t, d = (int(part[1:]) for part in r["bucket"].split("_")[:3])
-        assert r["time_us"] > 0
-        assert r["tops"] == pytest.approx(2 * m * t * d * 128 / (r["time_us"] * 1e-6) / 1e12, rel=2e-3)
+    assert re.fullmatch(r"bench \[2/3\] prefill: \d+:\d\d \(total \d+:\d\d\)"
+                        r"(\rbench \[2/3\] prefill: \d+:\d\d \(total \d+:\d\d\)\033\[K)+"
+                        r"\r\033\[Kbench \[2/3\] prefill: done in \d+:\d\d \(total \d+:\d\d\)\n", text), text
 
 
 @pytest.mark.gpu

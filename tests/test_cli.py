@@ -196,9 +196,9 @@ def test_missing_input_path_is_a_one_line_error(name, option, kind, capsys, tmp_
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["emit", "--bucket", "M20"], "--bucket"),
-    (["emit", "--config", "{not json"], "--config"),
+    (["sass", "--bucket", "M20"], "--bucket"),
     (["sass", "--config", "[1, 2]"], "--config"),
+    (["tune", "--buckets", "D128"], "--buckets"),
     (["demo", "--preset", "k3v1"], "--preset"),
     (["perplexity", "--preset", "k3v1"], "--preset"),
 ])

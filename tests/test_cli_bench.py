@@ -12,8 +12,8 @@ from kvarn_cutlass.cli import main
 
 @pytest.mark.parametrize("section,results", [
     ("decode", {"rows": 5}),
-    ("gemm", "not a dict"),
-    ("gemm", {"buckets": [{"bucket": "NOPE"}]}),
+    ("compress", "not a dict"),
+    ("launch", "not a dict"),
 ])
 def test_malformed_section_is_one_line_naming_it(section, results, capsys, tmp_path):
     record = tmp_path / "results.json"

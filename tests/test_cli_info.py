@@ -1,4 +1,5 @@
-"""``kvarn-cutlass info``: fields, --json, graceful degradation without a GPU, cache size, gemm_configs summary."""
+"""``kvarn-cutlass info``: fields, --json, graceful degradation without a GPU, cache size, the tuned prefill
+configs summary."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kvarn_cutlass.cli import main
-from kvarn_cutlass.cli.info import INFO_KEYS, directory_size, gemm_config_summary
+from kvarn_cutlass.cli.info import INFO_KEYS, directory_size, prefill_config_summary
 
 REPO = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -31,7 +32,7 @@ def test_info_json_on_cpu_has_every_key_and_says_no_gpu(capsys, tmp_path, monkey
     assert list(info) == list(INFO_KEYS)
     for key in ("gpu", "compute_capability", "arch", "gpu_memory_gib"):
         assert info[key] == "no CUDA GPU"
-    assert info["gemm_configs"] == "none (no CUDA GPU)"
+    assert info["prefill_configs"] == "none (no CUDA GPU)"
     assert info["torch"] == torch.__version__
     assert info["cuda_torch"] == (torch.version.cuda or "none (CPU build of torch)")
     assert info["kernel_cache"] == {"path": str(tmp_path / "cache"), "exists": False, "bytes": 0, "files": 0,
@@ -102,31 +103,34 @@ def test_kernel_cache_path_that_is_a_file_is_reported_unusable(where, capsys, tm
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_gemm_config_summary_counts_tuned_buckets(tmp_path, monkeypatch, seed):
+def test_prefill_config_summary_counts_tuned_buckets(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
     n = rng.randint(5, 40)
     statuses = [rng.choice(["tuned", "untuned"]) for _ in range(n)]
-    table = {"schema": 1, "arch": "sm90", "default": {},
-             "buckets": {f"M{128 << (i % 8)}_T128_D{64 << (i % 3)}_f{i}": {"status": s} for i, s in enumerate(statuses)}}
-    (tmp_path / "sm90.json").write_text(json.dumps(table))
+    table = {"schema": 1, "arch": "sm90", "buckets": {f"D{64 << (i % 3)}_T128_V{i}": {"status": s}
+                                                      for i, s in enumerate(statuses)}}
+    (tmp_path / "prefill_sm90.json").write_text(json.dumps(table))
     monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path))
-    summary = gemm_config_summary(90)
-    assert summary == {"arch": "sm90", "path": str(tmp_path / "sm90.json"), "buckets": n,
-                       "tuned": statuses.count("tuned"), "default": statuses.count("untuned")}, f"seed={seed}"
+    summary = prefill_config_summary(90)
+    assert summary == {"arch": "sm90", "path": str(tmp_path / "prefill_sm90.json"), "buckets": n,
+                       "tuned": statuses.count("tuned")}, f"seed={seed}"
 
 
-def test_gemm_config_summary_of_the_committed_table():
-    table = json.loads((REPO / "gemm_configs" / "sm90.json").read_text())
+def test_prefill_config_summary_of_the_committed_table(monkeypatch):
+    monkeypatch.delenv("KVARN_CUTLASS_GEMM_CONFIGS", raising=False)
+    table = json.loads((REPO / "gemm_configs" / "prefill_sm90.json").read_text())
     tuned = [k for k, b in table["buckets"].items() if b["status"] == "tuned"]
-    summary = gemm_config_summary(90)
-    assert (summary["buckets"], summary["tuned"]) == (len(table["buckets"]), len(tuned))
+    summary = prefill_config_summary(90)
+    assert (summary["buckets"], summary["tuned"]) == (len(table["buckets"]), len(tuned)) and tuned
 
 
-def test_gemm_config_summary_says_why_none_applies(tmp_path, monkeypatch):
-    assert gemm_config_summary(None) == "none (no CUDA GPU)"
-    assert gemm_config_summary(100).startswith("none (the CUTLASS K-score GEMM needs sm_90; this GPU is sm_100")
+def test_prefill_config_summary_says_why_none_applies(tmp_path, monkeypatch):
+    assert prefill_config_summary(None) == "none (no CUDA GPU)"
     monkeypatch.setenv("KVARN_CUTLASS_GEMM_CONFIGS", str(tmp_path / "absent"))
-    assert gemm_config_summary(90).startswith("none (") and "not found" in gemm_config_summary(90)
+    why = prefill_config_summary(90)
+    assert why.startswith("none (") and str(tmp_path / "absent" / "prefill_sm90.json") in why and "not found" in why
+    monkeypatch.delenv("KVARN_CUTLASS_GEMM_CONFIGS")
+    assert "prefill_sm100.json not found" in prefill_config_summary(100)  # no table for that architecture yet
 
 
 def test_info_rejects_unknown_arguments_in_one_line(capsys):
@@ -145,4 +149,4 @@ def test_info_on_a_gpu_reports_its_architecture(capsys):
     assert info["compute_capability"] == f"{major}.{minor}"
     assert info["arch"] == f"sm_{major}{minor}"
     if (major, minor) == (9, 0):
-        assert isinstance(info["gemm_configs"], dict) and info["gemm_configs"]["arch"] == "sm90"
+        assert isinstance(info["prefill_configs"], dict) and info["prefill_configs"]["arch"] == "sm90"

@@ -53,7 +53,8 @@ def test_golden_bytes(preset, quantizer):
 
 
 def _raw_fields(rec: np.ndarray, spec: kc.TileSpec) -> dict:
-    """Parse one record with numpy only, straight from the documented layout (independent of codec)."""
+    """Parse one record straight from the documented layout: scales with numpy, codes through the one
+    unpacking of the format (``codec.unpack_codes``, checked bit by bit in tests/test_codec_unpack.py)."""
     T, D = spec.tile_tokens, spec.head_dim
     sd = np.float16 if spec.scale_dtype == torch.float16 else np.float32
 
@@ -61,13 +62,11 @@ def _raw_fields(rec: np.ndarray, spec: kc.TileSpec) -> dict:
         off, n = spec.section(name)
         return rec[off : off + n]
 
-    kb = sec("k_codes").reshape(D, T // 2)
-    k_codes = np.empty((D, T), np.int64)
-    k_codes[:, 0::2] = kb & 0xF
-    k_codes[:, 1::2] = kb >> 4
-    vb = sec("v_codes").reshape(T, -1).astype(np.int64)
-    per = 8 // spec.v_bits
-    v_codes = np.stack([(vb >> (spec.v_bits * j)) & ((1 << spec.v_bits) - 1) for j in range(per)], -1).reshape(T, D)
+    def codes(name, rows, bits):
+        return codec.unpack_codes(torch.from_numpy(sec(name).reshape(rows, -1).copy()), bits).numpy().astype(np.int64)
+
+    k_codes = codes("k_codes", D, spec.k_bits)  # [D, T]: channel-major
+    v_codes = codes("v_codes", T, spec.v_bits)  # [T, D]
     scales = {n: sec(n).view(sd).astype(np.float64) for n in ("chan_step", "chan_min", "row_scale", "tok_step", "tok_min", "col_scale")}
     return {"k_codes": k_codes, "v_codes": v_codes, **scales}
 

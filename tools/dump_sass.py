@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Thin wrapper: ``python tools/dump_sass.py [--bucket M4096_T128_D128_f16 | --config JSON] [-o out.sass]``."""
+"""Thin wrapper: ``python tools/dump_sass.py [--bucket D128_T128_V2] [--config r32c4n64 | --module NAME] [-o out.sass]``
+(``kvarn-cutlass sass``)."""
 import sys
 from pathlib import Path
 

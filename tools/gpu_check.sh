@@ -9,15 +9,10 @@
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site and puts it and the checkout on PYTHONPATH
 # 2. prints nvidia-smi and the software versions
-# 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs), after
-#    unpacking prebuilt CUTLASS GEMMs from .carry/gemm_sm90a.tgz into the kernel cache when carried
-#    (nvcc builds here cost device time; the cache key includes the nvcc version, so a mismatch rebuilds).
-#    Make it on this machine (no GPU; ~1 min per config per core):
-#      KVARN_CUTLASS_CACHE=$PWD/.carry/gemmcache python3 -m kvarn_cutlass.cli build --arch sm90 \
-#        --family kscore_gemm --jobs 2 && tar czf .carry/gemm_sm90a.tgz -C .carry/gemmcache .
-#    (plus the tuner's candidates when GPU_TUNE is used: `tune --dry-run` lists them)
-# 3b. GPU_TUNE="BUCKET[,BUCKET] [REGEX]": runs the GEMM tuner on those buckets (candidates filtered by
-#    REGEX), writing gemm_configs/sm90.json (copied to $OUT)
+# 3. compiles every registered kernel for sm_90 on all CPU cores (kvarn-cutlass build --jobs; NVRTC)
+# 3b. GPU_TUNE="BUCKET[,BUCKET]" (or "default"): times the fused prefill kernel's candidate configs of those
+#    buckets (kvarn-cutlass tune; `tune --dry-run` lists them), writing gemm_configs/prefill_sm90.json
+#    (copied to $OUT); GPU_TUNE_RUNS (default 10) timed runs per candidate
 # 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
 #    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
@@ -80,9 +75,6 @@ fi
 SHARED_DIR="${KVARN_SHARED_DIR:-}"
 if [ -z "$SHARED_DIR" ] && [ -d .carry/shared ]; then SHARED_DIR="$PWD/.carry/shared"; fi
 [ -n "$SHARED_DIR" ] && export KVARN_SHARED_DIR="$SHARED_DIR"
-if [ -f .carry/gemm_sm90a.tgz ]; then
-  mkdir -p "$KVARN_CUTLASS_CACHE" && tar xzf .carry/gemm_sm90a.tgz -C "$KVARN_CUTLASS_CACHE"
-fi
 
 step env nvidia-smi
 step env python3 - <<'PY'
@@ -93,8 +85,6 @@ print("nvrtc", nvrtc.nvrtcVersion()[1:], "driver API", driver.cuDriverGetVersion
 print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 from kvarn_cutlass.runtime import cache_root, compiler_version
 print("compiler", compiler_version(), "cache", cache_root())
-from kvarn_cutlass.gemm.compile import nvcc_version
-print("nvcc (CUTLASS GEMMs)", nvcc_version())
 PY
 
 # GPU_BUILD=0 skips it: kernels then compile on first use (cheaper when a run uses few of them).
@@ -103,15 +93,14 @@ build_args=()
 for f in ${GPU_BUILD_FAMILIES:-}; do build_args+=(--family "$f"); done
 [ "${GPU_BUILD:-1}" = 0 ] || step build python3 -m kvarn_cutlass.cli build --arch sm90 --jobs "$(nproc)" "${build_args[@]}"
 if [ -n "${GPU_TUNE:-}" ]; then
-  read -r tune_buckets tune_filter <<<"$GPU_TUNE"
-  tune_args=(--buckets ${tune_buckets//,/ } --jobs "$(nproc)" --runs 30)
-  [ -n "$tune_filter" ] && tune_args+=(--filter "$tune_filter")
+  tune_args=(--runs "${GPU_TUNE_RUNS:-10}")
+  [ "$GPU_TUNE" = default ] || tune_args+=(--buckets ${GPU_TUNE//,/ })
   step tune timeout "${GPU_TUNE_LIMIT:-240}" python3 -m kvarn_cutlass.cli tune "${tune_args[@]}"
-  cp gemm_configs/sm90.json "$OUT/"
+  cp gemm_configs/prefill_sm90.json "$OUT/"
 fi
 
 limit=${GPU_TEST_LIMIT:-120}
-for group in ${GPU_TEST_GROUPS:-runtime compress append rotate gemm decode prefill hf}; do
+for group in ${GPU_TEST_GROUPS:-runtime compress append rotate decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
   step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \

@@ -19,7 +19,6 @@ SECTION_MODULES: tuple[str, ...] = (
     "kvarn_cutlass.bench.copy",
     "kvarn_cutlass.bench.launch",
     "kvarn_cutlass.bench.compress",
-    "kvarn_cutlass.gemm.bench",
     "kvarn_cutlass.bench.prefill",
     "kvarn_cutlass.bench.decode",
     "kvarn_cutlass.bench.e2e",

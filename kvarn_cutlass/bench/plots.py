@@ -5,8 +5,6 @@
   in the record (log-log axes);
 * ``prefill.png``: prefill time (attention and append) vs prompt length at head_dim 128, KVarN against SDPA fp16 and
   dequant+SDPA, one line style per chunk size;
-* ``gemm_tops.png``: K-score GEMM TOPS (depth D) per M bucket, one series per (head_dim D, tile tokens T,
-  score dtype);
 * ``memory_per_token.png``: bytes per token (K+V, one KV head) of each preset against fp16, per head_dim.
 
 matplotlib is optional (``pip install 'kvarn-cutlass[plots]'``) and imported only when drawing, through
@@ -19,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .report import decode_rows, gemm_bucket_rows, memory_rows, prefill_rows
+from .report import decode_rows, memory_rows, prefill_rows
 
 __all__ = ["PLOTS_HINT", "PlotsUnavailable", "planned_plots", "write_plots"]
 
@@ -40,8 +38,6 @@ def planned_plots(doc: dict[str, Any]) -> dict[str, list[str]]:
         plans["decode"] = [f"decode_b{b}.png" for b in batches]
     if any(p.get("kvarn_e2e_ms") is not None for p in _prefill_plot_rows(doc)):
         plans["prefill"] = ["prefill.png"]
-    if any(r["tops"] is not None for r in gemm_bucket_rows(doc)[0]):
-        plans["gemm"] = ["gemm_tops.png"]
     plans["memory"] = ["memory_per_token.png"]
     return plans
 
@@ -133,26 +129,6 @@ def _prefill_plot(doc: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _gemm_plot(doc: dict[str, Any], path: Path) -> Path:
-    rows = [r for r in gemm_bucket_rows(doc)[0] if r["tops"] is not None]
-    series = sorted({(r["D"], r["T"], r["out"]) for r in rows})
-    ms = sorted({r["M"] for r in rows})
-    fig = _figure()
-    ax = fig.add_subplot()
-    width = 0.8 / max(len(series), 1)
-    for i, (d, t, out) in enumerate(series):
-        by_m = {r["M"]: r["tops"] for r in rows if (r["D"], r["T"], r["out"]) == (d, t, out)}
-        xs = [j + (i - (len(series) - 1) / 2) * width for j, m in enumerate(ms) if m in by_m]
-        ax.bar(xs, [by_m[m] for m in ms if m in by_m], width, label=f"D={d}, T={t}, {out}")
-    ax.set_xticks(range(len(ms)), [str(m) for m in ms])
-    ax.set_xlabel("M bucket (query rows per KV head in a chunk)")
-    ax.set_ylabel("TOPS (2·M·T·D·L / time)")
-    ax.set_title("K-score GEMM throughput per bucket")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
-
-
 def _memory_plot(path: Path) -> Path:
     rows = memory_rows()
     dims = sorted({r["head_dim"] for r in rows})
@@ -195,8 +171,6 @@ def write_plots(doc: dict[str, Any], out_dir: str | os.PathLike, prefix: str = "
                 _decode_plot(doc, int(name[len("decode_b"):-len(".png")]), path)
             elif group == "prefill":
                 _prefill_plot(doc, path)
-            elif group == "gemm":
-                _gemm_plot(doc, path)
             else:
                 _memory_plot(path)
             written.setdefault(group, []).append(path)

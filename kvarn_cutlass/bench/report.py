@@ -6,7 +6,7 @@ or the ``results.json`` that ``kvarn-cutlass bench`` writes)::
     {"sections": {"<section>": {"provenance": {...}, "results": {...}}, ...}}
 
 The renderer reads the sections' own result structures (``decode.rows``, ``prefill.points``,
-``gemm.gemm``, ``compress.compress``, ...) and shows stored numbers as stored; derived columns
+``compress.compress``, ...) and shows stored numbers as stored; derived columns
 (ratios, percentages, MiB) are computed from the stored values shown beside them. Missing fields
 show as ``-``, so older or ``--quick`` records render too. Memory per token comes from
 :class:`kvarn_cutlass.format.TileSpec` (no GPU needed).
@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "SECTION_ORDER", "load_record", "memory_rows", "gemm_bucket_rows", "prefill_rows", "decode_rows",
+    "SECTION_ORDER", "load_record", "memory_rows", "prefill_rows", "decode_rows",
     "render_markdown", "write_report", "docs_page_markdown", "write_docs_page",
 ]
 
-# Sections in report (and default run) order: the copy ceiling first, as the decode/GEMM rows refer to it.
-SECTION_ORDER: tuple[str, ...] = ("copy", "compress", "append", "gemm", "prefill", "decode", "launch")
+# Sections in report (and default run) order: the copy ceiling first, as the decode rows refer to it. A record's
+# other sections (e.g. ``gemm`` of the CUTLASS K-score GEMM, which the fused prefill replaced) are named, not
+# tabulated.
+SECTION_ORDER: tuple[str, ...] = ("copy", "compress", "append", "prefill", "decode", "launch")
 
 MISSING = "-"
 
@@ -109,56 +111,6 @@ def prefill_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     res = _results(doc, "prefill") or {}
     rows = [p for p in res.get("points", []) if isinstance(p, dict)]
     return sorted(rows, key=lambda p: (p.get("head_dim", 0), p.get("C", 0), p.get("P", 0)))
-
-
-def _gemm_arch(doc: dict[str, Any]) -> int | None:
-    for name in ("gemm", *doc["sections"]):
-        prov = (doc["sections"].get(name) or {}).get("provenance") or {}
-        cc = prov.get("compute_capability")
-        if isinstance(cc, str) and "." in cc:
-            major, minor = cc.split(".", 1)
-            if major.isdigit() and minor.isdigit():
-                return int(major) * 10 + int(minor)
-    return None
-
-
-def gemm_bucket_rows(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """K-score GEMM TOPS per bucket and where they come from.
-
-    A ``gemm`` section with a ``buckets`` list (rows with ``bucket``, ``time_us``, ``tops``; a failed bucket
-    has ``error`` instead and shows as missing) is used as measured by the bench. Otherwise the tuned f16 entries of ``gemm_configs/sm<arch>.json`` for the
-    record's GPU architecture: the tuner's own measurements (``kvarn-cutlass tune``), with its date.
-
-    Returns:
-        (rows with keys bucket, M, T, D, out, time_us, tops sorted by (D, T, out, M), source sentence).
-    """
-    from ..gemm.configs import config_dir, load_table
-    from ..gemm.tune import parse_bucket
-
-    res = _results(doc, "gemm") or {}
-    rows: list[dict[str, Any]] = []
-    if isinstance(res.get("buckets"), list):
-        for b in res["buckets"]:
-            M, T, D, out = parse_bucket(b["bucket"])
-            rows.append({"bucket": b["bucket"], "M": M, "T": T, "D": D, "out": out,
-                         "time_us": b.get("time_us"), "tops": b.get("tops")})
-        source = "measured by the bench (`gemm` section: the tuned config of each bucket, L = 128 batches)"
-    else:
-        arch = _gemm_arch(doc)
-        table = load_table(arch) if arch is not None else None
-        if table is None:
-            return [], "no per-bucket measurements (no tuned gemm_configs table for this GPU)"
-        dates = set()
-        for key, b in table.get("buckets", {}).items():
-            if b.get("status") != "tuned" or b.get("tops") is None:
-                continue
-            M, T, D, out = parse_bucket(key)
-            rows.append({"bucket": key, "M": M, "T": T, "D": D, "out": out, "time_us": b.get("time_us"),
-                         "tops": b["tops"]})
-            dates.add(str((b.get("provenance") or {}).get("date", "?")))
-        source = (f"measured by the tuner (`kvarn-cutlass tune`, {config_dir().name}/sm{arch}.json, "
-                  f"{', '.join(sorted(dates)) or 'undated'}; L = 128 batches, best config per bucket)")
-    return sorted(rows, key=lambda r: (r["D"], r["T"], r["out"], r["M"])), source
 
 
 def memory_rows(head_dims: Sequence[int] = (64, 128, 256)) -> list[dict[str, Any]]:
@@ -281,45 +233,6 @@ def _prefill_md(doc: dict[str, Any], images: list[str]) -> str | None:
     return "\n".join(out)
 
 
-def _gemm_md(doc: dict[str, Any], images: list[str]) -> str | None:
-    res = _results(doc, "gemm")
-    buckets, source = gemm_bucket_rows(doc)
-    if res is None and not buckets:
-        return None
-    out = ["## K-score GEMM (CUTLASS, int8)", ""]
-    if res is not None:
-        prob = res.get("problem", {})
-        out.append(f"Problem: M = {_fmt(prob.get('M'))} query rows, N = {_fmt(prob.get('N'))} tokens per tile, "
-                   f"L = {_fmt(prob.get('L'))} tiles, head_dim D = {_fmt(prob.get('D'))} (GEMM depth K = "
-                   f"{_fmt(prob.get('K'))}), {_fmt(prob.get('out_dtype'))} scores; config `{_fmt(res.get('config_name'))}`. "
-                   "TOPS (depth D) = 2·M·N·D·L / time, the attention-score GEMM it replaces; TOPS issued counts "
-                   "the depth-2D two-level fold.")
-        out.append("")
-        rows = []
-        for label, key in (("K-score GEMM + epilogue", "gemm"), ("unpack", "unpack"), ("fold", "fold")):
-            part = res.get(key)
-            if isinstance(part, dict):
-                rows.append([label, _fmt((part.get("timing") or {}).get("median_us")), _fmt(part.get("tops_equiv")),
-                             _fmt(part.get("tops_issued")), _fmt(part.get("gb_per_s"))])
-        out.append(_table(["kernel", "median µs", "TOPS (depth D)", "TOPS issued", "GB/s"], rows))
-        host = res.get("host_overhead_us")
-        if isinstance(host, dict) and host:
-            out += ["", "Host time per call: " + ", ".join(f"{k} {_fmt(v)} µs" for k, v in host.items()) + "."]
-        out.append("")
-    if buckets:
-        out.append(f"TOPS (depth D) per bucket, {source}:")
-        out.append("")
-        out += [f"![{Path(i).stem}]({i})" for i in images]
-        if images:
-            out.append("")
-        out.append(_table(["bucket", "M", "T", "D", "scores", "µs", "TOPS (depth D)"],
-                          [[f"`{b['bucket']}`", _fmt(b["M"]), _fmt(b["T"]), _fmt(b["D"]), b["out"], _fmt(b["time_us"]),
-                            _fmt(b["tops"])] for b in buckets]))
-    else:
-        out.append(f"Per bucket: {source}.")
-    return "\n".join(out)
-
-
 def _compress_md(doc: dict[str, Any]) -> str | None:
     res = _results(doc, "compress")
     if res is None:
@@ -425,7 +338,7 @@ def render_markdown(doc: dict[str, Any], images: dict[str, list[str]] | None = N
 
     Args:
         doc: a record (see :func:`load_record`).
-        images: plot group (``decode``, ``prefill``, ``gemm``, ``memory``) -> image paths to link, as the
+        images: plot group (``decode``, ``prefill``, ``memory``) -> image paths to link, as the
             markdown file sees them; ``None`` or a missing group links none.
         title: the page's first heading.
         intro: markdown placed under the title (e.g. how to reproduce).
@@ -436,7 +349,7 @@ def render_markdown(doc: dict[str, Any], images: dict[str, list[str]] | None = N
         parts.append(intro.strip())
     parts.append(_provenance_block(doc))
     for md in (_decode_md(doc, images.get("decode", [])), _prefill_md(doc, images.get("prefill", [])),
-               _gemm_md(doc, images.get("gemm", [])), _compress_md(doc), _append_md(doc),
+               _compress_md(doc), _append_md(doc),
                _memory_md(images.get("memory", [])),
                _copy_launch_md(doc)):
         if md:

@@ -1,7 +1,6 @@
 """``kvarn-cutlass`` command line.
 
-Each subcommand lives in its own module of this package (the tuner in ``kvarn_cutlass.gemm.tune``)
-exposing::
+Each subcommand lives in its own module of this package, exposing::
 
     def add_parser(subparsers) -> argparse.ArgumentParser   # subparsers.add_parser(NAME, help=...)
     def run(args: argparse.Namespace) -> int                 # exit status
@@ -35,9 +34,8 @@ COMMANDS: dict[str, str] = {
     "demo": "kvarn_cutlass.cli.demo",
     "info": "kvarn_cutlass.cli.info",
     "build": "kvarn_cutlass.cli.build",
-    "emit": "kvarn_cutlass.cli.emit",
     "sass": "kvarn_cutlass.cli.sass",
-    "tune": "kvarn_cutlass.gemm.tune",  # the tuner itself; its CLI is two functions there
+    "tune": "kvarn_cutlass.cli.tune",
     "bench": "kvarn_cutlass.cli.bench",
     "perplexity": "kvarn_cutlass.cli.perplexity",
     "generate": "kvarn_cutlass.cli.generate",

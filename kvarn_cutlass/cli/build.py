@@ -1,8 +1,5 @@
-"""``kvarn-cutlass build``: compile every registered kernel for the given architectures (no GPU needed).
-
-Besides the registered NVRTC families this compiles, for sm_90, every distinct CUTLASS K-score GEMM
-config of ``gemm_configs/sm90.json`` (family ``kscore_gemm``, nvcc), so that a GPU run after a build
-never compiles a GEMM on first use.
+"""``kvarn-cutlass build``: compile every registered kernel for the given architectures (no GPU needed), so
+that a GPU run after a build never compiles a kernel on first use.
 
 While it runs, stderr shows each module as it finishes (which one, how many are left, from the
 kernel cache or compiled, and how long it took): a progress bar on a terminal, a line per module
@@ -42,9 +39,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "build",
         help="compile every registered kernel (no GPU needed)",
-        description="Compile every registered kernel family (and, for sm90, every CUTLASS K-score GEMM config of "
-        "gemm_configs/) for each --arch, with progress on stderr, and report resource usage: a summary, the "
-        "table of every kernel with --verbose, every field with --json.",
+        description="Compile every registered kernel family for each --arch, with progress on stderr, and report "
+        "resource usage: a summary, the table of every kernel with --verbose, every field with --json.",
     )
     p.add_argument("--arch", action="append", metavar="ARCH",
                    help="target, e.g. sm90, sm_90a, sm80; repeatable (default: the current GPU's)")
@@ -59,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _build_one(job: tuple) -> tuple:
+def _build_task(job: tuple) -> tuple:
     """Worker: build one (spec, arch); returns (compiled, None) or (None, (message, log))."""
     from ..runtime.errors import CompileError
     from ..runtime.spec import build
@@ -71,58 +67,13 @@ def _build_one(job: tuple) -> tuple:
         return None, (str(e).splitlines()[0], e.log)
 
 
-GEMM_FAMILY = "kscore_gemm"
-
-
-def _gemm_configs(arch: int) -> list:
-    """Distinct configs of ``arch``'s GEMM config table, plus the default config for every output dtype
-    (``s32`` is the raw-accumulator check); none below sm_90 (wgmma/TMA)."""
-    from ..gemm.config import OUT_DTYPES, GemmConfig
-    from ..gemm.configs import load_table
-
-    if arch < 90:
-        return []
-    table = load_table(arch) or {}
-    dicts = [b["config"] for b in table.get("buckets", {}).values()]
-    if "default" in table:
-        dicts.append(table["default"])
-    configs = {GemmConfig.from_dict(d) for d in dicts} | {GemmConfig(out_dtype=o) for o in OUT_DTYPES}
-    return sorted(configs, key=lambda c: c.name)
-
-
-def _build_gemm_one(job: tuple) -> tuple:
-    """Worker: build one CUTLASS GEMM config; returns ((cubin resources, ptxas log fields, meta, cached), None)
-    or (None, failure)."""
-    from ..gemm.compile import build_gemm
-    from ..runtime.compiler import cubin_resources, parse_ptxas_log
-    from ..runtime.errors import CompileError
-
-    cfg, arch = job
-    try:
-        binary = build_gemm(cfg, arch)
-    except CompileError as e:
-        return None, (str(e).splitlines()[0], e.log)
-    res = cubin_resources(binary.cubin)
-    logged = parse_ptxas_log(binary.ptxas_log)
-    return (res, logged, binary.meta, binary.cached), None
-
-
-def _build_task(task: tuple) -> tuple:
-    """Worker: one ("module", (spec, arch, backend)) or ("gemm", (config, arch)) build."""
-    kind, job = task
-    return _build_gemm_one(job) if kind == "gemm" else _build_one(job)
-
-
-def _task_note(task: tuple, result: tuple) -> str:
+def _task_note(job: tuple, result: tuple) -> str:
     """What became of one build, for the progress display."""
-    kind, job = task
-    name = f"{GEMM_FAMILY}/{job[0].name} sm_{job[1]}a" if kind == "gemm" else f"{job[0].name} {job[1]}"
+    name = f"{job[0].name} {job[1]}"
     built, failure = result
     if failure is not None:
         return f"{name}: FAILED ({failure[0]})"
-    cached, seconds = (built[3], float(built[2].get("seconds", 0.0))) if kind == "gemm" else (
-        built.cached, built.compile_seconds)
-    return f"{name}: {'from the kernel cache' if cached else f'compiled in {seconds:.1f} s'}"
+    return f"{name}: {'from the kernel cache' if built.cached else f'compiled in {built.compile_seconds:.1f} s'}"
 
 
 def _run_tasks(tasks: list[tuple], workers: int, progress: Progress) -> list[tuple]:
@@ -159,20 +110,15 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     for a in arches:
         normalize_arch(a)  # reject a bad --arch before compiling anything
     families = registry.families()
-    unknown = sorted(set(args.family or ()) - set(families) - {GEMM_FAMILY})
+    unknown = sorted(set(args.family or ()) - set(families))
     if unknown:
         raise ValueError(f"unknown kernel family {unknown}; registered: {sorted(families)}")
     jobs = [(family, spec, arch) for family, specs in families.items() if not args.family or family in args.family
             for spec in specs for arch in arches]
-    gemm_jobs = []
-    if not args.family or GEMM_FAMILY in args.family:
-        gemm_jobs = [(cfg, normalize_arch(a)) for a in arches for cfg in _gemm_configs(normalize_arch(a))]
-    # the slow nvcc GEMM builds first, so that the quick NVRTC modules fill the gaps
-    tasks = [("gemm", g) for g in gemm_jobs] + [("module", (spec, arch, args.backend)) for _, spec, arch in jobs]
+    tasks = [(spec, arch, args.backend) for _, spec, arch in jobs]
     workers = min(args.jobs, max(1, len(tasks)))
     with Progress(len(tasks), "build", unit="module", enabled=not args.no_progress) as progress:
-        done = _run_tasks(tasks, workers, progress)
-    gemm_results, results = done[: len(gemm_jobs)], done[len(gemm_jobs) :]
+        results = _run_tasks(tasks, workers, progress)
     records: list[dict[str, Any]] = []
     for (family, spec, arch), (compiled, failure) in zip(jobs, results):
         base = {"family": family, "module": spec.name, "source": spec.source_file, "arch": str(arch)}
@@ -190,26 +136,6 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "cached": compiled.cached,
                 "compiler": compiled.compiler,
             })
-    for (cfg, cc), (built, failure) in zip(gemm_jobs, gemm_results):
-        base = {"family": GEMM_FAMILY, "module": cfg.name, "source": "cutlass_cppgen", "arch": f"sm{cc}"}
-        if failure is not None:
-            records.append({**base, "error": failure[0], "log": failure[1]})
-            continue
-        res, logged, meta, cached = built
-        kernel_res = next(iter(res.values()), None)
-        extra = next(iter(logged.values()), None)
-        fields = dict(vars(kernel_res)) if kernel_res is not None else {}
-        if extra is not None:  # spills and ptxas time are only in the nvcc log
-            fields.update({k: v for k, v in vars(extra).items() if fields.get(k) is None})
-        records.append({
-            **base,
-            "target": f"sm_{cc}a",
-            "kernel": cfg.name,
-            **fields,
-            "module_compile_s": float(meta.get("seconds", 0.0)),
-            "cached": cached,
-            "compiler": f"nvcc {meta.get('nvcc', '?')}",
-        })
     return records
 
 

@@ -20,13 +20,10 @@ run over a text (default: this package's own Python sources).
 On CUDA the cache compresses on the GPU, prefill runs ``kvarn_cutlass.prefill_attention`` (the fused
 kernel) and decode ``kvarn_cutlass.DecodeGraph`` (split-tile kernels in a CUDA graph).
 On a CPU-only machine the same pipeline runs through the CPU paths (prefill's torch path,
-float64 reference decode), and the CUTLASS K-score GEMM is emitted and compiled for sm_90 with nvcc
-(when present) in a background process meanwhile, or read from the kernel cache when an earlier
-run built it. A cold compile took 31 s on a free core of a 2-core machine, and longer on busy cores,
-so the demo waits for it only until it has run ``--budget`` seconds: then it reports and exits, and
-the build goes on in the background (its own session: a closed terminal does not stop it) into the
-kernel cache, where the next run finds it. ``--budget 0`` waits for it; ^C or SIGTERM before the
-report stops it with the compilers it started.
+float64 reference decode), and the fused prefill kernel that an sm_90 GPU would run for the same
+shape is built meanwhile with NVRTC (in a thread: NVRTC releases the GIL, so it overlaps the CPU
+pipeline; ~6 s cold on a 2-core machine) or read from the kernel cache, and reported with its
+resources. ``--no-compile`` skips it.
 """
 
 from __future__ import annotations
@@ -34,20 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..presets import PRESETS
-from .argtypes import (existing_dir, existing_file, int_at_least, non_negative_float, positive_int, read_text_file,
-                       resolve_device)
+from .argtypes import existing_dir, existing_file, int_at_least, positive_int, read_text_file, resolve_device
 
 NAME = "demo"
-DEFAULT_BUDGET_S = 50.0
 CPU_TOKENS, GPU_TOKENS = 2048, 32768
 CPU_HEADS, GPU_HEADS = (8, 2), (32, 8)  # (q, KV): kvarn-ref-lm's on CPU (fast), Qwen3-8B's on CUDA
 HEAD_DIM = 128
@@ -71,10 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=tuple(PRESETS), default="k4v2_g128", help="tile preset (default k4v2_g128)")
     p.add_argument("--window", type=positive_int, default=256,
                    help="fp16 window in tokens, a multiple of the tile size (default 256)")
-    p.add_argument("--no-compile", action="store_true", help="CPU: skip compiling the CUTLASS GEMM for sm_90")
-    p.add_argument("--budget", type=non_negative_float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
-                   help=f"CPU: stop waiting for the CUTLASS compile when the demo has run this long and leave it "
-                        f"compiling in the background (default {DEFAULT_BUDGET_S:g}; 0 = wait until it finishes)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU: skip building the fused prefill kernel for sm_90 (NVRTC)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON document")
     return p
 
@@ -206,186 +196,46 @@ def _quantized_mass(p, cache, layer: int) -> float:
     return float(p[..., lo:hi].sum(-1).mean())
 
 
-# --- the CUTLASS compile in a child process (CPU machines) ---------------------------------------------
-_CHILD = "import sys; from kvarn_cutlass.cli.demo import _child_main; _child_main(sys.argv[1], sys.argv[2])"
-
-
-def demo_gemm_config(chunk: int, group: int):
-    """The K-score GEMM config prefill would use on sm_90 for a ``chunk``-token chunk and GQA ``group``
-    (rows M = chunk x group per KV head, tiles of 128 tokens, head_dim 128, f16 scores)."""
+# --- the fused prefill kernel for sm_90, built on CPU machines -------------------------------------------------
+def demo_prefill_spec(preset: str, head_dim: int):
+    """(KernelSpec, FusedConfig) of the fused prefill kernel that ``prefill_attention`` runs on an sm_90 GPU
+    for the demo's cache (``preset``, ``head_dim``, uniform quantizer, float16 scales, cache and queries):
+    the config tuned for its bucket in ``gemm_configs/prefill_sm90.json``, else the default."""
     import warnings
 
-    from ..gemm.configs import select_config
+    import torch
 
+    from ..format import TileSpec
+    from ..ops.prefill import UntunedPrefillConfigWarning, fused_spec, select_config
+
+    spec = TileSpec(preset, head_dim)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an untuned bucket falls back to the default config
-        return select_config(90, M=chunk * group, N=128, head_dim=HEAD_DIM, L=1, out_dtype="f16")
+        warnings.simplefilter("ignore", UntunedPrefillConfigWarning)  # the default config is what would run
+        config = select_config(spec, "sm90")
+    return fused_spec(spec, torch.float16, torch.float16, config), config
 
 
-def _child_main(config_json: str, log_path: str) -> None:
-    """Entry of the child process (its stderr is ``log_path``). SIGTERM (the demo was stopped)
-    unwinds through the compile's cleanup (nvcc killed, its temporary directory removed, the cache
-    entry's lock released) instead of killing the interpreter on the spot. A successful build removes the
-    log; a failed one leaves it for whoever reads it: the demo, or the user when the demo had left
-    the build running in the background and exited."""
+def build_prefill_kernel(preset: str, head_dim: int) -> dict:
+    """Build (or read from the kernel cache) the kernel of :func:`demo_prefill_spec` for sm_90 with NVRTC.
 
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    _compile_child(config_json)
-    Path(log_path).unlink(missing_ok=True)
-
-
-def _event(name: str) -> None:
-    """One progress line on stdout for the parent: ``started`` (imports done, about to look the kernel
-    up; a child that stays here is waiting for the cache entry's lock, held by another build of the
-    same kernel) or ``compiling`` (a cache miss: nvcc runs now)."""
-    print(json.dumps({"event": name}), flush=True)
-
-
-def _compile_child(config_json: str) -> None:
-    """Build (or fetch from the kernel cache) one GEMM config for sm_90; print ``_event`` lines, then
-    a JSON summary, on stdout."""
-    from ..gemm.compile import build_gemm
-    from ..gemm.config import GemmConfig
+    Returns ``status`` ``compiled`` or ``cached`` with the module, config, wall seconds of this call, the
+    seconds of the compile that made the cache entry, registers, spill stores and dynamic shared memory;
+    or ``status`` ``failed`` with the error's first line (the demo reports it and goes on)."""
+    from ..ops.prefill import KERNEL_SYMBOL, smem_bytes
+    from ..runtime import spec as runtime_spec
 
     t0 = time.perf_counter()
-    config = GemmConfig.from_dict(json.loads(config_json))
-    _event("started")
-    binary = build_gemm(config, 90, on_compile=lambda: _event("compiling"))
-    out = {"status": "cached" if binary.cached else "compiled", "seconds": round(time.perf_counter() - t0, 1),
-           "nvcc_seconds": binary.meta.get("seconds"), "cubin_bytes": len(binary.cubin)}
     try:
-        from ..gemm.sass import disassemble, summarize
-
-        out["sass"] = summarize(disassemble(binary.cubin), binary.ptxas_log).to_dict()
-    except Exception as e:  # no cuobjdump/nvdisasm here: the compile itself is the check
-        out["sass"] = f"not summarized ({type(e).__name__}: {e})"
-    print(json.dumps(out), flush=True)
-
-
-class GemmCompile:
-    """The sm_90 K-score GEMM build running in a child process.
-
-    The child leads its own session, so that stopping it also stops nvcc and the compilers nvcc
-    started, and so that it can outlive the demo: :meth:`finish` waits until a deadline and then
-    leaves the child building into the kernel cache (the cache entry's file lock keeps concurrent
-    builds of the same kernel to one), so that the next demo finds it there. Its stdout (events and
-    the result) goes to an anonymous temporary file, its stderr to :attr:`log_path`.
-    """
-
-    def __init__(self, config):
-        self.config = config
-        self.t0 = time.perf_counter()
-        env = dict(os.environ)
-        # the child must import this same package even when it is not installed (a source checkout)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        # files, not pipes: nobody reads while the pipeline runs, and a full pipe would block the child
-        self.out = tempfile.TemporaryFile("w+")
-        fd, self.log_path = tempfile.mkstemp(prefix=f"kvarn-demo-{config.name}-", suffix=".log")
-        with os.fdopen(fd, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config.to_dict()), self.log_path],
-                                         env=env, stdin=subprocess.DEVNULL, stdout=self.out, stderr=err,
-                                         start_new_session=True)
-
-    def events(self) -> list[str]:
-        """The child's ``_event`` names so far."""
-        self.out.seek(0)
-        names = []
-        for line in self.out.read().splitlines():
-            try:
-                names.append(json.loads(line)["event"])
-            except (ValueError, KeyError, TypeError):  # the result line, or a partly written one
-                continue
-        return names
-
-    def state(self) -> str:
-        """``compiling`` (nvcc runs), ``waiting`` (for the cache entry's lock: another build of this kernel
-        runs) or ``starting`` (the child is importing)."""
-        events = self.events()
-        return "compiling" if "compiling" in events else "waiting" if "started" in events else "starting"
-
-    def close(self) -> None:
-        """Close the parent's copy of the child's stdout file; safe to call again."""
-        self.out.close()
-
-    def finish(self, deadline: float | None, progress) -> dict:
-        """Wait for the child until ``deadline`` (a ``time.perf_counter()`` value, None = forever), calling
-        ``progress(elapsed_s, state)`` about once a second. Returns the child's summary, or, at the
-        deadline, :meth:`detach`'s."""
-        while self.proc.poll() is None:
-            now = time.perf_counter()
-            if deadline is not None and now >= deadline:
-                return self.detach()
-            progress(now - self.t0, self.state())
-            try:
-                self.proc.wait(timeout=1.0 if deadline is None else max(0.05, min(1.0, deadline - now)))
-            except subprocess.TimeoutExpired:
-                pass
-        elapsed = round(time.perf_counter() - self.t0, 1)
-        self.out.seek(0)
-        lines = [ln for ln in self.out.read().splitlines() if ln.strip()]
-        self.close()
-        if self.proc.returncode != 0:
-            log = Path(self.log_path)
-            err = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.is_file() else []
-            log.unlink(missing_ok=True)
-            return {"status": "failed", "config": self.config.name, "seconds": elapsed,
-                    "error": err[-1] if err else f"exit status {self.proc.returncode}"}
-        Path(self.log_path).unlink(missing_ok=True)
-        out = json.loads(lines[-1])
-        out.update(config=self.config.name, seconds=elapsed)
-        return out
-
-    def detach(self) -> dict:
-        """Leave the child running after the demo: it finishes the build into the kernel cache (or finds
-        it there once the other build holding the entry's lock is done) and removes its log unless it
-        fails. Returns what it was doing."""
-        state = self.state()
-        self.close()
-        return {"status": "background", "state": state, "config": self.config.name, "pid": self.proc.pid,
-                "log": self.log_path, "seconds": round(time.perf_counter() - self.t0, 1)}
-
-    def stop(self) -> None:
-        """Stop the child's process group (SIGTERM, then SIGKILL after 5 s), reap the child and remove
-        its log."""
-        if self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(self.proc.pid, sig)  # the child leads its own session: pgid == pid
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            self.proc.wait()
-        Path(self.log_path).unlink(missing_ok=True)
-        self.close()
-
-
-_STATE_WORDS = {"compiling": "compiling", "waiting": "waiting for another build of it (the kernel cache's lock)",
-                "starting": "starting"}
-
-
-def _progress_printer(config_name: str):
-    """Progress of the compile on stderr: a refreshing line on a terminal, else nothing (the start line
-    was printed already)."""
-    tty = sys.stderr.isatty()
-
-    def show(elapsed: float, state: str) -> None:
-        if tty:
-            print(f"\r\033[K  CUTLASS K-score GEMM for sm_90 ({config_name}): {_STATE_WORDS[state]}, {elapsed:4.0f} s",
-                  end="", file=sys.stderr, flush=True)
-
-    def done() -> None:
-        if tty:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
-
-    return show, done
+        kspec, config = demo_prefill_spec(preset, head_dim)
+        compiled = runtime_spec.build(kspec, "sm90")
+    except Exception as e:  # no NVRTC, a compile error: the CPU demo's figures still stand
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {"status": "failed", "error": f"{type(e).__name__}: {first}"}
+    res = compiled.resources[KERNEL_SYMBOL]
+    return {"status": "cached" if compiled.cached else "compiled", "module": kspec.name, "config": config.name,
+            "target": compiled.target, "seconds": round(time.perf_counter() - t0, 1),
+            "compile_seconds": round(compiled.compile_seconds, 1), "registers": res.registers,
+            "spill_store_bytes": res.spill_store_bytes, "dynamic_smem_bytes": smem_bytes(compiled.cubin)}
 
 
 # --- the pipeline ---------------------------------------------------------------------------------------
@@ -567,7 +417,7 @@ def _time_prefill(args, q16, k16, v16, scale: float) -> dict:
         b.synchronize()
         return a.elapsed_time(b)
 
-    kvarn_prompt(), sdpa_prompt()  # warm-up: kernel builds, GEMM params, workspaces
+    kvarn_prompt(), sdpa_prompt()  # warm-up: kernel builds and loads
     kvarn_ms = statistics.median(kvarn_prompt() for _ in range(3))
     sdpa_ms = statistics.median(sdpa_prompt() for _ in range(3))
     return {"kvarn_prompt_ms": round(kvarn_ms, 3), "sdpa_flash_fp16_ms": round(sdpa_ms, 3),
@@ -585,26 +435,6 @@ def _validate(args, n: int | None) -> None:
         raise ValueError("--text needs --model")
 
 
-def _start_compile(config, nvcc: str, budget: float) -> GemmCompile:
-    """Start the GEMM build child and say on stderr what it will do: read the kernel cache's entry, or
-    compile with nvcc (and, past ``budget`` seconds of demo, go on compiling in the background)."""
-    from ..gemm.compile import gemm_cache_path
-
-    cached = gemm_cache_path(config, 90).is_file()
-    job = GemmCompile(config)
-    if cached:
-        print(f"  CUTLASS K-score GEMM for sm_90 ({config.name}): in the kernel cache; reading and checking it in "
-              "a background process", file=sys.stderr, flush=True)
-    else:
-        after = ("the demo waits for it" if budget == 0 else
-                 f"if it is not done when the demo has run {budget:g} s, it goes on in the background and the "
-                 "next demo finds it in the kernel cache")
-        print(f"  compiling the CUTLASS K-score GEMM for sm_90 ({config.name}) with {nvcc} in a background "
-              f"process (a cold compile took 31 s on a free core of a 2-core machine); {after}",
-              file=sys.stderr, flush=True)
-    return job
-
-
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     import torch
@@ -614,26 +444,23 @@ def run(args: argparse.Namespace) -> int:
     _validate(args, args.tokens)
     Hq, Hkv = GPU_HEADS if on_gpu else CPU_HEADS
 
-    compile_job = None
-    if not on_gpu and not args.no_compile:
-        from ..gemm.compile import nvcc_path
-
-        try:
-            nvcc = nvcc_path()
-        except FileNotFoundError:
-            nvcc = None
-        if nvcc is not None:  # started first: it runs on the other core while the pipeline runs
-            compile_job = _start_compile(demo_gemm_config(args.chunk, GPU_HEADS[0] // GPU_HEADS[1]), nvcc, args.budget)
-    try:
-        if args.model:
-            layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
-            _validate(args, n)
-        else:
-            n = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
-            q, k, v = realistic_qkv(Hq, Hkv, n, HEAD_DIM, torch.Generator().manual_seed(1234))
-            layers = [(q, k, v, HEAD_DIM**-0.5)]
-            source = {"generator": "built-in (RoPE recency + content retrieval, outlier channels)", "layers": 1}
-        q0, k0 = layers[0][0], layers[0][1]
+    if args.model:
+        layers, n, source = model_qkv(args.model, args.tokens, args.text, device)
+        _validate(args, n)
+    else:
+        n = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
+        q, k, v = realistic_qkv(Hq, Hkv, n, HEAD_DIM, torch.Generator().manual_seed(1234))
+        layers = [(q, k, v, HEAD_DIM**-0.5)]
+        source = {"generator": "built-in (RoPE recency + content retrieval, outlier channels)", "layers": 1}
+    q0, k0 = layers[0][0], layers[0][1]
+    build_job: Future | None = None
+    # Leaving the block (also by ^C or SIGTERM) waits for the build in flight: an NVRTC call cannot be
+    # interrupted, and it takes seconds; its cache entry is written atomically, so it is never left half-made.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvarn-demo-build") as pool:
+        if not on_gpu and not args.no_compile:  # started now: it runs on the other core while the pipeline runs
+            print("  building the fused prefill kernel for sm_90 with NVRTC in the background (~6 s unless the "
+                  "kernel cache has it)", file=sys.stderr, flush=True)
+            build_job = pool.submit(build_prefill_kernel, args.preset, k0.shape[3])
         result: dict = {"device": device, "tokens": n, "preset": args.preset, "window": args.window, "chunk": args.chunk,
                         "decode_steps": args.decode_steps, "source": source,
                         "shape": {"layers": len(layers), "batch": 1, "q_heads": q0.shape[1], "kv_heads": k0.shape[1],
@@ -655,28 +482,14 @@ def run(args: argparse.Namespace) -> int:
                                      "compression: GPU kernel in cache.append")
         else:
             result["gpu_kernels"] = ("not run: no CUDA device. The GPU compression, the decode kernels and the "
-                                     "prefill kernels need an NVIDIA GPU (sm_80+; the CUTLASS K-score GEMM sm_90)")
-            if args.no_compile:
-                result["cutlass_gemm_sm90"] = {"status": "skipped (--no-compile)"}
-            elif compile_job is None:
-                result["cutlass_gemm_sm90"] = {"status": "skipped: nvcc not found (a GPU machine with the CUDA "
-                                                         "toolkit compiles it on first use)"}
-            else:
-                show, done = _progress_printer(compile_job.config.name)
-                deadline = None if args.budget == 0 else t_start + args.budget
-                try:
-                    result["cutlass_gemm_sm90"] = compile_job.finish(deadline, show)
-                finally:
-                    done()
-                compile_job = None
-    finally:
-        if compile_job is not None:  # an error, ^C or SIGTERM before the report: do not leave nvcc running
-            compile_job.stop()
+                                     "prefill kernel need an NVIDIA GPU (sm_80+)")
+            result["prefill_kernel_sm90"] = (build_job.result() if build_job is not None
+                                             else {"status": "skipped (--no-compile)"})
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        _report(result, args)
+        _report(result)
     return 0
 
 
@@ -684,7 +497,7 @@ def _fmt_err(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-def _report(r: dict, args) -> None:
+def _report(r: dict) -> None:
     s, on_gpu = r["shape"], r["device"] == "cuda"
     src = r["source"]
     what = (f"{src['model']} ({src['layers']} layers) over {src['text']}" if "model" in src
@@ -699,10 +512,8 @@ def _report(r: dict, args) -> None:
     print("    vs exact float64 attention over the unquantized fp16 K/V (quantization error):")
     print(f"      decode, max of {r['decode_steps']} steps: {_fmt_err(dc['vs_exact_max'])}   "
           f"({100 * dc['quantized_attention_share']:.0f}% of the attention on quantized tokens)")
-    own = (f"; the chunk's first {r['chunk'] - r['window']} queries see their own recent tokens quantized, "
-           f"--chunk {r['window']} keeps them exact" if r["chunk"] > r["window"] else "")
     print(f"      prefill, last chunk:    {_fmt_err(pf['vs_exact_max'])}   "
-          f"({100 * pf['quantized_attention_share']:.0f}% on quantized tokens{own})")
+          f"({100 * pf['quantized_attention_share']:.0f}% on quantized tokens; the chunk itself is exact)")
     kernels = "GPU kernels" if on_gpu else "CPU prefill pipeline"
     decode_vs_ref = _fmt_err(dc.get("vs_reference_max")) if on_gpu else "- (the CPU decode is the reference)"
     print(f"    {kernels} vs the float64 reference over the same quantized cache: "
@@ -721,21 +532,15 @@ def _report(r: dict, args) -> None:
               f"vs SDPA flash fp16 {p['sdpa_flash_fp16_ms']} ms ({p['kvarn_over_sdpa']}x the SDPA time)")
     else:
         print(f"  GPU: {r['gpu_kernels']}")
-        c = r["cutlass_gemm_sm90"]
-        line = f"  CUTLASS K-score GEMM for sm_90: {c['status']}"
+        c = r["prefill_kernel_sm90"]
+        line = f"  fused prefill kernel for sm_90 (NVRTC): {c['status']}"
         if c["status"] in ("compiled", "cached"):
-            sass = c.get("sass")
-            igmma = f", {sass['igmma']} IGMMA" if isinstance(sass, dict) and "igmma" in sass else ""
-            how = (f"nvcc took {c['nvcc_seconds']} s" if c["status"] == "compiled"
-                   else f"from the kernel cache, compiled earlier in {c['nvcc_seconds']} s")
-            line += f" ({c['config']}, {c['seconds']} s; {how}{igmma})"
-        elif c["status"] == "background":
-            doing = {"compiling": "still compiling", "waiting": "waiting for another build of the same kernel "
-                     "(the kernel cache's lock)", "starting": "still starting"}[c["state"]]
-            line = (f"  CUTLASS K-score GEMM for sm_90: {doing} after {c['seconds']} s (--budget {args.budget:g}); "
-                    f"left running in the background (pid {c['pid']}), so the next `kvarn-cutlass demo` finds it in "
-                    f"the kernel cache; a failure is logged in {c['log']}")
+            how = (f"compiled in {c['compile_seconds']} s" if c["status"] == "compiled"
+                   else f"from the kernel cache, compiled earlier in {c['compile_seconds']} s")
+            spills = "no spills" if c["spill_store_bytes"] == 0 else f"{c['spill_store_bytes']} B of spill stores"
+            line += (f" ({c['module']}, config {c['config']}; {how}; {c['registers']} registers, {spills}, "
+                     f"{c['dynamic_smem_bytes']} B of shared memory)")
         elif c["status"] == "failed":
-            line += f" ({c['config']}: {c['error']})"
+            line += f" ({c['error']})"
         print(line)
     print(f"  done in {r['seconds']} s")

@@ -1,4 +1,4 @@
-"""``kvarn-cutlass info``: what this machine offers the package (GPU, driver, toolchain, caches, GEMM configs).
+"""``kvarn-cutlass info``: what this machine offers the package (GPU, driver, toolchain, caches, tuned configs).
 
 Every field degrades to a string saying why it is absent ("no CUDA GPU", "not installed", ...), so the
 command succeeds on a CPU-only machine. ``--json`` prints the same fields as one JSON object (keys in
@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INFO_KEYS", "add_parser", "run", "gather", "gemm_config_summary", "directory_size", "cache_status"]
+__all__ = ["INFO_KEYS", "add_parser", "run", "gather", "prefill_config_summary", "directory_size", "cache_status"]
 
 NO_GPU = "no CUDA GPU"
 NOT_INSTALLED = "not installed"
@@ -24,17 +24,18 @@ NOT_INSTALLED = "not installed"
 INFO_KEYS: tuple[str, ...] = (
     "gpu", "compute_capability", "arch", "gpu_memory_gib", "driver", "cuda_driver_api", "cuda_torch",
     "python", "torch", "cuda_bindings", "cuda_python", "nvidia_cutlass", "kvarn_cutlass", "nvcc", "nvrtc",
-    "kernel_cache", "gemm_configs",
+    "kernel_cache", "prefill_configs",
 )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "info",
-        help="show the GPU, driver, CUDA/torch/CUTLASS versions, kernel cache and GEMM configs",
+        help="show the GPU, driver, CUDA/torch/CUTLASS versions, kernel cache and tuned prefill configs",
         description="Show what this machine offers kvarn-cutlass: GPU and architecture, driver, CUDA, torch, "
-        "cuda-python and nvidia-cutlass versions, nvcc, the kernel cache directory and its size, and which "
-        "tuned GEMM configs apply to this GPU. Works without a GPU (fields then say why they are absent).",
+        "cuda-python and nvidia-cutlass versions, nvcc, NVRTC, the kernel cache directory and its size, and "
+        "which tuned configs of the fused prefill kernel apply to this GPU. Works without a GPU (fields then "
+        "say why they are absent).",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
@@ -88,27 +89,23 @@ def cache_status(root: Path) -> str:
     return "not created yet (made by the first compile)"
 
 
-def gemm_config_summary(cc: int | None) -> dict[str, Any] | str:
-    """Which ``gemm_configs/sm<cc>.json`` applies to compute capability ``cc`` and how much of it is tuned.
+def prefill_config_summary(cc: int | None) -> dict[str, Any] | str:
+    """Which ``gemm_configs/prefill_sm<cc>.json`` (the fused prefill kernel's tuned configs) applies to compute
+    capability ``cc`` and how many of its buckets are tuned.
 
-    Returns ``{"arch", "path", "buckets", "tuned", "default"}`` ("default": buckets that fall back to the
-    untuned default config), or a string saying why none applies (no GPU, an architecture without the
-    sm_90 wgmma GEMM, a missing file).
+    Returns ``{"arch", "path", "buckets", "tuned"}``, or a string saying why none applies (no GPU, no table
+    for this architecture: every bucket then runs its default config).
     """
     if cc is None:
         return f"none ({NO_GPU})"
-    if cc != 90:
-        return f"none (the CUTLASS K-score GEMM needs sm_90; this GPU is sm_{cc})"
-    from ..gemm.configs import config_dir, load_table
+    from ..ops.prefill import table_path
 
-    path = config_dir() / f"sm{cc}.json"
-    table = load_table(cc)
-    if table is None:
-        return f"none ({path} not found; every bucket uses the untuned default config)"
-    buckets = table.get("buckets", {})
-    tuned = sum(1 for b in buckets.values() if b.get("status") == "tuned")
-    return {"arch": f"sm{cc}", "path": str(path), "buckets": len(buckets), "tuned": tuned,
-            "default": len(buckets) - tuned}
+    path = table_path(f"sm{cc}")
+    if not path.is_file():
+        return f"none ({path} not found; every bucket uses its default config)"
+    buckets = json.loads(path.read_text()).get("buckets", {})
+    return {"arch": f"sm{cc}", "path": str(path), "buckets": len(buckets),
+            "tuned": sum(1 for b in buckets.values() if b.get("status") == "tuned")}
 
 
 def _gpu_fields() -> tuple[dict[str, Any], int | None]:
@@ -147,10 +144,10 @@ def _cuda_driver_api() -> str:
 
 def _nvcc() -> str:
     try:
-        from ..gemm.compile import nvcc_path, nvcc_version
+        from ..runtime import compiler_version
 
-        return f"{nvcc_version()} ({nvcc_path()})"
-    except Exception:  # FileNotFoundError when absent; anything else means it is not usable either
+        return compiler_version("nvcc")  # the optional backend ($KVARN_CUTLASS_COMPILER=nvcc)
+    except Exception:  # RuntimeError when absent; anything else means it is not usable either
         return "not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda/bin, PATH)"
 
 
@@ -193,7 +190,7 @@ def gather() -> dict[str, Any]:
         "nvrtc": _nvrtc(),
         "kernel_cache": {"path": str(root), "exists": root.is_dir(), "status": cache_status(root), "bytes": size,
                          "files": files},
-        "gemm_configs": gemm_config_summary(cc),
+        "prefill_configs": prefill_config_summary(cc),
     }
     return {k: info[k] for k in INFO_KEYS}
 
@@ -213,9 +210,8 @@ def _text(info: dict[str, Any]) -> str:
         if key == "kernel_cache":
             status = "" if value["status"] == CACHE_READY else f" ({value['status']})"
             value = f"{value['path']}{status}, {_human_bytes(value['bytes'])} in {value['files']} files"
-        elif key == "gemm_configs" and isinstance(value, dict):
-            value = (f"{value['path']}: {value['tuned']} of {value['buckets']} buckets tuned, "
-                     f"{value['default']} use the default config")
+        elif key == "prefill_configs" and isinstance(value, dict):
+            value = f"{value['path']}: {value['tuned']} of {value['buckets']} buckets tuned"
         lines.append(f"{key:18s} {value}")
     return "\n".join(lines)
 

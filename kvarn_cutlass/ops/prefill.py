@@ -198,7 +198,7 @@ def bucket_key(spec: TileSpec) -> str:
 
 
 def table_path(arch: str = "sm90"):
-    from ..gemm.configs import config_dir
+    from ..runtime.configs import config_dir
 
     return config_dir() / f"prefill_{arch}.json"
 

@@ -39,6 +39,7 @@ __all__ = [
     "default_backend",
     "compiler_version",
     "cuda_include_dirs",
+    "cutlass_include_dirs",
     "compile_cubin",
     "full_options",
     "parse_ptxas_log",
@@ -146,6 +147,36 @@ def cuda_include_dirs() -> tuple[str, ...]:
             cccl = inc / "cccl"
             return (str(cccl), str(inc)) if cccl.is_dir() else (str(inc),)
     return ()
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_include_dirs() -> tuple[str, ...]:
+    """The CUTLASS and CuTe C++ headers shipped in the nvidia-cutlass wheel (a dependency), as include
+    directories for :func:`compile_cubin`: the one directory holding ``cutlass/`` and ``cute/`` (e.g.
+    ``cute/arch/mma_sm90_gmma.hpp``, the sm_90 wgmma atoms).
+
+    ``$CUTLASS_PATH`` (a CUTLASS source tree, the variable CUTLASS's own tools read) takes precedence
+    over the wheel's copy (``cutlass_library.source_path``).
+
+    Raises:
+        FileNotFoundError: neither has the headers (the message says where it looked and what to install).
+    """
+    env = os.environ.get("CUTLASS_PATH", "").strip()
+    if env:
+        root, origin = Path(env), "$CUTLASS_PATH"
+    else:
+        try:
+            import cutlass_library
+        except ImportError:
+            raise FileNotFoundError("the CUTLASS headers come from the nvidia-cutlass wheel, which is not installed "
+                                    "(pip install nvidia-cutlass==4.2.0.0, or set CUTLASS_PATH to a CUTLASS "
+                                    "source tree)") from None
+        root, origin = Path(cutlass_library.source_path), "the nvidia-cutlass wheel"
+    include = root / "include"
+    if not ((include / "cutlass" / "cutlass.h").is_file() and (include / "cute" / "tensor.hpp").is_file()):
+        raise FileNotFoundError(f"no CUTLASS/CuTe headers under {include} (from {origin}); reinstall "
+                                "nvidia-cutlass==4.2.0.0 or point CUTLASS_PATH at a CUTLASS source tree")
+    return (str(include),)
 
 
 def _headers_hint() -> str:

@@ -22,7 +22,6 @@ __all__ = ["KERNEL_MODULES", "KERNEL_PACKAGES", "register", "families", "specs"]
 # Modules whose import registers kernel families.
 KERNEL_MODULES: tuple[str, ...] = (
     "kvarn_cutlass.runtime.selftest",
-    "kvarn_cutlass.gemm.prep",
     "kvarn_cutlass.decode",
 )
 # Packages whose submodules are all imported (op modules register their families there).
