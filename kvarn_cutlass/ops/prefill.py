@@ -20,13 +20,9 @@ import torch
 
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ..runtime import KernelSpec, register
+from ..runtime.compiler import cutlass_include_dirs
 
 
-def cute_include_dirs() -> tuple[str, ...]:
-    """The CUTLASS/CuTe headers of the nvidia-cutlass wheel (the wgmma variant includes CuTe's GMMA atoms)."""
-    from ..gemm.compile import cutlass_include_dirs
-
-    return cutlass_include_dirs()[:1]
 
 __all__ = ["FusedConfig", "CANDIDATES", "DEFAULT_CONFIGS", "fused_spec", "fused_specs", "select_config",
            "table_path", "smem_bytes", "FusedPrefillKernel", "MAX_SMEM_PER_BLOCK"]
@@ -186,7 +182,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         defines["OFF_" + section.upper()] = spec.offset(section)
     wgmma = config.mma == "wgmma"
     return KernelSpec("prefill_fused.cu", (KERNEL_SYMBOL,), defines=defines, options=("-lineinfo",),
-                      arch_specific=wgmma, include_dirs=cute_include_dirs() if wgmma else (),
+                      arch_specific=wgmma, include_dirs=cutlass_include_dirs() if wgmma else (),
                       name=_variant_name(spec, cache_dtype, q_dtype, config))
 
 
