@@ -1,9 +1,11 @@
-"""The host side of the append hot path, on the CPU: what the driver receives from a prepared launch.
+"""The host side of the append hot path, on the CPU: what the driver receives from a prepared launch
+and what ``DeviceAppender`` passes to its kernels.
 
 The launch path runs for real (``runtime.module.PreparedLaunch``) against a recording stand-in for
 the driver: ``cuda.bindings.driver.cuCtxGetCurrent`` / ``cuCtxSetCurrent`` / ``cuLaunchKernelEx``
 replaced by Python functions that keep the current context and decode every launch's arguments from
-its ``kernelParams`` array (what the real driver would copy), on kernels of a fake module.
+its ``kernelParams`` array (what the real driver would copy). The cache's device path runs on
+``DeviceAppender`` with kernels of a fake module (tensors passed as their addresses).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import pytest
 import torch
 from cuda.bindings import driver
 
+import kvarn_cutlass as kc
+from kvarn_cutlass.ops import append as A
 from kvarn_cutlass.runtime import CudaError
 from kvarn_cutlass.runtime.module import Kernel, _parse_signature
+
+from _helpers import realistic_kv
 
 MODULE_CTX = driver.CUcontext(0x1000)
 _READ = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
@@ -128,3 +134,78 @@ def test_failed_launch_raises_naming_the_kernel(drv):
     drv.fail_with = driver.CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(CudaError, match="cuLaunchKernelEx.*kvarn_x|kvarn_x.*cuLaunchKernelEx"):
         p.launch()
+
+
+# ---- DeviceAppender ---------------------------------------------------------------------------------
+def _device_cache(drv, **kw):
+    """A CPU cache whose device path runs DeviceAppender on kernels of the recording driver."""
+    c = kc.KVarNCache(**kw)
+    kernels = tuple(drv.kernel(name, sig) for name, sig in (
+        ("append_compress", A.APPEND_COMPRESS_SIGNATURE), ("append_commit", A.APPEND_COMMIT_SIGNATURE),
+        ("append_snapshot", A.SNAPSHOT_SIGNATURE)))
+    c._writer = A.DeviceAppender(c, kernels=kernels)
+    return c
+
+
+def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch(drv):
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, D, T = 2, 4, 128, 128
+    c = _device_cache(drv, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, window=256, dtype=torch.float16,
+                      max_seq_len=4096)
+    g = torch.Generator().manual_seed(12)
+    one = [realistic_kv(B, H, 1, D, generator=g) for _ in range(2)]
+    c.append(0, *one)  # prepares the launches
+    st = c._layers[0]
+    with c.deferred_checks():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                c.append(0, *one)
+        ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
+        assert ops == [], ops
+        chunk = torch.zeros(B, H, 2 * T + 300, D, dtype=torch.float16)[:, :, 7 : 7 + 300]  # a strided view
+        del drv.launches[:]
+        c.append(0, chunk, chunk)  # 21 + 300 tokens: 65 over the window, one tile completes
+    (a_name, a_grid, _, a), (b_name, b_grid, _, b) = drv.launches
+    assert (a_name, b_name) == ("append_compress", "append_commit")
+    assert c.num_tiles(0) == 1 and c.seq_len(0) == 321  # (the recorded kernels committed nothing on the device)
+    assert a["max_new"] == 1 and a["n"] == b["n"] == 300 and a["aux_parts"] == 2
+    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 1)
+    for args in (a, b):
+        assert (args["k"], args["v"]) == (chunk.data_ptr(),) * 2
+        assert (args["k_sb"], args["k_sh"], args["k_st"]) == ((2 * T + 300) * D * H, (2 * T + 300) * D, D)
+        assert (args["win_k"], args["lens"], args["err"]) == (st.window_k.data_ptr(), st.lens.data_ptr(),
+                                                              c._errors.data_ptr())
+    assert a["backup_k"] == c._backups[0].window_k.data_ptr()  # the block's first tile: window backed up
+    assert b["sink_k"] == st.sink_k.data_ptr() and b["counter"] == c._counter.data_ptr()
+    # eager: the one torch op is the read of the error flag; n went back to 1 in the commit launch
+    del drv.launches[:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        c.append(0, *one)
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert ops <= {"aten::item", "aten::_local_scalar_dense"} and ops, ops
+    [(name, _, _, b)] = drv.launches
+    assert name == "append_commit" and b["n"] == 1 and b["k"] == one[0].data_ptr() and b["v"] == one[1].data_ptr()
+    assert (b["k_sb"], b["k_sh"], b["k_st"]) == (H * D, D, D)
+
+
+def test_inputs_the_kernels_cannot_read_as_they_are_are_copied(drv):
+    B, H, D = 1, 2, 64
+    c = _device_cache(drv, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=128,
+                      sink_tokens=64, dtype=torch.float16, max_seq_len=4096)
+    g = torch.Generator().manual_seed(3)
+    c.append(0, realistic_kv(B, H, 70, D, generator=g), realistic_kv(B, H, 70, D, generator=g))
+    st = c._layers[0]
+    good = realistic_kv(B, H, 1, D, generator=g)
+    flat = torch.randn(B * H * D + 1, generator=g).half()
+    misaligned = flat[1:].view(B, H, 1, D)  # contiguous, 2 bytes past a 16-byte boundary
+    channel_strided = realistic_kv(B, H, 1, 2 * D, generator=g)[..., ::2]
+    for name, x in (("misaligned", misaligned), ("channel-strided", channel_strided),
+                    ("window view", st.window_k[:, :, 3:4]), ("sink view", st.sink_v[:, :, 5:6])):
+        del drv.launches[:]
+        c.append(0, good, x)
+        [(_, _, _, args)] = drv.launches
+        assert args["k"] == good.data_ptr(), name  # an input the kernels can read goes as it is
+        assert args["v"] != x.data_ptr() and args["v"] % 16 == 0, name
+        assert (args["v_sb"], args["v_sh"], args["v_st"]) == (H * D, D, D), name
+        c.truncate(0, c.seq_len(0) - 1)
