@@ -1,5 +1,5 @@
-"""The host side of the append hot path, on the CPU: what the driver receives from a prepared launch
-and what ``DeviceAppender`` passes to its kernels.
+"""The host side of the append hot path, on the CPU: what the driver receives from a prepared launch,
+what ``DeviceAppender`` passes to its kernels, and the cache's argument checks on their fast path.
 
 The launch path runs for real (``runtime.module.PreparedLaunch``) against a recording stand-in for
 the driver: ``cuda.bindings.driver.cuCtxGetCurrent`` / ``cuCtxSetCurrent`` / ``cuLaunchKernelEx``
@@ -22,7 +22,7 @@ from kvarn_cutlass.ops import append as A
 from kvarn_cutlass.runtime import CudaError
 from kvarn_cutlass.runtime.module import Kernel, _parse_signature
 
-from _helpers import realistic_kv
+from _helpers import assert_same_snapshot, realistic_kv, snapshot
 
 MODULE_CTX = driver.CUcontext(0x1000)
 _READ = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
@@ -209,3 +209,90 @@ def test_inputs_the_kernels_cannot_read_as_they_are_are_copied(drv):
         assert args["v"] != x.data_ptr() and args["v"] % 16 == 0, name
         assert (args["v_sb"], args["v_sh"], args["v_st"]) == (H * D, D, D), name
         c.truncate(0, c.seq_len(0) - 1)
+
+
+# ---- argument checks on the fast path ---------------------------------------------------------------
+def _bad_cases(B, H, D):
+    good = torch.randn(B, H, 1, D)
+    return [
+        ((True, good, good), ValueError, "layer must be an int"),
+        ((-1, good, good), ValueError, "layer must be an int"),
+        ((1, good, good), ValueError, "layer must be an int"),
+        ((0, good.numpy(), good), TypeError, "k must be a torch.Tensor"),
+        ((0, good, None), TypeError, "v must be a torch.Tensor"),
+        ((0, good.double(), good), TypeError, "k has dtype torch.float64"),
+        ((0, good, good.to(torch.int32)), TypeError, "v has dtype torch.int32"),
+        ((0, good.to("meta"), good), ValueError, "k is on meta"),
+        ((0, good, good.to("meta")), ValueError, "v is on meta"),
+        ((0, good, torch.randn(B, H, 2, D)), ValueError, "same shape"),
+        ((0, torch.randn(B, H + 1, 1, D), torch.randn(B, H + 1, 1, D)), ValueError, f"num_kv_heads={H}"),
+        ((0, good[:, :, :0], good[:, :, :0]), ValueError, "n_new>=1"),
+    ]
+
+
+@pytest.mark.parametrize("path", ["device", "host"])
+@pytest.mark.parametrize("case", range(len(_bad_cases(1, 2, 64))))
+def test_bad_append_after_good_ones_raises_and_changes_nothing(drv, path, case):
+    """The checks' fast path (the last accepted shape and dtype) is primed by good appends first; a bad call
+    of the same shape still raises the full checks' error, and neither the cache nor the device sees it."""
+    B, H, D = 1, 2, 64
+    kw = dict(num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=64, dtype=torch.float16)
+    c = _device_cache(drv, **kw) if path == "device" else kc.KVarNCache(**kw)
+    g = torch.Generator().manual_seed(case)
+    for _ in range(3):
+        c.append(0, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+    before, launches = snapshot(c), len(drv.launches)
+    args, exc, match = _bad_cases(B, H, D)[case]
+    with pytest.raises(exc, match=match):
+        c.append(*args)
+    assert_same_snapshot(before, snapshot(c))
+    assert len(drv.launches) == launches
+    c.append(0, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))  # still appends
+    assert c.seq_len(0) == 4
+
+
+def test_fast_and_full_checks_agree_on_a_random_call_sequence(drv):
+    """A seeded sequence of good and bad calls (dtypes, shapes, devices, subclasses, layers): append raises
+    exactly when the full checks (check_kv on k and v, equal shapes, the layer) raise, with their message."""
+    B, H, D, L = 2, 2, 64, 2
+    c = _device_cache(drv, num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=64,
+                      dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2024)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32]
+
+    def tensor():
+        shape = [B, H, pick([1, 1, 1, 2, 0]), D]
+        shape[pick([0, 1, 3, 2, 2, 2, 2, 2])] += pick([0, 0, 0, 0, 1])
+        x = torch.randn(*shape, generator=g).to(pick(dtypes))
+        return pick([x, x, x, x.to("meta"), torch.nn.Parameter(x, requires_grad=False) if x.is_floating_point() else x])
+
+    def full_checks(layer, k, v):
+        try:
+            c._layer(layer)
+            c.check_kv("k", k)
+            c.check_kv("v", v)
+            if k.shape != v.shape:
+                raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+        return None
+
+    outcomes = set()
+    for step in range(600):
+        k = tensor()
+        like_k = k.clone() if k.device.type != "meta" else k
+        v = pick([like_k, like_k, tensor(), k.to("meta"), k.to(torch.int32), like_k[:, :, :1]])
+        layer = pick([0, 1, 1, 0, 2, True])
+        want = full_checks(layer, k, v)
+        n = c.seq_len(layer) if want is None else None
+        try:
+            c.append(layer, k, v)
+            got = None
+        except (TypeError, ValueError) as e:
+            got = type(e), str(e)
+        assert got == want, (step, got, want)
+        if got is None:
+            assert c.seq_len(layer) == n + k.shape[2]
+        outcomes.add(got is None)
+    assert outcomes == {True, False}
