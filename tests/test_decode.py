@@ -421,3 +421,41 @@ def test_identity_tile_table():
     flat = pool.view(-1, 2, 16)
     assert flat[int(t[2, 3])].data_ptr() == pool[2, 3].data_ptr()
     assert decode.identity_tile_table(torch.zeros(2, 7, 2, 16, dtype=torch.uint8)).shape == (2, 7)
+
+
+@pytest.mark.gpu
+def test_plan_reads_the_caches_device_lengths_without_a_refresh():
+    """DecodePlan.lens is the cache's device_lengths(), not a copy to refresh: a decode launched after an
+    append, a truncate and the restore of a failed deferred block reads the lengths of that moment."""
+    from kvarn_cutlass import reference
+
+    B, Hkv, D = 2, 2, 128
+    c = kc.KVarNCache(1, B, Hkv, D, window=256, device="cuda", max_seq_len=4096)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kv = lambda n: [torch.randn(B, Hkv, n, D, generator=gen, device="cuda").half() for _ in range(2)]  # noqa: E731
+    c.append(0, *kv(700))
+    plan = decode.get_plan(c)
+    assert plan.lens.data_ptr() == c.device_lengths().data_ptr()
+    q = torch.randn(B, 4 * Hkv, 1, D, generator=gen, device="cuda").half()
+
+    def decode_matches_the_reference(what):
+        out = torch.full_like(q, float("nan"))
+        plan.launch(q, 0, out)
+        ref = reference.attention(q, c, 0)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (what, err)
+
+    decode_matches_the_reference("after the prompt")
+    c.append(0, *kv(1))
+    decode_matches_the_reference("after an append")
+    c.truncate(0, c.seq_len(0) - 40)
+    decode_matches_the_reference("after a truncate")
+    before = c.seq_len(0)
+    bad = kv(1)
+    bad[1][0, 1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="v contains NaN"):
+        with c.deferred_checks():
+            c.append(0, *kv(130))  # completes a tile
+            c.append(0, *bad)
+    assert c.seq_len(0) == before
+    decode_matches_the_reference("after a failed block")
