@@ -11,7 +11,12 @@ its ``kernelParams`` array (what the real driver would copy). The cache's device
 from __future__ import annotations
 
 import ctypes
+import json
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +301,14 @@ def test_fast_and_full_checks_agree_on_a_random_call_sequence(drv):
             assert c.seq_len(layer) == n + k.shape[2]
         outcomes.add(got is None)
     assert outcomes == {True, False}
+
+
+# ---- tools/host_overhead.py ---------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the tool's CPU mode compiles a stub driver with cc")
+def test_host_overhead_tool_runs_on_the_cpu():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "host_overhead.py"), "--device", "cpu", "--rounds", "2",
+                          "--json"], capture_output=True, text=True, check=True, cwd=root).stdout
+    res = json.loads(out)
+    assert res["device"] == "cpu" and res["calls_per_round"] == 127
+    assert {"append_us", "appender_us", "launch_us", "checks_us"} <= res.keys()
