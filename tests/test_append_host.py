@@ -311,4 +311,4 @@ def test_host_overhead_tool_runs_on_the_cpu():
                           "--json"], capture_output=True, text=True, check=True, cwd=root).stdout
     res = json.loads(out)
     assert res["device"] == "cpu" and res["calls_per_round"] == 127
-    assert {"append_us", "appender_us", "launch_us", "checks_us"} <= res.keys()
+    assert {"append_us", "completing_us", "amortized_us", "appender_us", "launch_us", "checks_us"} <= res.keys()

@@ -3,9 +3,11 @@
 The case of ``kvarn-cutlass bench --section append``: one layer, 8 KV heads, head_dim 128, k4v2_g128,
 window 256, float16, one token per call, no tile completing, every call inside ``deferred_checks``
 (no synchronization). Per call, medians over rounds of 127 calls (the T - 1 appends between two
-compressions; the window is truncated back between rounds):
+compressions; between rounds the window is truncated back, or the round's last append completes a tile):
 
 * ``append``: ``cache.append(0, k, v)``, the bench's ``host_us`` measure;
+* ``completing``: the 128th append of a round, which completes a tile (two launches), and
+  ``amortized``: the round's 128 appends per call (the bench's ``amortized_host_us``);
 * ``appender``: ``DeviceAppender.append`` alone (argument writes and the launch);
 * ``launch``: ``PreparedLaunch.launch`` of the commit kernel alone;
 * ``checks``: ``append - appender`` (argument checks, the plan, length bookkeeping);
@@ -113,7 +115,8 @@ def main(argv=None) -> None:
     from kvarn_cutlass.ops import append as A
 
     B, H, D, T, W, P = args.batch, 8, 128, 128, 256, 1000
-    cache = kc.KVarNCache(1, B, H, D, window=W, dtype=torch.float16, device=device, max_seq_len=P + 4 * T)
+    cache = kc.KVarNCache(1, B, H, D, window=W, dtype=torch.float16, device=device,
+                          max_seq_len=P + (args.rounds + 4) * T)
     if device == "cpu":
         cache._writer = A.DeviceAppender(cache, kernels=_stand_in_kernels(
             [("append_compress", A.APPEND_COMPRESS_SIGNATURE), ("append_commit", A.APPEND_COMMIT_SIGNATURE),
@@ -123,42 +126,50 @@ def main(argv=None) -> None:
     cache.append(0, *kv(P))
     while cache.positions(0)["window"][1] - cache.positions(0)["window"][0] != W - T + 1:
         cache.append(0, *kv(1))  # just after a compression: the next T - 1 appends complete no tile
-    start = cache.seq_len(0)
-    toks = [kv(1) for _ in range(T - 1)]
+    toks = [kv(1) for _ in range(T)]
     st, writer = cache._layers[0], cache._writer
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(fn) -> float:
-        """Median over the rounds of the wall time per call of fn(0) .. fn(T - 2) inside a deferred_checks
-        block; the window is rewound after each round (round 0 warms up: first launches, caches)."""
-        times = []
+    def timed(fn, last=None) -> tuple[float, float]:
+        """Medians over the rounds of the wall time per call of fn(0) .. fn(T - 2) inside a deferred_checks
+        block and of last() after them (0 without it: the window is rewound instead); round 0 warms up
+        (first launches, caches)."""
+        start = cache.seq_len(0)
+        times, lasts = [], []
         for r in range(args.rounds + 1):
             with cache.deferred_checks():
                 t0 = time.perf_counter()
                 for i in range(T - 1):
                     fn(i)
-                dt = (time.perf_counter() - t0) * 1e6 / (T - 1)
+                t1 = time.perf_counter()
+                if last is not None:
+                    last()
+                t2 = time.perf_counter()
             sync()
-            cache.truncate(0, start)
+            if last is None:
+                cache.truncate(0, start)
             if r:
-                times.append(dt)
-        return statistics.median(times)
+                times.append((t1 - t0) * 1e6 / (T - 1))
+                lasts.append((t2 - t1) * 1e6)
+        return statistics.median(times), statistics.median(lasts)
 
     res = {"device": device, "batch": B, "kv_heads": H, "head_dim": D, "window": W, "calls_per_round": T - 1,
            "rounds": args.rounds}
-    res["append_us"] = timed(lambda i: cache.append(0, *toks[i]))
-    res["appender_us"] = timed(lambda i: writer.append(st, toks[i][0], toks[i][1], 1, 0, None))
+    res["append_us"], res["completing_us"] = timed(lambda i: cache.append(0, *toks[i]),
+                                                   lambda: cache.append(0, *toks[T - 1]))
+    res["amortized_us"] = ((T - 1) * res["append_us"] + res["completing_us"]) / T
+    res["appender_us"] = timed(lambda i: writer.append(st, toks[i][0], toks[i][1], 1, 0, None))[0]
     commit = st.device.commit
-    res["launch_us"] = timed(lambda i: commit.launch())
+    res["launch_us"] = timed(lambda i: commit.launch())[0]
     res["checks_us"] = res["append_us"] - res["appender_us"]
     if device == "cuda":
         from kvarn_cutlass.decode import DecodePlan
 
         plan = DecodePlan(cache)
-        res["refresh_us"] = timed(lambda i: plan.refresh(0))
+        res["refresh_us"] = timed(lambda i: plan.refresh(0))[0]
         if args.bench:
             from kvarn_cutlass.bench import BenchOptions
             from kvarn_cutlass.bench.compress import run_append
