@@ -11,7 +11,10 @@ compressions; between rounds the window is truncated back, or the round's last a
 * ``appender``: ``DeviceAppender.append`` alone (argument writes and the launch);
 * ``launch``: ``PreparedLaunch.launch`` of the commit kernel alone;
 * ``checks``: ``append - appender`` (argument checks, the plan, length bookkeeping);
-* ``refresh`` (CUDA only): ``DecodePlan.refresh(0)``.
+* CUDA only: ``refresh``, ``DecodePlan.refresh(0)``; ``decode_launch``, ``DecodePlan.launch`` of a
+  fresh q per call (32 query heads; its fast path); ``decode_ragged``, the same launch through
+  ``decode_attention_ragged`` with the full checks (what ``DecodePlan.launch`` ran on every call before,
+  here with its prepared-launch dict hitting every time).
 
 On a CUDA machine everything is real (``python3 tools/host_overhead.py``; add ``--bench`` for the
 bench's own append rows). Without one (``--device cpu``, the default there) the cache lives on the
@@ -168,8 +171,18 @@ def main(argv=None) -> None:
     if device == "cuda":
         from kvarn_cutlass.decode import DecodePlan
 
+        from kvarn_cutlass.decode import decode_attention_ragged
+
         plan = DecodePlan(cache)
         res["refresh_us"] = timed(lambda i: plan.refresh(0))[0]
+        qs = [torch.randn(B, 32, 1, D, device=device, generator=g).half() for _ in range(T - 1)]
+        out = torch.empty_like(qs[0])
+        res["decode_launch_us"] = timed(lambda i: plan.launch(qs[i], 0, out))[0]
+        buf, lens, ws, prepared = cache.buffers(0), cache.device_lengths(), plan.workspace(32 // H), {}
+        res["decode_ragged_us"] = timed(lambda i: decode_attention_ragged(
+            qs[0], cache.tile_pool(0), buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"], lens[0, 0],
+            lens[0, 1], lens[0, 2], cache.spec, out=out, workspace=ws, tile_table=cache.tile_table(0),
+            _prepared=prepared))[0]
         if args.bench:
             from kvarn_cutlass.bench import BenchOptions
             from kvarn_cutlass.bench.compress import run_append
