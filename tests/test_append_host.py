@@ -216,6 +216,21 @@ def test_inputs_the_kernels_cannot_read_as_they_are_are_copied(drv):
         c.truncate(0, c.seq_len(0) - 1)
 
 
+def test_the_no_tile_shortcut_is_plan_appends_answer():
+    """cache.append and StepAppends.advance skip plan_append when the sink is full and the window does not
+    overflow, taking (0, 0, window_len + n): what plan_append (and kva_plan) says there."""
+    import random
+
+    rng = random.Random(16)
+    for _ in range(5000):
+        T = rng.choice([64, 128])
+        window, sink = T * rng.randint(1, 8), T * rng.randint(0, 2)
+        wl = rng.randint(0, window)
+        n = rng.randint(1, window - wl) if wl < window else 0
+        if n:
+            assert A.plan_append(sink, wl, n, sink, window, T) == (0, 0, wl + n)
+
+
 # ---- argument checks on the fast path ---------------------------------------------------------------
 def _bad_cases(B, H, D):
     good = torch.randn(B, H, 1, D)
