@@ -69,12 +69,11 @@ CUresult cuGetProcAddress(const char *sym, void **fn, int version, uint64_t flag
 def _load_stub_driver() -> None:
     """Compile the stub and load it under libcuda's soname, before cuda-bindings looks for the driver
     (its dlopen of libcuda.so.1 then finds the loaded stub)."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvarn_stub_cuda_"))
-    (tmp / "stub.c").write_text(_STUB_DRIVER)
-    lib = tmp / "libcuda.so.1"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", str(tmp / "stub.c"), "-o", str(lib)],
-                   check=True)
-    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    with tempfile.TemporaryDirectory(prefix="kvarn_stub_cuda_") as tmp:  # (a loaded library needs no file)
+        src, lib = Path(tmp) / "stub.c", Path(tmp) / "libcuda.so.1"
+        src.write_text(_STUB_DRIVER)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(lib)], check=True)
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
 def _stand_in_kernels(spec_signatures):
