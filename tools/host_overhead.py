@@ -72,7 +72,8 @@ def _load_stub_driver() -> None:
     with tempfile.TemporaryDirectory(prefix="kvarn_stub_cuda_") as tmp:  # (a loaded library needs no file)
         src, lib = Path(tmp) / "stub.c", Path(tmp) / "libcuda.so.1"
         src.write_text(_STUB_DRIVER)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(lib)], check=True)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(lib)],
+                       check=True)
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
