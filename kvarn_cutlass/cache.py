@@ -135,6 +135,7 @@ class KVarNCache:
         self.sink_tokens = sink_tokens
         self.dtype = dtype
         self.device = check_device(device)
+        self._on_cuda = self.device.type == "cuda"
         self.max_seq_len = max_seq_len
         capacity = 0 if max_seq_len is None else max(0, math.ceil((max_seq_len - sink_tokens) / T))
         self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)
@@ -151,6 +152,8 @@ class KVarNCache:
         self._backups: dict[int, Backup] = {}  # per layer, allocated when a block or step graph needs one
         self._deferred: _Block | None = None
         self._unchecked = None  # a step graph (kvarn_cutlass.step_graph) with replays not yet checked
+        # (shape, dtype) of the last k, v that append accepted: the same again needs no full check
+        self._accepted = None, None
 
     def _new_layer(self, tile_capacity: int, lens: torch.Tensor | None = None) -> _Layer:
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
@@ -289,49 +292,66 @@ class KVarNCache:
         On CUDA: one kernel launch (two when a tile completes) and, outside a
         :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
         """
-        st = self._layer(layer)
+        # The hot path (a decode step's one token per layer) costs a few comparisons: a layer that is a
+        # plain int in range, and k, v plain tensors of the shape and dtype of the last accepted pair on
+        # the cache's device; anything else takes the full checks, which name the bad argument.
+        st = self._layers[layer] if type(layer) is int and 0 <= layer < self.num_layers else self._layer(layer)
         if self._unchecked is not None:
             self._require_checked()
-        self.check_kv("k", k)
-        if not (isinstance(v, torch.Tensor) and v.shape == k.shape and v.dtype == k.dtype and v.device == k.device):
-            self.check_kv("v", v)  # (v like k passes whenever k does)
-            if k.shape != v.shape:
-                raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-        n = k.shape[2]
+        shape, dtype = self._accepted
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == shape and v.shape == shape
+                and k.dtype is dtype and v.dtype is dtype and k.device == self.device and v.device == self.device):
+            self._check_pair(k, v)
+            shape, dtype = k.shape, None  # (k and v may differ in dtype: each is converted on its own)
+        n = shape[2]
         if self.max_seq_len is not None and st.seq_len + n > self.max_seq_len:
             raise ValueError(
                 f"appending {n} tokens to layer {layer} (holding {st.seq_len}) exceeds max_seq_len={self.max_seq_len}"
             )
-        if k.dtype != self.dtype:
-            k = k.to(self.dtype)
-        if v.dtype != self.dtype:
-            v = v.to(self.dtype)
-        plan = plan_append(st.sink_len, st.window_len, n, self.sink_tokens, self.window, self.spec.tile_tokens)
-        if self._writer is not None or self.device.type == "cuda":
-            self._append_device(layer, st, k, v, plan)
+        if dtype is not self.dtype:
+            if k.dtype is not self.dtype:
+                k = k.to(self.dtype)
+            if v.dtype is not self.dtype:
+                v = v.to(self.dtype)
+        keep = st.window_len + n
+        if st.sink_len == self.sink_tokens and keep <= self.window:
+            n_sink = n_new = 0  # plan_append's answer when the sink is full and no tile completes (no call)
         else:
-            self._append_host(layer, st, k, v, plan)
-
-    def _append_device(self, layer: int, st: _Layer, k: torch.Tensor, v: torch.Tensor, plan) -> None:
-        n_sink, n_new, keep = plan
+            n_sink, n_new, keep = plan_append(st.sink_len, st.window_len, n, self.sink_tokens, self.window,
+                                              self.spec.tile_tokens)
         writer = self._writer
         if writer is None:
+            if not self._on_cuda:
+                self._append_host(layer, st, k, v, (n_sink, n_new, keep))
+                return
             from .ops.append import DeviceAppender
 
             writer = self._writer = DeviceAppender(self)
-        if st.n_tiles + n_new > st.tiles.shape[1]:
-            self._grow(st, st.n_tiles + n_new)
+        # the device path (kept inline: it is the hot path)
         blk = self._deferred
         backup = None
-        if n_new and blk is not None and layer not in blk.backed_up:
-            backup = self._backup(layer)
-            blk.backed_up[layer] = "device"
-        writer.append(st, k, v, k.shape[2], n_new, backup)
+        if n_new:
+            if st.n_tiles + n_new > st.tiles.shape[1]:
+                self._grow(st, st.n_tiles + n_new)
+            if blk is not None and layer not in blk.backed_up:
+                backup = self._backup(layer)
+                blk.backed_up[layer] = "device"
+        writer.append(st, k, v, n, n_new, backup)
         if blk is None:
             self._raise_device_errors()
         st.n_tiles += n_new
         st.sink_len += n_sink
         st.window_len = keep
+
+    def _check_pair(self, k, v) -> None:
+        """The full checks of append's k and v (raising an error that names the argument); remembers the
+        shape and dtype of a pair that passes, for the next calls' fast check."""
+        self.check_kv("k", k)
+        if not (isinstance(v, torch.Tensor) and v.shape == k.shape and v.dtype == k.dtype and v.device == k.device):
+            self.check_kv("v", v)  # (v like k passes whenever k does)
+            if k.shape != v.shape:
+                raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        self._accepted = k.shape, k.dtype
 
     def _raise_device_errors(self) -> None:
         bits = int(self._errors.item())  # the call's one synchronization

@@ -21,14 +21,13 @@ int8 fold of the query), P' x V from int8 tensor cores on the 2/4-bit V codes. E
 partial; the last block of each (sequence, KV head) (an atomic ticket per pair in the workspace, reset
 by that block) merges them, applies the inverse WHT and writes the output.
 
-Graph strategy: the kernel reads the lengths from device memory. The plan owns an int32 tensor
-``lens [num_layers, 3, B]`` (n_tiles, window_len, sink_len); :meth:`DecodePlan.refresh` copies the
-cache's host-side lengths into it with an asynchronous copy from a pinned staging buffer (a ring of
-buffers guarded by events, so the CPU never overwrites a buffer a pending copy still reads). The
-copy runs *outside* the captured graph, after ``cache.append`` (eager host code, including tile
-compression) and before ``replay()``; the graph itself only holds the kernel launch, which stays
-valid while the sequence grows across tile boundaries because the pool never moves (``max_seq_len``
-preallocates it) and the grid is sized from the capacity.
+Graph strategy: the kernel reads the lengths from device memory: the cache's own int32
+``device_lengths() [num_layers, 3, B]`` (n_tiles, window_len, sink_len), which every write of the
+cache updates in stream order (the append kernels on the device; truncate and restores with torch
+ops), so a decode launched after an append reads that append's lengths with no host work and no
+copy. The graph holds only the kernel launch, which stays valid while the sequence grows across tile
+boundaries because the pool never moves (``max_seq_len`` preallocates it) and the grid is sized from
+the capacity.
 """
 
 from __future__ import annotations
@@ -75,6 +74,7 @@ _SIG = (
     "ptr win_len", "ptr sink_len", "ptr po", "ptr pm", "ptr pl", "ptr tickets", "ptr out", "i32 Hkv", "i32 G",
     "i32 cap", "i32 nslots", "i32 W", "i32 SC", "i32 S", "i32 E", "i32 min_tps", "i32 flags", "f32 scale",
 )
+_ARG_Q, _ARG_OUT = _SIG.index("ptr q"), _SIG.index("ptr out")
 # Second int8 level of the lloyd_max centroid tables (the kernel's LFOLD): th = rint(s c), tl = rint((s c - th) * 254).
 LM_TABLE_LEVEL = 254
 
@@ -373,6 +373,16 @@ def decode_attention_ragged(
     Returns ``out`` [B, Hq, 1, D] in q's dtype. One kernel launch on torch's current stream; never syncs.
     A sequence with no token at all gets zeros.
     """
+    launch, out = _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, spec,
+                                 scale, out, workspace, tile_table, _prepared)
+    launch.launch()
+    return out
+
+
+def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, spec, scale, out,
+                   workspace, tile_table, _prepared) -> tuple[Any, torch.Tensor]:
+    """decode_attention_ragged's checks and its prepared launch (from ``_prepared`` when it holds one for these
+    arguments, else a new one, stored there): (launch, out), not yet launched."""
     if not isinstance(spec, TileSpec):
         raise TypeError(f"spec must be a TileSpec, got {type(spec).__name__}")
     if not isinstance(tiles, torch.Tensor):
@@ -443,40 +453,16 @@ def decode_attention_ragged(
             if len(_prepared) > 256:
                 _prepared.clear()
             _prepared[key] = launch
-    launch.launch()
-    return out
+    return launch, out
 
 
 # --- per-cache plan ----------------------------------------------------------------------------
-class _PinnedRing:
-    """Pinned int32 staging buffers for host->device length copies, reused only after their copy ran."""
-
-    def __init__(self, shape: tuple[int, ...], slots: int = 32):
-        self.bufs = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(slots)]
-        self.events: list[torch.cuda.Event | None] = [None] * slots
-        self.i = 0
-
-    def next(self) -> tuple[torch.Tensor, int]:
-        i = self.i
-        self.i = (i + 1) % len(self.bufs)
-        ev = self.events[i]
-        if ev is not None:
-            ev.synchronize()  # normally long complete: a slot comes back after `slots` copies
-        return self.bufs[i], i
-
-    def record(self, i: int) -> None:
-        ev = torch.cuda.Event()
-        ev.record()
-        self.events[i] = ev
-
-
 class DecodePlan:
     """Device-side decode state of one :class:`KVarNCache`: lengths, workspaces, prepared launches.
 
-    ``lens``: int32 [num_layers, 3, B] on the cache's device: (n_tiles, window_len, sink_len) per layer
-    and sequence. :meth:`refresh` updates it from the cache (async H2D copy, capture-free; call it
-    after ``cache.append`` and before launching or replaying). Two caches have two plans and never
-    share buffers.
+    ``lens``: int32 [num_layers, 3, B] on the cache's device, (n_tiles, window_len, sink_len) per layer
+    and sequence: the cache's own ``device_lengths()``, current in stream order after every write of
+    the cache, so a launch needs no refresh. Two caches have two plans and never share buffers.
 
     Args:
         cache: a KVarNCache on a CUDA device.
@@ -496,29 +482,25 @@ class DecodePlan:
         if min_tps is not None and (isinstance(min_tps, bool) or not isinstance(min_tps, int) or min_tps < 1):
             raise ValueError(f"min_tps must be a positive int, got {min_tps!r}")
         self.min_tps = min_tps
-        B, L = cache.batch_size, cache.num_layers
-        self.lens = torch.zeros(L, 3, B, dtype=torch.int32, device=self.device)
+        B = cache.batch_size
+        self.lens = cache.device_lengths()
         # Stands in for a pool that has no tiles yet (no max_seq_len): the kernel needs a valid pointer,
         # and allocating it here keeps launch() free of allocations.
         self._empty_pool = torch.zeros(B, 1, cache.num_kv_heads, cache.spec.tile_nbytes, dtype=torch.uint8,
                                        device=self.device)
         self._empty_table = identity_tile_table(self._empty_pool)
-        self._ring = _PinnedRing((3, B))
         self._workspaces: dict[tuple[int, int], DecodeWorkspace] = {}
         self._prepared: dict = {}
+        self._fast: dict[tuple, _LayerLaunch] = {}  # (layer, scale as passed) -> the layer's own launch
 
     def refresh(self, layer: int | None = None) -> None:
-        """Copy the cache's current lengths of ``layer`` (every layer for None) to ``lens``."""
-        layers = range(self.cache.num_layers) if layer is None else [layer]
-        with torch.cuda.device(self.device):
-            for li in layers:
-                pos = self.cache.positions(li)
-                buf, slot = self._ring.next()
-                buf[0].fill_(self.cache.num_tiles(li))
-                buf[1].fill_(pos["window"][1] - pos["window"][0])
-                buf[2].fill_(pos["sink"][1])
-                self.lens[li].copy_(buf, non_blocking=True)
-                self._ring.record(slot)
+        """Check ``layer`` (an int in range, or None for every layer); nothing to copy.
+
+        Earlier plans held a copy of the lengths that this call updated (an H2D copy per layer and step);
+        ``lens`` is now the cache's device lengths, always current, so callers written for that may
+        keep calling it at no cost and new code need not."""
+        if layer is not None:
+            self.cache.num_tiles(layer)  # raises ValueError naming the layer
 
     def workspace(self, group: int) -> DecodeWorkspace:
         cap = self.cache.tile_pool(0).shape[1]
@@ -535,18 +517,54 @@ class DecodePlan:
         return ws
 
     def launch(self, q: torch.Tensor, layer: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Enqueue decode for ``layer`` with the device lengths as they are (no refresh); capturable."""
+        """Enqueue decode for ``layer``, reading the device lengths when it runs; capturable.
+
+        Plan once, run many: the first call for a (layer, scale) runs every check of
+        :func:`decode_attention_ragged` and keeps the prepared launch; a later call whose q and out are
+        contiguous tensors of the same shape and dtype on the cache's device, while the layer's pool
+        (and layer 0's, which sizes the workspace) has not moved, only writes the two addresses and
+        launches. Any other call takes the full path again."""
         c = self.cache
+        # (keys are compared by value: only a plain int layer and a float or None scale may match, as True
+        # would match 1)
+        own = type(layer) is int and (scale is None or type(scale) is float)
+        ent = self._fast.get((layer, scale)) if own else None
+        if (ent is not None and type(q) is torch.Tensor and type(out) is torch.Tensor
+                and q.shape == ent.shape and out.shape == ent.shape and q.dtype is ent.dtype and out.dtype is ent.dtype
+                and q.device == self.device and out.device == self.device and q.is_contiguous() and out.is_contiguous()
+                and c._layers[layer] is ent.st and ent.st.tiles is ent.pool and c._layers[0].tiles is ent.pool0):
+            ent.set_q(q.data_ptr())
+            ent.set_out(out.data_ptr())
+            ent.launch.launch()
+            return out
         pool, table = c.tile_pool(layer), c.tile_table(layer)
+        st, pool0 = c._layers[layer], c._layers[0].tiles
         if pool.shape[1] == 0:  # an empty pool (no max_seq_len, nothing compressed yet) has no pointer
             pool, table = self._empty_pool, self._empty_table
         buf = c.buffers(layer)
         G = q.shape[1] // c.num_kv_heads
-        return decode_attention_ragged(
+        # a launch of the layer's own, not one shared through _prepared: its q and out get rewritten
+        own = own and type(q) is torch.Tensor and type(out) is torch.Tensor and q.is_contiguous()
+        launch, out = _ragged_launch(
             q, pool, buf["window_k"], buf["window_v"], buf["sink_k"], buf["sink_v"], self.lens[layer, 0], self.lens[layer, 1],
-            self.lens[layer, 2], c.spec, scale=scale, out=out, workspace=self.workspace(G),
-            tile_table=table, _prepared=self._prepared,
+            self.lens[layer, 2], c.spec, scale, out, self.workspace(G), table, None if own else self._prepared,
         )
+        launch.launch()
+        if own:
+            self._fast[(layer, scale)] = _LayerLaunch(launch, st, st.tiles, pool0, q.shape, q.dtype)
+        return out
+
+
+class _LayerLaunch:
+    """DecodePlan's prepared launch of one layer, and what it was prepared for (the layer state, its pool and
+    layer 0's pool, the shape and dtype of q and out); per call only the q and out addresses change."""
+
+    __slots__ = ("launch", "st", "pool", "pool0", "shape", "dtype", "set_q", "set_out")
+
+    def __init__(self, launch, st, pool: torch.Tensor, pool0: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+        self.launch, self.st, self.pool, self.pool0, self.shape, self.dtype = launch, st, pool, pool0, shape, dtype
+        self.set_q = launch.writer(_ARG_Q, 1)
+        self.set_out = launch.writer(_ARG_OUT, 1)
 
 
 _plans: "weakref.WeakKeyDictionary[KVarNCache, DecodePlan]" = weakref.WeakKeyDictionary()
@@ -586,7 +604,6 @@ def decode_attention(q: torch.Tensor, cache: KVarNCache, layer: int, scale: floa
         raise ValueError(f"layer {layer} of the cache is empty; decode needs at least one token")
     scale = resolve_scale(scale, cache.head_dim)
     plan = get_plan(cache)
-    plan.refresh(layer)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return plan.launch(q, layer, out, scale)
@@ -595,9 +612,9 @@ def decode_attention(q: torch.Tensor, cache: KVarNCache, layer: int, scale: floa
 class DecodeGraph:
     """One decode call of one layer captured in a CUDA graph; ``replay()`` per step.
 
-    The graph holds only the kernel launch; per step ``replay`` copies ``q`` into the static input
-    (when given), refreshes the plan's device lengths from the cache (outside the graph), then
-    replays. ``cache.append`` (with any tile compression) runs eagerly between replays.
+    The graph holds only the kernel launch, which reads the cache's device lengths; per step ``replay``
+    copies ``q`` into the static input (when given) and replays. ``cache.append`` (with any tile
+    compression) runs eagerly between replays, on the same stream.
 
     Args:
         cache: a KVarNCache on CUDA with ``max_seq_len`` set (preallocated pool: its address is captured).
@@ -630,7 +647,6 @@ class DecodeGraph:
         dev = cache.device
         self.q = torch.zeros(cache.batch_size, num_q_heads, 1, cache.head_dim, dtype=dtype, device=dev)
         self.out = torch.zeros_like(self.q)
-        self.plan.refresh(layer)
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: builds the module, workspace and prepared launches
@@ -640,11 +656,9 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph):
             self.plan.launch(self.q, layer, self.out, self.scale)
 
-    def replay(self, q: torch.Tensor | None = None, refresh: bool = True) -> torch.Tensor:
-        """Run one step: optionally copy ``q`` in, refresh lengths, replay. Returns the static ``out``."""
+    def replay(self, q: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step: optionally copy ``q`` in, replay. Returns the static ``out``."""
         if q is not None:
             self.q.copy_(q)
-        if refresh:
-            self.plan.refresh(self.layer)
         self.graph.replay()
         return self.out

@@ -85,6 +85,10 @@ class StepAppends:
         c = self.cache
         n, sink, window, T = self.n, c.sink_tokens, c.window, c.spec.tile_tokens
         for st in c._layers:
+            keep = st.window_len + n
+            if st.sink_len == sink and keep <= window:
+                st.window_len = keep  # plan_append's answer when the sink is full and no tile completes (no call)
+                continue
             n_sink, n_new, keep = plan_append(st.sink_len, st.window_len, n, sink, window, T)
             st.n_tiles += n_new
             st.sink_len += n_sink

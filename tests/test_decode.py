@@ -421,3 +421,87 @@ def test_identity_tile_table():
     flat = pool.view(-1, 2, 16)
     assert flat[int(t[2, 3])].data_ptr() == pool[2, 3].data_ptr()
     assert decode.identity_tile_table(torch.zeros(2, 7, 2, 16, dtype=torch.uint8)).shape == (2, 7)
+
+
+@pytest.mark.gpu
+def test_plan_reads_the_caches_device_lengths_without_a_refresh():
+    """DecodePlan.lens is the cache's device_lengths(), not a copy to refresh: a decode launched after an
+    append, a truncate and the restore of a failed deferred block reads the lengths of that moment."""
+    from kvarn_cutlass import reference
+
+    B, Hkv, D = 2, 2, 128
+    c = kc.KVarNCache(1, B, Hkv, D, window=256, device="cuda", max_seq_len=4096)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kv = lambda n: [torch.randn(B, Hkv, n, D, generator=gen, device="cuda").half() for _ in range(2)]  # noqa: E731
+    c.append(0, *kv(700))
+    plan = decode.get_plan(c)
+    assert plan.lens.data_ptr() == c.device_lengths().data_ptr()
+    q = torch.randn(B, 4 * Hkv, 1, D, generator=gen, device="cuda").half()
+
+    def decode_matches_the_reference(what):
+        out = torch.full_like(q, float("nan"))
+        plan.launch(q, 0, out)
+        ref = reference.attention(q, c, 0)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (what, err)
+
+    decode_matches_the_reference("after the prompt")
+    c.append(0, *kv(1))
+    decode_matches_the_reference("after an append")
+    c.truncate(0, c.seq_len(0) - 40)
+    decode_matches_the_reference("after a truncate")
+    before = c.seq_len(0)
+    bad = kv(1)
+    bad[1][0, 1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="v contains NaN"):
+        with c.deferred_checks():
+            c.append(0, *kv(130))  # completes a tile
+            c.append(0, *bad)
+    assert c.seq_len(0) == before
+    decode_matches_the_reference("after a failed block")
+
+
+@pytest.mark.gpu
+def test_plan_launch_fast_path_equals_the_full_path():
+    """DecodePlan.launch keeps one launch per (layer, scale) and then only rewrites the q and out addresses:
+    over fresh q and out tensors, a second dtype, a non-contiguous q, another scale, a pool that grows (no
+    max_seq_len) and a second layer, every output equals decode_attention_ragged's (the full checks and a
+    launch prepared for these arguments), bit for bit; bad arguments still raise."""
+    B, Hkv, D, G = 2, 2, 128, 4
+    c = kc.KVarNCache(2, B, Hkv, D, window=256, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    kv = lambda n: [torch.randn(B, Hkv, n, D, generator=gen, device="cuda").half() for _ in range(2)]  # noqa: E731
+    c.append(0, *kv(200))  # no tile yet: the plan launches on its stand-in pool
+    c.append(1, *kv(900))
+    plan = decode.DecodePlan(c)
+
+    def full(q, layer, scale):
+        pool, table = c.tile_pool(layer), c.tile_table(layer)
+        if pool.shape[1] == 0:
+            pool, table = plan._empty_pool, plan._empty_table
+        buf, lens = c.buffers(layer), c.device_lengths()
+        return decode.decode_attention_ragged(q.contiguous(), pool, buf["window_k"], buf["window_v"], buf["sink_k"],
+                                              buf["sink_v"], lens[layer, 0], lens[layer, 1], lens[layer, 2], c.spec,
+                                              scale=scale, workspace=plan.workspace(G), tile_table=table)
+
+    steps = [(0, torch.float16, None, False)] * 3 + [(0, torch.bfloat16, None, False), (0, torch.float16, None, True),
+                                                     (0, torch.float16, 0.05, False), (1, torch.float16, None, False)]
+    for i, (layer, dtype, scale, strided) in enumerate(steps * 3):
+        if i == len(steps):
+            c.append(0, *kv(200))  # layer 0's pool grows: its launch and the workspace move
+        q = torch.randn(B, Hkv * G, 1, D, generator=gen, device="cuda").to(dtype)
+        if strided:
+            q = torch.randn(B, 1, Hkv * G, D, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+        out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+        plan.launch(q, layer, out, scale)
+        assert torch.equal(out, full(q, layer, scale)), i
+    assert c.num_tiles(0) > 0
+    q = torch.randn(B, Hkv * G, 1, D, device="cuda").half()
+    with pytest.raises(ValueError, match="q must have shape"):
+        plan.launch(q[:1], 0, torch.empty_like(q[:1]))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        plan.launch(q, 0, torch.empty_like(q).float())
+    with pytest.raises(TypeError, match="scale"):
+        plan.launch(q, 0, torch.empty_like(q), True)
+    with pytest.raises(ValueError, match="layer"):
+        plan.launch(q, 2, torch.empty_like(q))

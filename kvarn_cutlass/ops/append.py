@@ -16,7 +16,9 @@ Errors go into an int32 flag on the device (``ERROR_BITS``). The kernels never c
 once it is set and commit nothing then, so a failed append changes no length and no live token. The
 cache decides when the flag is read (at once, or at the end of a ``deferred_checks`` block).
 
-Host cost per call: argument updates of prepared launches (:meth:`PreparedLaunch.set_args`) and one
+Host cost per call (the FlashInfer model: plan once, then only launch): the launches of a layer are
+prepared at its first append (every argument packed), and a call rewrites only the inputs' addresses
+and strides, in one ``struct.pack_into`` per launch (:meth:`PreparedLaunch.writer`), then makes one
 ``cuLaunchKernelEx`` (two when a tile completes); no torch op, allocation or synchronization, unless
 an input must be copied first (rows not 16-byte aligned, or a view of the cache's own buffers; the
 cache converts inputs of another dtype to its own before).
@@ -24,6 +26,7 @@ cache converts inputs of another dtype to its own before).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +115,8 @@ def _index(signature: tuple[str, ...]) -> dict[str, int]:
 
 _A = _index(APPEND_COMPRESS_SIGNATURE)
 _B_N = _index(APPEND_COMMIT_SIGNATURE)["n"]
+# k, v, k_sb .. v_st: the leading arguments of both kernels, rewritten per call (one writer each)
+_KV_ARGS = 8
 _SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
 
 
@@ -127,12 +132,29 @@ class Backup:
 
 
 class _LayerLaunches:
-    """Prepared launches of one layer's buffers; pointers refreshed when the pool moves."""
+    """Prepared launches of one layer's buffers; pointers refreshed when the pool moves.
 
-    __slots__ = ("compress", "commit", "pool", "aliases")
+    ``bounds``: the sorted [start, end) addresses of the layer's window and sink buffers, flattened, so
+    that an address lies inside one of them iff ``bisect_right(bounds, p)`` is odd (the buffers are
+    separate allocations, hence disjoint). ``n``: the chunk length the commit launch holds now."""
 
-    def __init__(self, compress, commit, pool: torch.Tensor, aliases: tuple[tuple[int, int], ...]):
-        self.compress, self.commit, self.pool, self.aliases = compress, commit, pool, aliases
+    __slots__ = ("compress", "commit", "pool", "bounds", "compress_kv", "commit_kv", "commit_n", "n")
+
+    def __init__(self, compress, commit, pool: torch.Tensor, bounds: list[int], n: int):
+        self.compress, self.commit, self.pool, self.bounds, self.n = compress, commit, pool, bounds, n
+        self.compress_kv = compress.writer(0, _KV_ARGS)
+        self.commit_kv = commit.writer(0, _KV_ARGS)
+        self.commit_n = commit.writer(_B_N, 1)
+
+
+def _kernel_ready(x: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """(x, its address, its strides) if the kernels can read x as it is, else the same for a fresh contiguous
+    copy (a new allocation: 16-byte aligned, aliasing nothing): see DeviceAppender.append."""
+    p, s = x.data_ptr(), x.stride()
+    if s[3] != 1 or p % 16 or (s[0] | s[1] | s[2]) % 8 or bisect_right(bounds, p) & 1:
+        x = x.clone(memory_format=torch.contiguous_format)
+        p, s = x.data_ptr(), x.stride()
+    return x, p, s
 
 
 class DeviceAppender:
@@ -140,28 +162,34 @@ class DeviceAppender:
 
     The cache owns the state the kernels read and write: per layer the buffers and ``lens``; the error
     flag ``errors`` and the commit counter ``counter`` (int32 [1] each, zero between launches).
+
+    ``kernels``: the (append_compress, append_commit, append_snapshot) kernels to launch instead of the
+    compiled ones (:class:`~kvarn_cutlass.runtime.Kernel` objects with the signatures of this module),
+    for running the host side without a GPU (tests, ``tools/host_overhead.py``).
     """
 
-    def __init__(self, cache) -> None:
+    def __init__(self, cache, kernels=None) -> None:
         spec: TileSpec = cache.spec
         if cache.dtype not in C.APPEND_DTYPES:
             raise TypeError(f"the device append needs a float16 or bfloat16 cache, got {cache.dtype}")
         self.cache = cache
         self.spec = spec
         self.device = cache.device
-        kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
-                                spec.quantizer)
-        name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype,  # noqa: E731
-                                          spec.v_bits, spec.quantizer, role)
-        idx = self.device.index
-        self._compress = get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx)
-        self._commit = get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx)
-        self._snapshot = get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx)
         self.smem = C.smem_bytes(spec.tile_tokens, spec.head_dim)
-        limit = C._smem_limit(idx)
-        if self.smem > limit:
-            raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes of "
-                             f"shared memory per block, {self.device} has {limit}")
+        if kernels is None:
+            kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
+                                    spec.quantizer)
+            name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype,  # noqa: E731
+                                              spec.scale_dtype, spec.v_bits, spec.quantizer, role)
+            idx = self.device.index
+            kernels = (get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx),
+                       get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx),
+                       get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
+            limit = C._smem_limit(idx)
+            if self.smem > limit:
+                raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "
+                                 f"of shared memory per block, {self.device} has {limit}")
+        self._compress, self._commit, self._snapshot = kernels
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
 
@@ -188,14 +216,13 @@ class DeviceAppender:
         return a, b
 
     def _launches(self, st, k, v, n) -> _LayerLaunches:
+        """The layer's prepared launches: made at its first append, re-pointed when its pool grew."""
         ls = st.device
         if ls is None:
             a, b = self._prepare(st, k, v, n, 1, None)
-            spans = []
-            for t in (st.window_k, st.window_v, st.sink_k, st.sink_v):
-                if t.numel():
-                    spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
-            ls = st.device = _LayerLaunches(a, b, st.tiles, tuple(spans))
+            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                           for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
+            ls = st.device = _LayerLaunches(a, b, st.tiles, [p for span in spans for p in span], n)
         if ls.pool is not st.tiles:  # the pool grew (no max_seq_len)
             ls.compress.set_arg(_A["pool"], st.tiles.data_ptr())
             ls.compress.set_arg(_A["table"], st.tile_table.data_ptr())
@@ -203,33 +230,28 @@ class DeviceAppender:
             ls.pool = st.tiles
         return ls
 
-    @staticmethod
-    def _ready(x: torch.Tensor, aliases) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-        """(x, its address, its strides) with the layout the kernels read (16-byte aligned rows, contiguous
-        channels) and not a view of the cache's own buffers, which the kernels rewrite while reading x
-        (each buffer is an allocation of its own, so a view of one starts inside it)."""
-        p = x.data_ptr()
-        for lo, hi in aliases:
-            if lo <= p < hi:
-                x = x.clone(memory_format=torch.contiguous_format)
-                return x, x.data_ptr(), x.stride()
-        s = x.stride()
-        if s[3] != 1 or p % 16 or (s[0] | s[1] | s[2]) % 8:
-            x = x.contiguous()
-            return x, x.data_ptr(), x.stride()
-        return x, p, s
-
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
         that append_compress fills with the window before the append, when a tile completes."""
-        ls = self._launches(st, k, v, n)
-        k, kp, ks = self._ready(k, ls.aliases)
-        v, vp, vs = self._ready(v, ls.aliases)
+        ls = st.device
+        if ls is None or ls.pool is not st.tiles:
+            ls = self._launches(st, k, v, n)
+        # The layout the kernels read (16-byte aligned rows, contiguous channels), and not a view of the
+        # cache's own buffers, which the kernels rewrite while reading the input; else a copy. One
+        # condition for both tensors (this is the whole per-call cost of the checks).
+        bounds = ls.bounds
+        kp, vp = k.data_ptr(), v.data_ptr()
+        k0, k1, k2, k3 = k.stride()
+        v0, v1, v2, v3 = v.stride()
+        if (k3 != 1 or v3 != 1 or (kp | vp) % 16 or (k0 | k1 | k2 | v0 | v1 | v2) % 8
+                or (bisect_right(bounds, kp) | bisect_right(bounds, vp)) & 1):
+            k, kp, (k0, k1, k2, _) = _kernel_ready(k, bounds)
+            v, vp, (v0, v1, v2, _) = _kernel_ready(v, bounds)
         if n_new:
             a = ls.compress
             aux_parts = -(-n // AUX_ROWS)
-            a.set_args(0, kp, vp, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+            ls.compress_kv(kp, vp, k0, k1, k2, v0, v1, v2)
             a.set_arg(_A["n"], n)
             a.set_arg(_A["max_new"], n_new)
             a.set_arg(_A["aux_parts"], aux_parts)
@@ -237,10 +259,11 @@ class DeviceAppender:
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
             a.set_grid(self.cache.batch_size * self.cache.num_kv_heads * (n_new + aux_parts), 2)
             a.launch()
-        b = ls.commit
-        b.set_args(0, kp, vp, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
-        b.set_arg(_B_N, n)
-        b.launch()
+        ls.commit_kv(kp, vp, k0, k1, k2, v0, v1, v2)
+        if n != ls.n:  # decode appends one token per call: n rarely changes
+            ls.commit_n(n)
+            ls.n = n
+        ls.commit.launch()
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels

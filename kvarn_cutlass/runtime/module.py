@@ -16,8 +16,12 @@ An entry may carry a parameter name after a space (``"f32 alpha"``); errors then
 
 The launch path is CUDA-graph safe: it allocates no device memory, never synchronizes
 and reads nothing back from the device. :meth:`Kernel.prepare` packs arguments and the
-launch configuration once, so :meth:`PreparedLaunch.launch` only sets the stream and
-calls ``cuLaunchKernelEx``.
+launch configuration once, so :meth:`PreparedLaunch.launch` only sets the stream, checks
+the current context and calls ``cuLaunchKernelEx`` (driver entry points bound at prepare
+time: no import, enum lookup or error-checking call on the success path). A prepared
+launch keeps its arguments in one buffer, one 8-byte-aligned slot each, so the arguments
+that change per call (an input's address and strides) are rewritten in place by one
+``struct.pack_into`` (:meth:`PreparedLaunch.writer`).
 
 Modules stay loaded for the life of the process: a captured CUDA graph may still refer
 to their kernels, and :func:`spec.get_module` caches them, so unloading would buy nothing.
@@ -26,8 +30,10 @@ to their kernels, and :func:`spec.get_module` caches them, so unloading would bu
 from __future__ import annotations
 
 import ctypes
+import functools
 import numbers
 import re
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -46,6 +52,9 @@ _INT_RANGES = {
     "u64": (ctypes.c_uint64, 0, 2**64 - 1),
 }
 _FLOATS = {"f32": ctypes.c_float, "f64": ctypes.c_double}
+# struct codes of each kind, little-endian standard sizes (PreparedLaunch.writer); "bytes" is "<size>s"
+_STRUCT_CODES = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+_SLOT_ALIGN = 8  # every argument starts at a multiple of 8 bytes in a prepared launch's buffer
 _ENTRY = re.compile(r"^(ptr|i32|u32|i64|u64|f32|f64|bytes:(\d+))(?:\s+([A-Za-z_]\w*))?$")
 
 
@@ -117,6 +126,15 @@ def _convert(p: _Param, value: Any, kernel: str, device_index: int) -> ctypes._S
     if len(raw) != p.size:
         raise ValueError(f"{where}: expected {p.size} bytes, got {len(raw)}")
     return (ctypes.c_uint8 * p.size).from_buffer_copy(raw)
+
+
+def _slot_offsets(params: tuple[_Param, ...]) -> tuple[tuple[int, ...], int]:
+    """(offset of each argument, total bytes) in a launch's argument buffer: 8-byte-aligned slots."""
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.size // _SLOT_ALIGN) * _SLOT_ALIGN
+    return tuple(offsets), total
 
 
 def _dims(value: Any, argname: str) -> tuple[int, int, int]:
@@ -280,6 +298,7 @@ class Kernel:
         self.module = module
         self.name = name
         self._params = params
+        self._offsets, self._nbytes = _slot_offsets(params)
         self._func = func
         self._smem_opt_in = _DEFAULT_DYNAMIC_SMEM
         self._current_stream = _raw_stream_getter()
@@ -299,7 +318,14 @@ class Kernel:
         return check_driver(driver.cuFuncGetAttribute(enum, self._func), "cuFuncGetAttribute", self.name)
 
     def pack(self, args: Sequence[Any]) -> tuple[list, ctypes.Array]:
-        """(holders, void* array) for ``args``; the holders must outlive every launch using the array."""
+        """(holders, void* array) for ``args``; the holders must outlive every launch using the array.
+
+        The holders are ctypes views into one buffer (one 8-byte-aligned slot per argument), which
+        they keep alive."""
+        return self._pack(args)[1:]
+
+    def _pack(self, args: Sequence[Any]) -> tuple[ctypes.Array, list, ctypes.Array]:
+        """(buffer, holders viewing it, void* array of the holders' addresses) for ``args``, checked."""
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple or list, got {type(args).__name__}")
         if len(args) != len(self._params):
@@ -307,9 +333,14 @@ class Kernel:
                 f"kernel {self.name!r} takes {len(self._params)} arguments "
                 f"({', '.join(self.signature)}), got {len(args)}"
             )
-        holders = [_convert(p, a, self.name, self.module.device_index) for p, a in zip(self._params, args)]
+        values = [_convert(p, a, self.name, self.module.device_index) for p, a in zip(self._params, args)]
+        buf = (ctypes.c_uint8 * max(self._nbytes, _SLOT_ALIGN))()
+        holders = []
+        for p, value, off in zip(self._params, values, self._offsets):
+            ctypes.memmove(ctypes.addressof(buf) + off, ctypes.addressof(value), p.size)
+            holders.append(type(value).from_buffer(buf, off))
         array = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
-        return holders, array
+        return buf, holders, array
 
     def prepare(
         self,
@@ -335,7 +366,7 @@ class Kernel:
         bx, by, bz = _dims(block, "block")
         if isinstance(shared_mem, bool) or not isinstance(shared_mem, numbers.Integral) or shared_mem < 0:
             raise ValueError(f"shared_mem={shared_mem!r} must be an int >= 0 (bytes)")
-        holders, array = self.pack(args)
+        buf, holders, array = self._pack(args)
         if shared_mem > self._smem_opt_in:
             _make_current(self.module._ctx, int(self.module._ctx), self.name)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -354,7 +385,7 @@ class Kernel:
             attrs.append(attr)
         config.attrs = attrs
         config.numAttrs = len(attrs)
-        return PreparedLaunch(self, config, holders, array)
+        return PreparedLaunch(self, config, buf, holders, array)
 
     def launch(
         self,
@@ -375,16 +406,23 @@ class PreparedLaunch:
     Tensor arguments were captured as addresses at :meth:`Kernel.prepare` time: keep the
     tensors alive (and in place) while this object is used. Not thread-safe: launching
     sets the configuration's stream, so prepare one per thread.
+
+    The driver copies the arguments when a launch is enqueued (or captured), so changing
+    them afterwards affects only later launches.
     """
 
     __slots__ = (
-        "kernel", "_config", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device", "_stream_of"
+        "kernel", "_config", "_buf", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device",
+        "_stream_of", "_stream", "_get_context", "_launch_ex",
     )
 
-    def __init__(self, kernel: Kernel, config: Any, holders: list, array: ctypes.Array):
+    def __init__(self, kernel: Kernel, config: Any, buf: ctypes.Array, holders: list, array: ctypes.Array):
+        from cuda.bindings import driver
+
         self.kernel = kernel
         self._config = config
-        self._holders = holders  # keeps the ctypes argument values alive for the driver to read
+        self._buf = buf  # the argument slots, which the holders view and the driver reads through _array
+        self._holders = holders
         self._array = array
         self._array_addr = ctypes.addressof(array)
         self._func = kernel._func
@@ -392,6 +430,10 @@ class PreparedLaunch:
         self._ctx_int = int(kernel.module._ctx)
         self._device = kernel.module.device_index
         self._stream_of = kernel._current_stream
+        self._stream = None  # the handle last stored in the configuration (stored again only when it changes)
+        # driver entry points bound once: the launch path makes no import or module lookup
+        self._get_context = driver.cuCtxGetCurrent
+        self._launch_ex = driver.cuLaunchKernelEx
 
     def set_arg(self, index: int, value: int | float) -> None:
         """Replace argument ``index`` for later launches: an int address or int for ``ptr``/integer
@@ -404,6 +446,25 @@ class PreparedLaunch:
         holders = self._holders
         for i, value in enumerate(values, first):
             holders[i].value = value
+
+    def writer(self, first: int, count: int):
+        """A function ``w(*values)`` that replaces arguments ``first .. first + count - 1`` for later launches
+        in one ``struct.pack_into`` over their slots: the per-call update of a hot launch (an input's
+        address and strides), a few times cheaper than :meth:`set_args`. Values as for :meth:`set_arg`
+        (``bytes`` for ``bytes:N`` entries); a value outside its kind's range raises ``struct.error``
+        and leaves the run's slots zeroed (write them again before the next launch)."""
+        params = self.kernel._params
+        if type(first) is not int or type(count) is not int or first < 0 or count < 1 or first + count > len(params):
+            raise ValueError(f"kernel {self.kernel.name!r}: arguments {first!r}..+{count!r} are not within its "
+                             f"{len(params)} arguments")
+        offsets = self.kernel._offsets
+        fmt = ["<"]
+        for i in range(first, first + count):
+            p = params[i]
+            fmt.append(f"{p.size}s" if p.kind == "bytes" else _STRUCT_CODES[p.kind])
+            end = offsets[i + 1] if i + 1 < len(params) else self.kernel._nbytes
+            fmt.append("x" * (end - offsets[i] - p.size))  # the slot's padding (kept zero)
+        return functools.partial(struct.Struct("".join(fmt)).pack_into, self._buf, offsets[first])
 
     def set_grid(self, x: int, y: int = 1, z: int = 1) -> None:
         """Replace the grid dimensions for later launches (unchecked: positive ints)."""
@@ -418,15 +479,19 @@ class PreparedLaunch:
         Raises:
             CudaError: ``cuLaunchKernelEx`` failed (bad configuration, too many resources, ...).
         """
-        from cuda.bindings import driver
-
         if stream is None:
-            self._config.hStream = self._stream_of(self._device)
+            handle = self._stream_of(self._device)
         else:
-            self._config.hStream = _stream_handle(stream, self._device, self._stream_of)
-        _make_current(self._ctx, self._ctx_int, self.kernel.name)
-        result = driver.cuLaunchKernelEx(self._config, self._func, self._array_addr, 0)
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            handle = _stream_handle(stream, self._device, self._stream_of)
+        if handle != self._stream:
+            self._config.hStream = handle
+            self._stream = handle
+        # torch.cuda.set_device() on this thread may have switched the current context since the last launch
+        status, current = self._get_context()
+        if status or current != self._ctx:  # (CUcontext equality compares the handles)
+            _make_current(self._ctx, self._ctx_int, self.kernel.name)
+        result = self._launch_ex(self._config, self._func, self._array_addr, 0)
+        if result[0]:  # CUresult is an int enum: CUDA_SUCCESS is 0
             check_driver(result, "cuLaunchKernelEx", self.kernel.name)
 
 

@@ -1,0 +1,329 @@
+"""The host side of the append hot path, on the CPU: what the driver receives from a prepared launch,
+what ``DeviceAppender`` passes to its kernels, and the cache's argument checks on their fast path.
+
+The launch path runs for real (``runtime.module.PreparedLaunch``) against a recording stand-in for
+the driver: ``cuda.bindings.driver.cuCtxGetCurrent`` / ``cuCtxSetCurrent`` / ``cuLaunchKernelEx``
+replaced by Python functions that keep the current context and decode every launch's arguments from
+its ``kernelParams`` array (what the real driver would copy). The cache's device path runs on
+``DeviceAppender`` with kernels of a fake module (tensors passed as their addresses).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cuda.bindings import driver
+
+import kvarn_cutlass as kc
+from kvarn_cutlass.ops import append as A
+from kvarn_cutlass.runtime import CudaError
+from kvarn_cutlass.runtime.module import Kernel, _parse_signature
+
+from _helpers import assert_same_snapshot, realistic_kv, snapshot
+
+MODULE_CTX = driver.CUcontext(0x1000)
+_READ = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "i32": ctypes.c_int32,
+         "u32": ctypes.c_uint32, "f32": ctypes.c_float, "f64": ctypes.c_double}
+
+
+class _Module:
+    device_index = 0
+    _ctx = MODULE_CTX
+
+
+class HostKernel(Kernel):
+    """A kernel of a fake module: prepare() takes tensors as their addresses (no shared-memory opt-in)."""
+
+    def __init__(self, name, signature, handle):
+        super().__init__(_Module(), name, _parse_signature(name, signature), driver.CUfunction(handle))
+        self.names = [e.split()[1] for e in signature]
+        self._current_stream = lambda index: 0x50  # the CPU torch has no CUDA stream to ask for
+
+    def prepare(self, grid, block, args, shared_mem=0, cluster=None):
+        args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        return super().prepare(grid, block, args, 0, cluster)
+
+
+class Driver:
+    """The driver entry points of the launch path, recording: ``launches`` holds (kernel name, grid,
+    stream, {argument name: value}) per cuLaunchKernelEx, ``switches`` the contexts made current."""
+
+    def __init__(self):
+        self.current = MODULE_CTX
+        self.kernels = {}  # CUfunction handle -> HostKernel
+        self.launches, self.switches = [], []
+        self.fail_with = None
+
+    def kernel(self, name, signature):
+        k = HostKernel(name, signature, 0x10 + len(self.kernels))
+        self.kernels[int(k._func)] = k
+        return k
+
+    def cuCtxGetCurrent(self):
+        return driver.CUresult.CUDA_SUCCESS, self.current
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current = ctx
+        self.switches.append(int(ctx))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernelEx(self, config, func, params, extra):
+        if self.fail_with is not None:
+            return (self.fail_with,)
+        k = self.kernels[int(func)]
+        args = {}
+        for i, (p, name) in enumerate(zip(k._params, k.names)):
+            addr = ctypes.c_void_p.from_address(params + 8 * i).value
+            args[name] = ctypes.string_at(addr, p.size) if p.kind == "bytes" else _READ[p.kind].from_address(addr).value
+        grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
+        self.launches.append((k.name, grid, int(config.hStream), args))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+
+@pytest.fixture
+def drv(monkeypatch):
+    d = Driver()
+    for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuLaunchKernelEx"):
+        monkeypatch.setattr(driver, name, getattr(d, name))
+    return d
+
+
+# ---- PreparedLaunch ---------------------------------------------------------------------------------
+SIG = ("ptr x", "i32 n", "bytes:12 params", "f32 alpha", "i64 stride", "u64 mask", "ptr y")
+
+
+def test_prepared_launch_passes_what_was_packed_and_rewritten(drv):
+    k = drv.kernel("k", SIG)
+    p = k.prepare((3, 2), 64, (0x7F00_0000_0010, -5, b"abcdefghijkl", 0.5, -(2**40), 2**64 - 1, None))
+    p.launch()
+    want = {"x": 0x7F00_0000_0010, "n": -5, "params": b"abcdefghijkl", "alpha": 0.5, "stride": -(2**40),
+            "mask": 2**64 - 1, "y": 0}
+    assert drv.launches[-1] == ("k", (3, 2, 1), 0x50, want)
+    # one writer over a run of slots of mixed sizes, then set_arg and set_grid: all seen by the next launch
+    w = p.writer(1, 4)
+    w(2**31 - 1, b"ABCDEFGHIJKL", -1.25, 7)
+    p.set_arg(6, 0x1230)
+    p.set_grid(9)
+    p.launch(stream=0x60)
+    want.update(n=2**31 - 1, params=b"ABCDEFGHIJKL", alpha=-1.25, stride=7, y=0x1230)
+    assert drv.launches[-1] == ("k", (9, 1, 1), 0x60, want)
+    p.launch()  # back on the current stream: the stored handle changes back
+    assert drv.launches[-1][2] == 0x50
+    with pytest.raises(struct.error):
+        w(2**31, b"ABCDEFGHIJKL", 0.0, 0)  # i32 out of range
+    for first, count in ((-1, 1), (0, 0), (6, 2), (True, 1)):
+        with pytest.raises(ValueError, match="not within its 7 arguments"):
+            p.writer(first, count)
+
+
+def test_launch_makes_the_module_context_current_only_when_another_is(drv):
+    p = drv.kernel("k", ("ptr x",)).prepare(1, 32, (None,))
+    p.launch()
+    assert drv.switches == []
+    drv.current = driver.CUcontext(0x2000)  # e.g. torch.cuda.set_device(1) on this thread
+    p.launch()
+    p.launch()
+    assert drv.switches == [0x1000] and len(drv.launches) == 3
+
+
+def test_failed_launch_raises_naming_the_kernel(drv):
+    p = drv.kernel("kvarn_x", ("ptr x",)).prepare(1, 32, (None,))
+    drv.fail_with = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaError, match="cuLaunchKernelEx.*kvarn_x|kvarn_x.*cuLaunchKernelEx"):
+        p.launch()
+
+
+# ---- DeviceAppender ---------------------------------------------------------------------------------
+def _device_cache(drv, **kw):
+    """A CPU cache whose device path runs DeviceAppender on kernels of the recording driver."""
+    c = kc.KVarNCache(**kw)
+    kernels = tuple(drv.kernel(name, sig) for name, sig in (
+        ("append_compress", A.APPEND_COMPRESS_SIGNATURE), ("append_commit", A.APPEND_COMMIT_SIGNATURE),
+        ("append_snapshot", A.SNAPSHOT_SIGNATURE)))
+    c._writer = A.DeviceAppender(c, kernels=kernels)
+    return c
+
+
+def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch(drv):
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, D, T = 2, 4, 128, 128
+    c = _device_cache(drv, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, window=256, dtype=torch.float16,
+                      max_seq_len=4096)
+    g = torch.Generator().manual_seed(12)
+    one = [realistic_kv(B, H, 1, D, generator=g) for _ in range(2)]
+    c.append(0, *one)  # prepares the launches
+    st = c._layers[0]
+    with c.deferred_checks():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                c.append(0, *one)
+        ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
+        assert ops == [], ops
+        chunk = torch.zeros(B, H, 2 * T + 300, D, dtype=torch.float16)[:, :, 7 : 7 + 300]  # a strided view
+        del drv.launches[:]
+        c.append(0, chunk, chunk)  # 21 + 300 tokens: 65 over the window, one tile completes
+    (a_name, a_grid, _, a), (b_name, b_grid, _, b) = drv.launches
+    assert (a_name, b_name) == ("append_compress", "append_commit")
+    assert c.num_tiles(0) == 1 and c.seq_len(0) == 321  # (the recorded kernels committed nothing on the device)
+    assert a["max_new"] == 1 and a["n"] == b["n"] == 300 and a["aux_parts"] == 2
+    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 1)
+    for args in (a, b):
+        assert (args["k"], args["v"]) == (chunk.data_ptr(),) * 2
+        assert (args["k_sb"], args["k_sh"], args["k_st"]) == ((2 * T + 300) * D * H, (2 * T + 300) * D, D)
+        assert (args["win_k"], args["lens"], args["err"]) == (st.window_k.data_ptr(), st.lens.data_ptr(),
+                                                              c._errors.data_ptr())
+    assert a["backup_k"] == c._backups[0].window_k.data_ptr()  # the block's first tile: window backed up
+    assert b["sink_k"] == st.sink_k.data_ptr() and b["counter"] == c._counter.data_ptr()
+    # eager: the one torch op is the read of the error flag; n went back to 1 in the commit launch
+    del drv.launches[:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        c.append(0, *one)
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert ops <= {"aten::item", "aten::_local_scalar_dense"} and ops, ops
+    [(name, _, _, b)] = drv.launches
+    assert name == "append_commit" and b["n"] == 1 and b["k"] == one[0].data_ptr() and b["v"] == one[1].data_ptr()
+    assert (b["k_sb"], b["k_sh"], b["k_st"]) == (H * D, D, D)
+
+
+def test_inputs_the_kernels_cannot_read_as_they_are_are_copied(drv):
+    B, H, D = 1, 2, 64
+    c = _device_cache(drv, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=128,
+                      sink_tokens=64, dtype=torch.float16, max_seq_len=4096)
+    g = torch.Generator().manual_seed(3)
+    c.append(0, realistic_kv(B, H, 70, D, generator=g), realistic_kv(B, H, 70, D, generator=g))
+    st = c._layers[0]
+    good = realistic_kv(B, H, 1, D, generator=g)
+    flat = torch.randn(B * H * D + 1, generator=g).half()
+    misaligned = flat[1:].view(B, H, 1, D)  # contiguous, 2 bytes past a 16-byte boundary
+    channel_strided = realistic_kv(B, H, 1, 2 * D, generator=g)[..., ::2]
+    for name, x in (("misaligned", misaligned), ("channel-strided", channel_strided),
+                    ("window view", st.window_k[:, :, 3:4]), ("sink view", st.sink_v[:, :, 5:6])):
+        del drv.launches[:]
+        c.append(0, good, x)
+        [(_, _, _, args)] = drv.launches
+        assert args["k"] == good.data_ptr(), name  # an input the kernels can read goes as it is
+        assert args["v"] != x.data_ptr() and args["v"] % 16 == 0, name
+        assert (args["v_sb"], args["v_sh"], args["v_st"]) == (H * D, D, D), name
+        c.truncate(0, c.seq_len(0) - 1)
+
+
+def test_the_no_tile_shortcut_is_plan_appends_answer():
+    """cache.append and StepAppends.advance skip plan_append when the sink is full and the window does not
+    overflow, taking (0, 0, window_len + n): what plan_append (and kva_plan) says there."""
+    import random
+
+    rng = random.Random(16)
+    for _ in range(5000):
+        T = rng.choice([64, 128])
+        window, sink = T * rng.randint(1, 8), T * rng.randint(0, 2)
+        wl = rng.randint(0, window)
+        n = rng.randint(1, window - wl) if wl < window else 0
+        if n:
+            assert A.plan_append(sink, wl, n, sink, window, T) == (0, 0, wl + n)
+
+
+# ---- argument checks on the fast path ---------------------------------------------------------------
+def _bad_cases(B, H, D):
+    good = torch.randn(B, H, 1, D)
+    return [
+        ((True, good, good), ValueError, "layer must be an int"),
+        ((-1, good, good), ValueError, "layer must be an int"),
+        ((1, good, good), ValueError, "layer must be an int"),
+        ((0, good.numpy(), good), TypeError, "k must be a torch.Tensor"),
+        ((0, good, None), TypeError, "v must be a torch.Tensor"),
+        ((0, good.double(), good), TypeError, "k has dtype torch.float64"),
+        ((0, good, good.to(torch.int32)), TypeError, "v has dtype torch.int32"),
+        ((0, good.to("meta"), good), ValueError, "k is on meta"),
+        ((0, good, good.to("meta")), ValueError, "v is on meta"),
+        ((0, good, torch.randn(B, H, 2, D)), ValueError, "same shape"),
+        ((0, torch.randn(B, H + 1, 1, D), torch.randn(B, H + 1, 1, D)), ValueError, f"num_kv_heads={H}"),
+        ((0, good[:, :, :0], good[:, :, :0]), ValueError, "n_new>=1"),
+    ]
+
+
+@pytest.mark.parametrize("path", ["device", "host"])
+@pytest.mark.parametrize("case", range(len(_bad_cases(1, 2, 64))))
+def test_bad_append_after_good_ones_raises_and_changes_nothing(drv, path, case):
+    """The checks' fast path (the last accepted shape and dtype) is primed by good appends first; a bad call
+    of the same shape still raises the full checks' error, and neither the cache nor the device sees it."""
+    B, H, D = 1, 2, 64
+    kw = dict(num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=64, dtype=torch.float16)
+    c = _device_cache(drv, **kw) if path == "device" else kc.KVarNCache(**kw)
+    g = torch.Generator().manual_seed(case)
+    for _ in range(3):
+        c.append(0, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+    before, launches = snapshot(c), len(drv.launches)
+    args, exc, match = _bad_cases(B, H, D)[case]
+    with pytest.raises(exc, match=match):
+        c.append(*args)
+    assert_same_snapshot(before, snapshot(c))
+    assert len(drv.launches) == launches
+    c.append(0, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))  # still appends
+    assert c.seq_len(0) == 4
+
+
+def test_fast_and_full_checks_agree_on_a_random_call_sequence(drv):
+    """A seeded sequence of good and bad calls (dtypes, shapes, devices, subclasses, layers): append raises
+    exactly when the full checks (check_kv on k and v, equal shapes, the layer) raise, with their message."""
+    B, H, D, L = 2, 2, 64, 2
+    c = _device_cache(drv, num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v2_g64", window=64,
+                      dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2024)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32]
+
+    def tensor():
+        shape = [B, H, pick([1, 1, 1, 2, 0]), D]
+        shape[pick([0, 1, 3, 2, 2, 2, 2, 2])] += pick([0, 0, 0, 0, 1])
+        x = torch.randn(*shape, generator=g).to(pick(dtypes))
+        return pick([x, x, x, x.to("meta"), torch.nn.Parameter(x, requires_grad=False) if x.is_floating_point() else x])
+
+    def full_checks(layer, k, v):
+        try:
+            c._layer(layer)
+            c.check_kv("k", k)
+            c.check_kv("v", v)
+            if k.shape != v.shape:
+                raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+        return None
+
+    outcomes = set()
+    for step in range(600):
+        k = tensor()
+        like_k = k.clone() if k.device.type != "meta" else k
+        v = pick([like_k, like_k, tensor(), k.to("meta"), k.to(torch.int32), like_k[:, :, :1]])
+        layer = pick([0, 1, 1, 0, 2, True])
+        want = full_checks(layer, k, v)
+        n = c.seq_len(layer) if want is None else None
+        try:
+            c.append(layer, k, v)
+            got = None
+        except (TypeError, ValueError) as e:
+            got = type(e), str(e)
+        assert got == want, (step, got, want)
+        if got is None:
+            assert c.seq_len(layer) == n + k.shape[2]
+        outcomes.add(got is None)
+    assert outcomes == {True, False}
+
+
+# ---- tools/host_overhead.py ---------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the tool's CPU mode compiles a stub driver with cc")
+def test_host_overhead_tool_runs_on_the_cpu():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "host_overhead.py"), "--device", "cpu", "--rounds", "2",
+                          "--json"], capture_output=True, text=True, check=True, cwd=root).stdout
+    res = json.loads(out)
+    assert res["device"] == "cpu" and res["calls_per_round"] == 127
+    assert {"append_us", "completing_us", "amortized_us", "appender_us", "launch_us", "checks_us"} <= res.keys()
