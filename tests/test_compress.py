@@ -17,6 +17,8 @@ import re
 import struct
 import zlib
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -313,6 +315,11 @@ def _adversarial(T: int, D: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "ties": torch.randint(-2, 3, (T, D), generator=g).float() * 0.5,
         "binary": torch.randint(0, 2, (T, D), generator=g).float(),
         "tiny": r() * 1e-6,
+        # zero lines (smallest scales) and the lloyd_max refit's sparse axes (issue 18)
+        "subnormal_constant": torch.full((T, D), 3 * 2.0**-24),
+        "negative_subnormal_constant": torch.full((T, D), -5 * 2.0**-24),
+        "constant_per_token": (torch.arange(T, dtype=torch.float32)[:, None] - T / 2 + 0.5).expand(T, D) / 8,
+        "sparse": torch.where(torch.rand(T, D, generator=g) < 0.02, r(), torch.zeros(T, D)),
     }
     if dtype == torch.float16:
         cases["fp16_denormals"] = torch.randint(-40, 41, (T, D), generator=g).float() * 2.0**-24
@@ -344,72 +351,141 @@ def test_gpu_identity_adversarial(quantizer, preset, D, scale_dtype, in_dtype):
                 raise AssertionError(f"case {name}: {e}") from None
 
 
-def _threshold_tie_tiles(T: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 k, v [1, T, D] whose lloyd_max normalized values hit the decision thresholds exactly.
+# ---- tiles whose codes sit exactly on a decision boundary ----------------------------------------
+# With sinkhorn_iters=0 the normalization keeps r = s = 1 (row_scale = col_scale = 1), so u is the
+# rotated tile y, and float32 WHT of these inputs is exact (D = 64 or 256: sqrt(D) is a power of two):
+# * K: one nonzero input channel, x[t, 1] = a_t * sqrt(D), rotates to y[t, c] = +-a_t: every K axis
+#   (a channel over tokens) is a or -a, whose fields mirror a's (the codec's sums are sign-symmetric).
+# * V (uniform, float16 scales): x[t, :8] = (sqrt(D) / 8) * H8 @ v_t rotates to y[t, c] = v_t[c % 8]:
+#   eight values per token, exact when each v has few significant bits.
+# The decision of an element is then made at the boundary itself: z = (u - min) / step equal to a
+# lloyd_max threshold (ties go to the lower code) or to k + 1/2 for uniform (rint: to the even code).
+# A division that is not the correctly rounded quotient moves z off the boundary and the code by one.
 
-    Meant for ``sinkhorn_iters=0`` and D = 64 or 256: the normalization keeps r = s = 1, so u is the
-    rotated tile y, and float32 WHT of an input with one or two nonzero channels scaled by sqrt(D) (a
-    power of two) is exact. Every axis is antisymmetric under the first halving-tree pairing (t, t + T/2
-    for K; c, c + D/2 for V, channels >= D/2 flip sign there), so its mean is exactly +0, and its RMS is
-    1 within 1e-6, which float16 scales store as 1.0: z = u exactly.
+def _f32_walk(v: np.float32, z_of, target: np.float32, steps: int = 64) -> np.float32 | None:
+    """The float32 near v whose z_of(v) is exactly target (by ulps), or None."""
+    for _ in range(steps):
+        z = z_of(v)
+        if z == target:
+            return v
+        v = np.nextafter(v, np.float32(np.inf) if z < target else np.float32(-np.inf))
+    return None
 
-    * K: channel 1 holds sqrt(D) * a_t with a = (positive thresholds of 4 and 2 bits, 0, fillers, then
-      the negation): every K axis is +-a.
-    * V: token t holds sqrt(D) * (alpha, beta) at channels D/2 + 1, D/2 + 2 with alpha + beta = t_a (a
-      threshold below sqrt(2), or 0) exactly and alpha^2 + beta^2 = 1: the token's values are
-      +-t_a and +-(alpha - beta). Thresholds for which no float32 pair has an exact sum are left out
-      (t = 0.2582: its last bit is below the spacing of floats near 1/sqrt(2)); K has them all.
-    """
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
-    positive = [t for t in lloyd_max_thresholds(4) + lloyd_max_thresholds(2) if t > 0]
-    first = sorted(set(positive)) + [0.0]
-    n_fill = T // 2 - len(first)
-    fill = f32(((T / 2 - sum(t * t for t in first)) / n_fill) ** 0.5)
-    a = torch.tensor(first + [fill] * n_fill, dtype=torch.float32)
-    a = torch.cat((a, -a))
-    root = D**0.5
-    k = torch.zeros(1, T, D)
-    k[0, :, 1] = a * root
-    pairs = []
-    for ta in [0.0] + sorted({t for t in positive if t * t < 2}):
-        alpha = f32((ta + (2 - ta * ta) ** 0.5) / 2)
-        beta = f32(ta - alpha)
-        if f32(alpha + beta) == ta:  # the sum the WHT forms is exact
-            pairs.append((alpha, beta))
+
+def _lloyd_max_tie_axis(T: int, sd: torch.dtype, t: float) -> np.ndarray:
+    """A lloyd_max axis a [T] float32 holding one element whose final z is exactly the threshold t.
+    Skewed fillers (exponential quantiles less their mean) fix min and step; the tie element is put
+    at the previous round's boundary until the fields stop moving (tests/test_codec.py::_tie_axis
+    explains the rounds and the scaling that float32 steps need)."""
+    for seed in range(16):
+        q = (np.arange(T - 1) + 0.5) / (T - 1)
+        base = np.random.default_rng(seed).permutation(-np.log1p(-q) - 1)
+        scale = 1.0
+        for _ in range(3):
+            fill = (base * scale).astype(np.float32)
+            u = np.concatenate([fill, np.zeros(1, np.float32)])
+            for _ in range(20):
+                step, low, _ = codec._quantize(torch.from_numpy(u)[None], 4, -1, sd, "axis", "lloyd_max")
+                st, lo = np.float32(step.item()), np.float32(low.item())
+                v = _f32_walk(np.float32(lo + st * np.float32(t)), lambda x: np.float32(np.float32(x - lo) / st), np.float32(t))
+                if v is None:
+                    break
+                new = np.concatenate([fill, np.array([v], np.float32)])
+                if (new == u).all():
+                    break
+                u = new
+            else:
+                break
+            if v is None:
+                break
+            significand = float(st) / 2.0 ** np.floor(np.log2(float(st)))
+            if sd == torch.float16 or significand < 1.01:
+                return u
+            scale *= 1.004 / significand
+    raise AssertionError(f"no lloyd_max tie axis for t={t}, T={T}, {sd}")
+
+
+def _tie_tiles(quantizer: str, T: int, D: int, sd: torch.dtype, v_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (k, v) [n, T, D] whose codes meet the decision boundaries exactly (see above); v is
+    None where there is no construction (lloyd_max V axes, uniform V with float32 scales)."""
+    root = float(D) ** 0.5
+    axes = []
+    if quantizer == "lloyd_max":
+        axes = [_lloyd_max_tie_axis(T, sd, t) for t in lloyd_max_thresholds(4)]  # K codes are 4-bit
+    else:
+        # min -1 and max 1: lo = -1, step = stored(2 / 15); ties at z = k + 1/2 for every k
+        rng = np.random.default_rng(T + D)
+        step = np.float32(torch.tensor(2.0 / 15).to(sd).item())
+        ties = [_f32_walk(np.float32(-1 + step * np.float32(k + 0.5)), lambda x: np.float32(np.float32(x + 1) / step),
+                          np.float32(k + 0.5)) for k in range(15)]
+        ties = [x for x in ties if x is not None]
+        fill = rng.uniform(-0.99, 0.99, T - 2 - len(ties)).astype(np.float32)
+        axes = [rng.permutation(np.concatenate([[-1.0, 1.0], ties, fill]).astype(np.float32))]
+    k = torch.zeros(len(axes), T, D)
+    k[:, :, 1] = torch.from_numpy(np.stack(axes)) * root
+    if quantizer == "lloyd_max" or sd != torch.float16:
+        return k, None
+    # V (uniform, float16 scales): per token the values -1, 1 and six boundaries m + 1/2 (m cycling)
+    qmax = 2**v_bits - 1
+    step = float(torch.tensor(2.0 / qmax).to(torch.float16))  # exact: 11 bits
+    h8 = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(8)] for i in range(8)], dtype=torch.float64)
     v = torch.zeros(1, T, D)
     for t in range(T):
-        v[0, t, D // 2 + 1], v[0, t, D // 2 + 2] = (x * root for x in pairs[t % len(pairs)])
+        mids = [-1 + step * ((t + i) % qmax + 0.5) for i in range(6)]  # exact in float32 (<= 17 bits)
+        vals = torch.tensor([-1.0, 1.0] + mids, dtype=torch.float64)
+        v[0, t, :8] = (root / 8 * h8 @ vals).float()
     return k, v
 
 
-@pytest.mark.parametrize("T", [64, 128])
-@pytest.mark.parametrize("D", [64, 256])
-def test_threshold_tie_tiles_hit_the_thresholds(T, D):
-    # the construction's promise, checked with the codec: stored mean 0 and RMS 1, so z = u, and u takes
-    # every threshold of the 4-bit book on the K axis and the sub-sqrt(2) ones on the V axis
-    spec = TileSpec(preset=f"k4v2_g{T}", head_dim=D, sinkhorn_iters=0, quantizer="lloyd_max")
-    k, v = _threshold_tie_tiles(T, D)
-    f = codec.unpack_fields(codec.encode_tiles(k, v, spec), spec)
-    for scales in (f.row_scale, f.col_scale, f.chan_step, f.tok_step):
-        assert bool((scales == 1).all())
-    assert bool((f.chan_min == 0).all()) and bool((f.tok_min == 0).all())
-    yk, yv = codec.wht(k), codec.wht(v)
-    thr4, thr2 = set(lloyd_max_thresholds(4)), set(lloyd_max_thresholds(2))
-    assert thr4 <= set(yk[0, :, 0].tolist())
-    assert thr2 <= set(yv.flatten().tolist()) and len(thr4 & set(yv.flatten().tolist())) >= 7
+def _boundary_hits(x: torch.Tensor, spec: TileSpec, half: str) -> int:
+    """How many elements of the rotated tiles x have z exactly on a decision boundary, with the fields
+    of their records (the codec's)."""
+    f = codec.unpack_fields(codec.encode_tiles(x, x, spec), spec)
+    y = codec.wht(x.float())
+    if half == "K":
+        u, low, step = y.transpose(-1, -2), f.chan_min[..., None], f.chan_step[..., None]  # [n, D, T]
+    else:
+        u, low, step = y, f.tok_min[..., None], f.tok_step[..., None]  # [n, T, D]
+    assert bool((f.row_scale == 1).all()) and bool((f.col_scale == 1).all())
+    z = ((u - low) / torch.where(step > 0, step, torch.ones_like(step))).double()
+    if spec.quantizer == "lloyd_max":
+        bounds = torch.tensor(lloyd_max_thresholds(4 if half == "K" else spec.v_bits), dtype=torch.float64)
+        return int((z[..., None] == bounds).any(-1).sum())
+    return int(((z - z.floor()) == 0.5).sum())
+
+
+@pytest.mark.parametrize("quantizer,T,D,scale_dtype", [("lloyd_max", 64, 64, torch.float16), ("lloyd_max", 128, 256, torch.float32),
+                                                      ("uniform", 64, 256, torch.float16), ("uniform", 128, 64, torch.float32)])
+def test_tie_tiles_meet_the_decision_boundaries(quantizer, T, D, scale_dtype):
+    # the constructions' promise, checked with the codec: lloyd_max, every K axis (D per tile) its
+    # threshold, over the tiles every threshold; uniform, the D/2 axes +a (-a has other fields) every
+    # midpoint (float16 steps) or most (float32); uniform V (float16 scales) six midpoints per token
+    spec = TileSpec(preset=f"k4v2_g{T}", head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer=quantizer)
+    k, v = _tie_tiles(quantizer, T, D, scale_dtype, spec.v_bits)
+    hits = _boundary_hits(k, spec, "K")
+    if quantizer == "lloyd_max":
+        assert hits == 15 * D, hits
+    else:
+        assert hits >= D // 2 * (15 if scale_dtype == torch.float16 else 10), hits
+    if v is not None:
+        assert _boundary_hits(v, spec, "V") == 6 * T * D // 8
+    else:
+        assert quantizer == "lloyd_max" or scale_dtype != torch.float16
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
-def test_gpu_lloyd_max_threshold_ties(preset, D, scale_dtype):
-    # float16 scales: exact ties (z == t_j, lower code); float32 scales: z within an ulp or so of t_j
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer="lloyd_max")
-    k, v = _threshold_tie_tiles(spec.tile_tokens, D)
-    _check_identity(k, v, spec)
-    _check_identity(v, k, spec)
+def test_gpu_decision_boundary_ties(quantizer, preset, D, scale_dtype):
+    # exact ties: lloyd_max z == t_j (the lower code), uniform z == k + 1/2 (the even code)
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer=quantizer)
+    k, v = _tie_tiles(quantizer, spec.tile_tokens, D, scale_dtype, spec.v_bits)
+    _check_identity(k, k.flip(0), spec)
+    if v is not None:
+        _check_identity(v.expand(len(k), -1, -1), v.expand(len(k), -1, -1), spec)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kvarn_cutlass import codec
-from kvarn_cutlass.format import TileSpec, lloyd_max_thresholds
+from kvarn_cutlass.format import TileSpec, codebook, lloyd_max_thresholds
 from kvarn_cutlass.ops.compress import _inv_sqrt
 
 from _helpers import realistic_kv
@@ -106,6 +106,26 @@ def lloyd_max_codes(d: np.ndarray, step: np.ndarray, bits: int) -> np.ndarray:
     return np.where(pos, codes, 0).astype(np.uint8)
 
 
+def lloyd_max_fit(u, total, bcast, n: int, bits: int, sd: torch.dtype):
+    """The kernel's lloyd_max quantizer of the axes of u: ``total(a)`` is the kernel's halving-tree sum
+    of a over each axis, ``bcast(x)`` spreads a per-axis value back over u. Gaussian fit (mean, RMS),
+    then the least-squares refit (kvc::lloyd_max_refit). Returns (step, min) per axis and codes."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = total(u) / f32(n)
+        c = store(mean, sd)
+        d = u - bcast(c)
+        rms = store(sqrt_rn(total(d * d) / f32(n)), sd)
+        b = np.array(codebook("lloyd_max", bits), np.float32)[lloyd_max_codes(d, bcast(rms), bits)]
+        bm = total(b) / f32(n)
+        db = b - bcast(bm)
+        den, num = total(db * db), total(db * d)
+        step = store(num / np.where(den > 0, den, f32(1.0)), sd)
+        low = store(mean - step * bm, sd)
+    refit = (den > 0) & (step > 0) & np.isfinite(step) & np.isfinite(low)
+    step, low = np.where(refit, step, rms).astype(f32), np.where(refit, low, c).astype(f32)
+    return step, low, lloyd_max_codes(u - bcast(low), bcast(step), bits)
+
+
 # ---- one block -------------------------------------------------------------------------------------
 def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None = None) -> dict:
     """One block of the kernel on a float32 tile x [T, D]: the K (is_v=False) or V half's fields."""
@@ -162,8 +182,11 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
     shift = diff // 2 if diff >= 0 else -((1 - diff) // 2)
 
     lloyd_max = spec.quantizer == "lloyd_max"
+    # zero lines (codec step 3): K tokens / V channels of y that are all zero get factor 0 (-> smallest)
+    zero_row = (y == 0).all(axis=(1, 3))  # [W, NK]
+    zero_col = (y == 0).all(axis=(0, 2))  # [32, NJ]
     if not is_v and lloyd_max:
-        rs = store(np.maximum(br[:, 0, :] * pow2f(-shift), smallest(sd)), sd)  # [W, NK]
+        rs = store(np.maximum(np.where(zero_row, f32(0.0), br[:, 0, :] * pow2f(-shift)), smallest(sd)), sd)  # [W, NK]
         u = y / rs[:, None, :, None] + f32(0.0)
         c_idx = c_of[0, :, 0, :]  # [32, NJ]
 
@@ -171,10 +194,7 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
             part = tree(a, 2).transpose(0, 2, 1).reshape(W, D)  # part[w, c]
             return tree(part, 0)  # [D]
 
-        mean = store(column_sum(u) / f32(T), sd)
-        d = u - mean[c_idx][None, :, None, :]
-        step = store(sqrt_rn(column_sum(d * d) / f32(T)), sd)
-        codes = lloyd_max_codes(d, step[c_idx][None, :, None, :], spec.k_bits)
+        step, mean, codes = lloyd_max_fit(u, column_sum, lambda x: x[c_idx][None, :, None, :], T, spec.k_bits, sd)
         out = dict(
             k_codes=codes.transpose(3, 1, 2, 0).reshape(D, T),
             chan_step=step,
@@ -182,16 +202,13 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
             row_scale=rs.T.reshape(T),
         )
     elif is_v and lloyd_max:
-        cs = store(np.maximum(bs[0] * pow2f(shift), smallest(sd)), sd)  # [32, NJ]
+        cs = store(np.maximum(np.where(zero_col, f32(0.0), bs[0] * pow2f(shift)), smallest(sd)), sd)  # [32, NJ]
         u = y / cs[None, :, None, :] + f32(0.0)
 
         def token_sum(a):  # in-thread tree over j (c, c + D/2), then warp_tree over the lanes
             return warp_tree(tree(a, -1))  # [W, 32, NK], equal over the lanes
 
-        mean = store(token_sum(u) / f32(D), sd)
-        d = u - mean[..., None]
-        step = store(sqrt_rn(token_sum(d * d) / f32(D)), sd)
-        codes = lloyd_max_codes(d, step[..., None], spec.v_bits)
+        step, mean, codes = lloyd_max_fit(u, token_sum, lambda x: x[..., None], D, spec.v_bits, sd)
         out = dict(
             v_codes=codes.transpose(2, 0, 3, 1).reshape(T, D),
             tok_step=step[:, 0, :].T.reshape(T),
@@ -199,7 +216,7 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
             col_scale=cs.T.reshape(D),
         )
     elif not is_v:
-        rs = store(np.maximum(br[:, 0, :] * pow2f(-shift), smallest(sd)), sd)  # [W, NK]
+        rs = store(np.maximum(np.where(zero_row, f32(0.0), br[:, 0, :] * pow2f(-shift)), smallest(sd)), sd)  # [W, NK]
         u = y / rs[:, None, :, None] + f32(0.0)
         lo, hi = u.min(axis=(0, 2)), u.max(axis=(0, 2))  # [32, NJ]
         step = store((hi - lo) / f32(15.0), sd)
@@ -216,7 +233,7 @@ def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, trace: dict | None =
         )
     else:
         qmax = f32(2**spec.v_bits - 1)
-        cs = store(np.maximum(bs[0] * pow2f(shift), smallest(sd)), sd)  # [32, NJ]
+        cs = store(np.maximum(np.where(zero_col, f32(0.0), bs[0] * pow2f(shift)), smallest(sd)), sd)  # [32, NJ]
         u = y / cs[None, :, None, :] + f32(0.0)
         lo, hi = u.min(axis=(1, 3)), u.max(axis=(1, 3))  # [W, NK]: per thread over j, then the warp
         step = store((hi - lo) / qmax, sd)
@@ -309,16 +326,22 @@ def test_kernel_mirror_matches_codec_lloyd_max(preset, D, scale_dtype, in_dtype,
     assert not _diff(emulate_records(k, v, spec), codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
 
 
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_kernel_mirror_lloyd_max_degenerate_axes(scale_dtype):
-    # constant axes (stored RMS 0 -> code 0), a lone nonzero channel, two-valued tiles, tiny values
-    spec = TileSpec(preset="k4v2_g64", head_dim=64, scale_dtype=scale_dtype, quantizer="lloyd_max")
+def test_kernel_mirror_degenerate_tiles(quantizer, scale_dtype):
+    # constant axes (stored step 0 -> code 0), zero lines (smallest scale), a lone nonzero channel or
+    # token, two-valued tiles, tiny and float16-subnormal values (the lloyd_max refit's sparse axes)
+    spec = TileSpec(preset="k4v2_g64", head_dim=64, scale_dtype=scale_dtype, quantizer=quantizer)
     T, D = spec.tile_tokens, spec.head_dim
     g = torch.Generator().manual_seed(17)
     tiles = torch.stack([
         torch.zeros(T, D),
+        torch.full((T, D), 0.5),
+        torch.full((T, D), -3 * 2.0**-24),
         torch.randn(1, D, generator=g).expand(T, D),
+        (torch.arange(T, dtype=torch.float32)[:, None] - 20).expand(T, D) / 8,
         torch.zeros(T, D).index_fill_(1, torch.tensor([5]), 1.0),
+        torch.zeros(T, D).index_fill_(0, torch.tensor([3]), -2.0),
         torch.randint(0, 2, (T, D), generator=g).float(),
         torch.randn(T, D, generator=g) * 1e-6,
     ])
@@ -327,3 +350,5 @@ def test_kernel_mirror_lloyd_max_degenerate_axes(scale_dtype):
     assert not _diff(emulate_records(k, v, spec), want, spec)
     fields = codec.unpack_fields(want, spec)
     assert bool((fields.chan_step == 0).any()) and bool((fields.tok_step == 0).any())  # the scale-0 path ran
+    smallest = torch.finfo(scale_dtype).smallest_normal * torch.finfo(scale_dtype).eps
+    assert bool((fields.row_scale == smallest).any()) and bool((fields.col_scale == smallest).any())  # zero lines

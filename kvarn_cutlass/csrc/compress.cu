@@ -176,6 +176,11 @@ __device__ __forceinline__ unsigned lloyd_max_code(float) {
   static_assert(BITS < 0, "the lloyd_max thresholds are compiled in only with KVARN_QUANT=1 (KVARN_LM_THR4/2)");
   return 0;
 }
+template <int BITS>
+__device__ __forceinline__ float lloyd_max_value(unsigned) {
+  static_assert(BITS < 0, "the lloyd_max codebook is compiled in only with KVARN_QUANT=1 (KVARN_LM_BOOK4/2)");
+  return 0.0f;
+}
 #if KVARN_QUANT == 1
 template <int N>
 __device__ __forceinline__ unsigned count_above(float z, const float (&thr)[N]) {
@@ -196,7 +201,21 @@ __device__ __forceinline__ unsigned lloyd_max_code<2>(float z) {
   return count_above(z, thr);
 }
 #endif
+// The codebook value of a code (format.codebook, the KVARN_LM_BOOK4/2 defines), for the refit's sums.
+__constant__ float kvc_book4[16] = {KVARN_LM_BOOK4};
+template <>
+__device__ __forceinline__ float lloyd_max_value<4>(unsigned code) {
+  return kvc_book4[code];
+}
+#if KVARN_VB == 2
+__constant__ float kvc_book2[4] = {KVARN_LM_BOOK2};
+template <>
+__device__ __forceinline__ float lloyd_max_value<2>(unsigned code) {
+  return kvc_book2[code];
+}
 #endif
+#endif
+
 
 // Storage rounding (codec._store): round to the scale dtype, report non-finite, return float32.
 template <typename SC>
@@ -224,6 +243,19 @@ struct Store<float> {
     reinterpret_cast<float*>(base)[index] = stored;
   }
 };
+
+// The least-squares refit of a lloyd_max axis (codec._quantize_lloyd_max, step 2) from its finished
+// sums den = tree_sum(db * db) and num = tree_sum(db * d), the unrounded mean and the (exact)
+// codebook mean bm. False (keep the Gaussian fit) when every code is the same or the stored step is
+// not positive and finite or the stored min not finite; no error bit either way.
+template <typename SC>
+__device__ __forceinline__ bool lloyd_max_refit(float den, float num, float mean, float bm, float& step,
+                                                unsigned short& step_bits, float& low, unsigned short& low_bits) {
+  if (!(den > 0.0f)) return false;
+  step = Store<SC>::round(__fdiv_rn(num, den), step_bits);
+  low = Store<SC>::round(__fsub_rn(mean, __fmul_rn(step, bm)), low_bits);
+  return step > 0.0f && is_finite(step) && is_finite(low);
+}
 
 struct Sections {
   int k_codes, chan_step, chan_min, row_scale, v_codes, tok_step, tok_min, col_scale;
@@ -284,6 +316,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       y[k * NJ + j] = x;
     }
   }
+  if (tid < D) reinterpret_cast<int*>(cstep)[tid] = 0;  // the V half's zero-channel flags (below)
   const bool any_nonfinite = __syncthreads_or(nonfinite);
   const bool any_toolarge = __syncthreads_or(toolarge);
   if (any_nonfinite || any_toolarge) {
@@ -439,6 +472,29 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
   for (int j = 1; j < NJ; ++j) ms = nanmax(ms, bs[j]);
   ms = warp_nanmax(ms);
+  // Zero lines (codec step 3): a K token / V channel whose rotated values are all zero stores the
+  // smallest scale. Flags set before this barrier: K per token in part[] (free after the
+  // normalization), V per channel in cstep[] (free in the V half, cleared before the input check).
+  int* zero_token = reinterpret_cast<int*>(part);
+  int* col_flag = reinterpret_cast<int*>(cstep);
+  if (!is_v) {
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      bool nz = false;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) nz |= ysm[(k * NJ + j) * NT + tid] != 0.0f;
+      nz = __any_sync(KVC_FULL, nz);
+      if (lane == 0) zero_token[w + W * k] = !nz;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      bool nz = false;
+#pragma unroll
+      for (int k = 0; k < NK; ++k) nz |= ysm[(k * NJ + j) * NT + tid] != 0.0f;
+      if (nz) col_flag[lane + 32 * j] = 1;
+    }
+  }
   if (lane == 0) red[w] = mr;
   __syncthreads();
   mr = red[0];
@@ -457,7 +513,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     const float p2 = pow2f(-shift);
 #pragma unroll
     for (int k = 0; k < NK; ++k) {
-      float x = __fmul_rn(br[k], p2);
+      float x = zero_token[w + W * k] ? 0.0f : __fmul_rn(br[k], p2);
       x = x < kSmallest ? kSmallest : x;  // clamp_min (NaN stays NaN)
       rs[k] = Store<SC>::round(x, bits);
       if (!is_finite(rs[k])) errbits |= KVC_ERR_K_ROW_SCALE;
@@ -519,62 +575,106 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         }
       }
     } else {
-      // lloyd_max. A channel's sum over t = w + W*k is the codec's halving tree: in-thread over k
-      // (pairs t, t + T/2), then over the W per-warp partials (t = w) in part[].
+      // lloyd_max (codec._quantize_lloyd_max). A channel's sum over t = w + W*k is the codec's
+      // halving tree: in-thread over k (pairs t, t + T/2), then over the W per-warp partials (t = w).
+      // ysm is free once u is read (above): it holds the refit's second partials and codebook means.
+      float* part2 = ysm;
+      float* bmean = ysm + W * D;
+      float* rawmean = colrms;
+      auto column_sums = [&](float* dstp, auto value) {
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float t[NK];
+        for (int j = 0; j < NJ; ++j) {
+          float t[NK];
 #pragma unroll
-        for (int k = 0; k < NK; ++k) t[k] = u[k * NJ + j];
-        tree<NK>(t);
-        part[w * D + lane + 32 * j] = t[0];
-      }
-      __syncthreads();
-      if (tid < D) {
-        float p[W];
-#pragma unroll
-        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
-        tree<W>(p);
-        const float mean = Store<SC>::round(__fdiv_rn(p[0], (float)T), bits);
-        if (!is_finite(mean)) errbits |= KVC_ERR_K_CHAN_MIN;
-        Store<SC>::put(dst + sec.chan_min, tid, mean, bits);
-        cmin[tid] = mean;
-      }
-      __syncthreads();  // stored means visible, partials consumed
-      // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float mean = cmin[lane + 32 * j];
-        float t[NK];
-#pragma unroll
-        for (int k = 0; k < NK; ++k) {
-          const int i = k * NJ + j;
-          u[i] = __fsub_rn(u[i], mean);
-          t[k] = __fmul_rn(u[i], u[i]);
+          for (int k = 0; k < NK; ++k) t[k] = value(k * NJ + j, j);
+          tree<NK>(t);
+          dstp[w * D + lane + 32 * j] = t[0];
         }
-        tree<NK>(t);
-        part[w * D + lane + 32 * j] = t[0];
-      }
-      __syncthreads();
-      if (tid < D) {
+      };
+      auto finish = [&](const float* srcp) {
         float p[W];
 #pragma unroll
-        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
+        for (int q = 0; q < W; ++q) p[q] = srcp[q * D + tid];
         tree<W>(p);
-        const float rms = Store<SC>::round(__fsqrt_rn(__fdiv_rn(p[0], (float)T)), bits);
+        return p[0];
+      };
+      column_sums(part, [&](int i, int) { return u[i]; });
+      __syncthreads();
+      if (tid < D) {
+        const float mean = __fdiv_rn(finish(part), (float)T);
+        const float c = Store<SC>::round(mean, bits);
+        if (!is_finite(c)) errbits |= KVC_ERR_K_CHAN_MIN;
+        rawmean[tid] = mean;
+        cmin[tid] = c;
+      }
+      __syncthreads();  // centres visible, partials consumed
+      column_sums(part, [&](int i, int j) {
+        const float d = __fsub_rn(u[i], cmin[lane + 32 * j]);
+        return __fmul_rn(d, d);
+      });
+      __syncthreads();
+      if (tid < D) {
+        const float rms = Store<SC>::round(__fsqrt_rn(__fdiv_rn(finish(part), (float)T)), bits);
         if (!is_finite(rms)) errbits |= KVC_ERR_K_CHAN_STEP;
-        Store<SC>::put(dst + sec.chan_step, tid, rms, bits);
         cstep[tid] = rms;
       }
-      __syncthreads();  // stored RMS visible; ysm (read for u before the first barrier) now holds code bytes
+      __syncthreads();
+      float b[N];  // the codebook value of each element's code under the Gaussian fit
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int c = lane + 32 * j;
-        const float step = cstep[c];
+        const float step = cstep[c], centre = cmin[c];
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+          const int i = k * NJ + j;
+          b[i] = lloyd_max_value<4>(step > 0.0f ? lloyd_max_code<4>(__fdiv_rn(__fsub_rn(u[i], centre), step)) : 0u);
+        }
+      }
+      column_sums(part, [&](int i, int) { return b[i]; });
+      __syncthreads();
+      if (tid < D) bmean[tid] = __fdiv_rn(finish(part), (float)T);
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        const float bm = bmean[c], centre = cmin[c];
+        float t[NK], t2[NK];
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+          const int i = k * NJ + j;
+          const float db = __fsub_rn(b[i], bm);
+          t[k] = __fmul_rn(db, db);
+          t2[k] = __fmul_rn(db, __fsub_rn(u[i], centre));
+        }
+        tree<NK>(t);
+        tree<NK>(t2);
+        part[w * D + c] = t[0];
+        part2[w * D + c] = t2[0];
+      }
+      __syncthreads();
+      if (tid < D) {
+        const float den = finish(part), num = finish(part2);
+        float step, low;
+        unsigned short sbits, lbits;
+        if (!lloyd_max_refit<SC>(den, num, rawmean[tid], bmean[tid], step, sbits, low, lbits)) {
+          step = Store<SC>::round(cstep[tid], sbits);
+          low = Store<SC>::round(cmin[tid], lbits);
+        }
+        Store<SC>::put(dst + sec.chan_step, tid, step, sbits);
+        Store<SC>::put(dst + sec.chan_min, tid, low, lbits);
+        cstep[tid] = step;
+        cmin[tid] = low;
+      }
+      __syncthreads();  // final (min, step) visible; ysm's scratch consumed: it now holds code bytes
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        const float step = cstep[c], low = cmin[c];
         const bool pos = step > 0.0f;
 #pragma unroll
         for (int k = 0; k < NK; ++k)
-          codes[c * P + w + W * k] = pos ? (u8)lloyd_max_code<4>(__fdiv_rn(u[k * NJ + j], step)) : (u8)0;
+          codes[c * P + w + W * k] =
+              pos ? (u8)lloyd_max_code<4>(__fdiv_rn(__fsub_rn(u[k * NJ + j], low), step)) : (u8)0;
       }
     }
     __syncthreads();
@@ -604,7 +704,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     const float p2 = pow2f(shift);
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      float x = __fmul_rn(bs[j], p2);
+      float x = col_flag[lane + 32 * j] ? __fmul_rn(bs[j], p2) : 0.0f;
       x = x < kSmallest ? kSmallest : x;
       cs[j] = Store<SC>::round(x, bits);
       if (!is_finite(cs[j])) errbits |= KVC_ERR_V_COL_SCALE;
@@ -647,32 +747,52 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         }
       }
     } else {
-      // lloyd_max. A token's sum over c = l + 32*j is the codec's halving tree: in-thread over j
-      // (pairs c, c + D/2), then warp_tree over the lanes; every lane holds the result.
+      // lloyd_max (codec._quantize_lloyd_max). A token's sum over c = l + 32*j is the codec's
+      // halving tree: in-thread over j (pairs c, c + D/2), then warp_tree over the lanes; every lane
+      // holds the result.
+      float tlow[NK];
+      auto token_sum = [&](auto value) {
+        float t[NJ];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) t[j] = value(j);
+        tree<NJ>(t);
+        return warp_tree(t[0]);
+      };
 #pragma unroll
       for (int k = 0; k < NK; ++k) {
-        float t[NJ];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
           const int i = k * NJ + j;
           u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
-          t[j] = u[i];
         }
-        tree<NJ>(t);
-        const float mean = Store<SC>::round(__fdiv_rn(warp_tree(t[0]), (float)D), bits);
-        if (!is_finite(mean)) errbits |= KVC_ERR_V_TOK_MIN;
-        if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, mean, bits);
-        // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
+        const float* uk = u + k * NJ;
+        const float mean = __fdiv_rn(token_sum([&](int j) { return uk[j]; }), (float)D);
+        const float c = Store<SC>::round(mean, bits);
+        if (!is_finite(c)) errbits |= KVC_ERR_V_TOK_MIN;
+        const float rms = Store<SC>::round(__fsqrt_rn(__fdiv_rn(token_sum([&](int j) {
+          const float d = __fsub_rn(uk[j], c);
+          return __fmul_rn(d, d);
+        }), (float)D)), bits);
+        if (!is_finite(rms)) errbits |= KVC_ERR_V_TOK_STEP;
+        float b[NJ];
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int i = k * NJ + j;
-          u[i] = __fsub_rn(u[i], mean);
-          t[j] = __fmul_rn(u[i], u[i]);
+        for (int j = 0; j < NJ; ++j)
+          b[j] = lloyd_max_value<VB>(rms > 0.0f ? lloyd_max_code<VB>(__fdiv_rn(__fsub_rn(uk[j], c), rms)) : 0u);
+        const float bm = __fdiv_rn(token_sum([&](int j) { return b[j]; }), (float)D);
+        const float den = token_sum([&](int j) {
+          const float db = __fsub_rn(b[j], bm);
+          return __fmul_rn(db, db);
+        });
+        const float num = token_sum([&](int j) { return __fmul_rn(__fsub_rn(b[j], bm), __fsub_rn(uk[j], c)); });
+        unsigned short sbits, lbits;
+        if (!lloyd_max_refit<SC>(den, num, mean, bm, tstep[k], sbits, tlow[k], lbits)) {
+          tstep[k] = Store<SC>::round(rms, sbits);
+          tlow[k] = Store<SC>::round(c, lbits);
         }
-        tree<NJ>(t);
-        tstep[k] = Store<SC>::round(__fsqrt_rn(__fdiv_rn(warp_tree(t[0]), (float)D)), bits);
-        if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
-        if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
+        if (lane == k) {
+          Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], sbits);
+          Store<SC>::put(dst + sec.tok_min, w + W * k, tlow[k], lbits);
+        }
       }
       __syncthreads();  // ysm now holds code bytes [T][D]
 #pragma unroll
@@ -680,7 +800,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         const bool pos = tstep[k] > 0.0f;
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
-          codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)lloyd_max_code<VB>(__fdiv_rn(u[k * NJ + j], tstep[k])) : (u8)0;
+          codes[(w + W * k) * D + lane + 32 * j] =
+              pos ? (u8)lloyd_max_code<VB>(__fdiv_rn(__fsub_rn(u[k * NJ + j], tlow[k]), tstep[k])) : (u8)0;
       }
     }
     __syncthreads();

@@ -46,7 +46,7 @@ import threading
 import torch
 
 from .. import codec
-from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, lloyd_max_thresholds
+from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, codebook, lloyd_max_thresholds
 from ..runtime.registry import register
 from ..runtime.spec import KernelSpec, get_kernel
 
@@ -144,8 +144,9 @@ def compress_spec(
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
 
     The quantizer is compiled in (``KVARN_QUANT``), with the lloyd_max decision thresholds of
-    :func:`kvarn_cutlass.format.lloyd_max_thresholds` as defines, so the kernel cache keys of the
-    two quantizers differ and the thresholds have one source. The uniform module has neither.
+    :func:`kvarn_cutlass.format.lloyd_max_thresholds` and the codebook of
+    :func:`kvarn_cutlass.format.codebook` (the refit's sums) as defines, so the kernel cache keys of the
+    two quantizers differ and both have one source. The uniform module has neither.
     """
     defines = {
         "KVARN_T": tile_tokens,
@@ -156,9 +157,9 @@ def compress_spec(
         "KVARN_QUANT": _QUANT_CODE[quantizer],
     }
     if quantizer == "lloyd_max":
-        defines["KVARN_LM_THR4"] = _float_literals(lloyd_max_thresholds(4))  # K codes are 4-bit
-        if v_bits == 2:
-            defines["KVARN_LM_THR2"] = _float_literals(lloyd_max_thresholds(2))
+        for bits in (4, 2) if v_bits == 2 else (4,):  # K codes are 4-bit
+            defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
+            defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
     names = (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),)
     if in_dtype in APPEND_DTYPES:
