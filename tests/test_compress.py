@@ -46,6 +46,11 @@ def _private_cache(tmp_path_factory, monkeypatch):
 SHAPES = sorted({(T, D) for (_, _, T) in PRESETS.values() for D in HEAD_DIMS}, reverse=True)
 
 
+def _max_registers(arch: str, kernel: str) -> int:
+    # 512 threads per CTA, except the layer kernel's 128-thread cluster CTAs on sm_90
+    return 255 if arch == "sm_90" and kernel.startswith("kvarn_compress_") else 128
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("T,D", SHAPES)
 def test_compress_compiles_every_shape(arch, T, D):
@@ -54,15 +59,17 @@ def test_compress_compiles_every_shape(arch, T, D):
     name, append_compress, commit, snapshot = spec.kernel_names
     for kernel in (name, append_compress):
         res = m.resources[kernel]
-        assert res.registers <= 128, res  # 512 threads per block
+        assert res.registers <= _max_registers(arch, kernel), res
         if (T, D) == (128, 128):
             assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
-    if arch == "sm_90":  # the append's compression blocks: no spills in any shape (sm_90, 2026-12)
-        assert m.resources[append_compress].spill_store_bytes == 0, m.resources[append_compress]
+    if arch == "sm_90":  # both compression kernels: no spills in any shape (sm_90, 2026-12)
+        for kernel in (name, append_compress):
+            assert m.resources[kernel].spill_store_bytes == 0, m.resources[kernel]
     for kernel in (commit, snapshot):  # 256 threads; copies and integer checks only
         res = m.resources[kernel]
         assert res.registers <= 64 and res.spill_store_bytes == 0 and res.stack_bytes == 0, res
     assert C.smem_bytes(T, D) <= 163 * 1024  # sm_80's opt-in limit per block
+    assert C.smem_bytes(T, D, T // 16) <= 48 * 1024  # a cluster's CTAs: several per SM
 
 
 # lloyd_max on sm_90 only, one V width per shape (both widths for every head_dim): the quantizer
@@ -77,9 +84,9 @@ def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
     assert all(name.endswith("_lm") for name in spec.kernel_names)
     for name in spec.kernel_names[:2]:  # the codec's kernel and the append's
         res = m.resources[name]
-        assert res.registers <= 128, res  # 512 threads per block
+        assert res.registers <= _max_registers("sm_90", name) and res.spill_store_bytes == 0, res
         if (T, D) == (128, 128):
-            assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+            assert res.stack_bytes == 0, res
 
 
 def test_compress_quantizer_is_part_of_the_spec():
@@ -120,16 +127,16 @@ def test_compress_compiles_every_dtype_pair_sm90(in_dtype, scale_dtype, v_bits):
     assert set(spec.kernel_names) <= set(m.resources)
 
 
-def _ptx(defines: dict, extra_source: str = "") -> str:
+def _ptx(defines: dict, extra_source: str = "", arch: str = "compute_90", source: str | None = None) -> str:
     from cuda.bindings import nvrtc
 
     from kvarn_cutlass.runtime.compiler import cuda_include_dirs
 
-    src = (C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path).read_text() + extra_source
+    src = (source or C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path.read_text()) + extra_source
     defines = dict(defines)
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"compress.cu", 0, [], [])[1]
     try:
-        opts = [b"-arch=compute_90", b"--std=c++17", b"-default-device", b"--fmad=false"]
+        opts = [f"-arch={arch}".encode(), b"--std=c++17", b"-default-device", b"--fmad=false"]
         opts += [f"-I{d}".encode() for d in (str(C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path.parent),
                                               *cuda_include_dirs())]
         opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
@@ -143,15 +150,29 @@ def _ptx(defines: dict, extra_source: str = "") -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+_DIV_RN = """__device__ __forceinline__ float div_rn(float a, Recip d) {
+  const float q0 = __fmul_rn(a, d.y);
+  const float q1 = __fmaf_rn(__fmaf_rn(-d.b, q0, a), d.y, q0);
+  return __fmaf_rn(__fmaf_rn(-d.b, q1, a), d.y, q1);
+}"""
+
+
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
+    """No approximate or flush-to-zero instruction; every fused multiply-add is one of the fast
+    division's (the same source with div_rn spelled as __fdiv_rn has none: no mul + add was
+    contracted, --fmad=false), which also keeps correctly rounded reciprocals and IEEE divisions for
+    out-of-range operands."""
     spec = C.compress_spec(128, 128, torch.bfloat16, torch.float16, 2, quantizer)
-    ptx = _ptx(spec.defines)
-    body = [ln for ln in ptx.splitlines() if not ln.strip().startswith("//")]
-    text = "\n".join(body)
-    assert "fma." not in text and "mad.f32" not in text
-    assert ".approx" not in text and ".ftz" not in text
-    assert "div.rn.f32" in text and "sqrt.rn.f32" in text
+    src = spec.source_path.read_text()
+    assert src.count(_DIV_RN) == 1  # the sequence documented (and proved) in compress.cu
+    strip = lambda ptx: "\n".join(ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))  # noqa: E731
+    text = strip(_ptx(spec.defines))
+    assert "mad.f32" not in text and ".approx" not in text and ".ftz" not in text
+    assert "div.rn.f32" in text and "sqrt.rn.f32" in text and "rcp.rn.f32" in text
+    assert text.count("fma.rn.f32") >= 4
+    ieee = strip(_ptx(spec.defines, source=src.replace(_DIV_RN, _DIV_RN.split("{")[0] + "{ return __fdiv_rn(a, d.b); }")))
+    assert "fma." not in ieee and "mad.f32" not in ieee
     if quantizer == "lloyd_max":
         # every threshold is compared as an immediate (no table in memory): setp.gt.f32 ..., 0fXXXXXXXX
         compared = set(re.findall(r"setp\.gt\.f32\s+%p\d+, %f\d+, 0f([0-9A-F]{8});", text))
@@ -159,6 +180,23 @@ def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
             want = {struct.pack(">f", t).hex().upper() for t in lloyd_max_thresholds(bits)}
             assert want <= compared, sorted(want - compared)
         assert ".local" not in text
+
+
+@pytest.mark.parametrize("T", [64, 128])
+def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
+    """The layer kernel's record half runs on a cluster of T / 16 CTAs on sm_90 (ops.compress reads
+    the width back from the loaded kernel) and on one CTA for sm_80; the append kernels always on one."""
+    spec = C.compress_spec(T, 64, torch.float16, torch.float16, 4)
+    layer, append = spec.kernel_names[:2]
+    for arch, ranks in (("compute_90", T // 16), ("compute_80", None)):
+        ptx = _ptx(spec.defines, arch=arch)
+        entries = dict(re.findall(r"\.entry (\w+)\((.*?)\n\s*\{", ptx, re.S))
+        assert set(spec.kernel_names) <= set(entries)
+        directive = lambda name: re.search(rf"\.entry {name}\(.*?\)(.*?)\{{", ptx, re.S).group(1)  # noqa: E731
+        assert ("reqnctapercluster" in directive(layer)) == (ranks is not None)
+        if ranks is not None:
+            assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(layer))
+        assert "reqnctapercluster" not in directive(append)
 
 
 def test_compress_registered():
@@ -219,12 +257,15 @@ def test_error_messages_follow_codec_order():
 
 def test_smem_bytes_is_the_kernels_own_constant():
     """The launch's dynamic shared memory is what the compiled kernel says it carves up: each shape's
-    ``kvc::Shape<T, D>::kSmemBytes``, read from the PTX of a probe compiled with the kernel source."""
-    probe = "".join(f"\n__device__ int kvarn_probe_smem_{T}_{D} = kvc::Shape<{T}, {D}>::kSmemBytes;" for T, D in SHAPES)
+    ``kvc::Shape<T, D, R>::kSmemBytes`` (R = 1 and the cluster's T / 16), read from the PTX of a probe
+    compiled with the kernel source."""
+    cases = [(T, D, R) for T, D in SHAPES for R in (1, T // 16)]
+    probe = "".join(f"\n__device__ int kvarn_probe_smem_{T}_{D}_{R} = kvc::Shape<{T}, {D}, {R}>::kSmemBytes;"
+                    for T, D, R in cases)
     ptx = _ptx(C.compress_spec(128, 128, torch.float16, torch.float16, 2).defines, probe)
-    compiled = {(int(t), int(d)): int(n) for t, d, n in re.findall(r"kvarn_probe_smem_(\d+)_(\d+) = (\d+);", ptx)}
-    assert set(compiled) == set(SHAPES)
-    assert {(T, D): C.smem_bytes(T, D) for T, D in SHAPES} == compiled
+    compiled = {tuple(map(int, m[:3])): int(m[3]) for m in re.findall(r"kvarn_probe_smem_(\d+)_(\d+)_(\d+) = (\d+);", ptx)}
+    assert set(compiled) == set(cases)
+    assert {(T, D, R): C.smem_bytes(T, D, R) for T, D, R in cases} == compiled
 
 
 # ================================================================ GPU: byte identity ============
@@ -621,3 +662,77 @@ def test_gpu_cache_error_leaves_cache_unchanged():
         c.append(0, big, big)
     assert (c.seq_len(0), c.num_tiles(0)) == before[:2]
     assert torch.equal(c.window_kv(0)[0], before[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_fast_division_is_the_ieee_quotient(tmp_path):
+    """kvc::div_rn (the kernel's division by a shared divisor) against __fdiv_rn on the device, on the
+    operands of tests/test_compress_emulation.py::test_fast_division_is_the_ieee_quotient plus 2^24
+    random ones over the admitted ranges (divisor in [2^-32, 2^32], dividend 0 or in [2^-92, 2^92]);
+    and outside them kvc::divisor_ok / dividend_ok must say no (there the kernel divides by IEEE)."""
+    from kvarn_cutlass.runtime.spec import CSRC_DIR, KernelSpec, get_kernel
+
+    probe = """
+extern "C" __global__ void kvarn_divtest(const float* a, const float* b, float* fast, float* ieee, int* in_range, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  fast[i] = kvc::div_rn(a[i], kvc::recip(b[i]));
+  ieee[i] = __fdiv_rn(a[i], b[i]);
+  in_range[i] = kvc::divisor_ok(b[i]) && kvc::dividend_ok(a[i]);
+}
+"""
+    base = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
+    src = tmp_path / "divtest.cu"
+    src.write_text(base.source_path.read_text() + probe)
+    spec = KernelSpec(str(src), ("kvarn_divtest",), defines=base.defines, options=base.options + (f"-I{CSRC_DIR}",))
+    kernel = get_kernel(spec, "kvarn_divtest", ("ptr a", "ptr b", "ptr fast", "ptr ieee", "ptr in_range", "i32 n"))
+    seed = 17
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = 1 << 24
+    bits_b = torch.randint(0, 2**23, (n,), device="cuda", generator=g, dtype=torch.int64)
+    bits_b[: n // 4] = 2**23 - 1  # all-ones significands: a * RN(1/b) furthest from a / b
+    e_b = torch.randint(127 - 34, 127 + 34, (n,), device="cuda", generator=g)
+    e_a = torch.randint(127 - 96, 127 + 96, (n,), device="cuda", generator=g)
+    sign = lambda: torch.randint(0, 2, (n,), device="cuda", generator=g) << 31  # noqa: E731
+    b = ((e_b << 23) | bits_b | sign()).to(torch.int32).view(torch.float32)
+    a = ((e_a << 23) | torch.randint(0, 2**23, (n,), device="cuda", generator=g) | sign()).to(torch.int32).view(torch.float32)
+    near = (b * torch.randint(0, 32, (n,), device="cuda", generator=g).float() / 2)  # quotients at k / 2
+    a = torch.where(torch.rand(n, device="cuda", generator=g) < 0.25, near, a)
+    a[:64] = torch.tensor([0.0, -0.0, 2.0**-92, -(2.0**-92), 2.0**92, 2.0**-93, 2.0**93, 1e-40] * 8)
+    fast, ieee = torch.empty_like(a), torch.empty_like(a)
+    in_range = torch.empty(n, dtype=torch.int32, device="cuda")
+    kernel.launch((n + 255) // 256, 256, (a, b, fast, ieee, in_range, n))
+    ok = in_range.bool()
+    a64, b64 = a.double(), b.double()
+    want_ok = (b64.abs() >= 2.0**-32) & (b64.abs() <= 2.0**32) & ((a64 == 0) | ((a64.abs() >= 2.0**-92) & (a64.abs() <= 2.0**92)))
+    assert torch.equal(ok, want_ok), f"seed={seed}: the range checks differ from the documented ranges"
+    assert int(ok.sum()) > n // 2
+    bad = ok & ((fast != ieee) | ((fast == 0) != (ieee == 0)))
+    assert not bool(bad.any()), (f"seed={seed}: {int(bad.sum())} quotients differ, first a={a[bad][0].item()!r} "
+                                 f"b={b[bad][0].item()!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["k4v2_g128", "k4v4_g64"])
+def test_gpu_rejected_half_writes_nothing(preset):
+    # a NaN in one token (of a non-first rank of the cluster) rejects its whole record half: the
+    # half's bytes stay as they were, the other half and the other records are written
+    spec = TileSpec(preset=preset)
+    T, nb = spec.tile_tokens, spec.tile_nbytes
+    g = torch.Generator().manual_seed(23)
+    k = _sanitize(torch.randn(3, T, 128, generator=g), torch.float16)
+    v = _sanitize(torch.randn(3, T, 128, generator=g), torch.float16)
+    ref = codec.encode_tiles(k, v, spec)
+    bad = k.clone()
+    bad[1, 3 + T // 16, 9] = float("nan")  # token T/16 + 3: rank 3 of the cluster
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((3, nb), 0xAB, dtype=torch.uint8, device="cuda")
+    C.compress_tiles(bad.cuda(), v.cuda(), spec, out=out, error_flag=flag)
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        C.check_error_flag(flag, spec)
+    out = out.cpu()
+    k_end = spec.offset("v_codes")
+    assert torch.equal(out[[0, 2]], ref[[0, 2]])
+    assert bool((out[1, :k_end] == 0xAB).all()) and torch.equal(out[1, k_end:], ref[1, k_end:])

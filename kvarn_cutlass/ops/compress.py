@@ -1,7 +1,10 @@
 """GPU tile compression (``csrc/compress.cu``), byte-identical to :func:`kvarn_cutlass.codec.encode_tiles`.
 
-One launch compresses every record of a layer: one 512-thread block per (record, K or V half).
-Entry points:
+One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
+thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
+through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
+and in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), on one 512-thread CTA. The
+launch reads the cluster width and CTA size from the compiled kernel. Entry points:
 
 * :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
 * :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
@@ -191,10 +194,18 @@ def _all_specs() -> list[KernelSpec]:
 register("compress", _all_specs)
 
 
-def smem_bytes(tile_tokens: int, head_dim: int) -> int:
-    """Dynamic shared memory per block (mirrors ``Shape::kSmemBytes`` in compress.cu)."""
-    T, D = tile_tokens, head_dim
-    return 4 * (T * D + _WARPS * D + 3 * D + 4 * _WARPS + 4 * (D // 32))
+def smem_bytes(tile_tokens: int, head_dim: int, ranks: int = 1) -> int:
+    """Dynamic shared memory per CTA of a record half spread over ``ranks`` CTAs (1: the append
+    kernels and sm_80; the layer kernel's cluster width on sm_90); mirrors ``Shape::kSmemBytes`` in
+    compress.cu (tests/test_compress.py reads the kernel's own constant)."""
+    T, D, R = tile_tokens, head_dim, ranks
+    W = 4 if R > 1 else _WARPS
+    nj = D // 32
+    y_slots = 0 if R > 1 else (T // W) * nj * 32 * W
+    big = max(y_slots, D // R * (T + 1))
+    xb = (D + 4 + nj + 3) // 4 * 4
+    floats = big + W * D + 2 * xb + 3 * D + 4 * W + W * nj + 2 * W + 12 + T + D
+    return (floats * 4 + 15) // 16 * 16
 
 
 def _inv_sqrt(d: int) -> float:
@@ -244,6 +255,20 @@ def _stream_flag(device: torch.device) -> torch.Tensor:
 
 def _kernel(device_index: int, spec: KernelSpec):
     return get_kernel(spec, spec.kernel_names[0], COMPRESS_SIGNATURE, device_index)
+
+
+_layouts: dict[tuple[int, str], tuple[int, int]] = {}
+
+
+def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
+    """(CTAs per record half, threads per CTA) of the layer kernel, as compiled: its cluster width
+    (sm_90: T / 16 CTAs of 128 threads; without a cluster one CTA of ``THREADS``)."""
+    key = (device_index, kernel.name)
+    layout = _layouts.get(key)
+    if layout is None:
+        ranks = max(1, int(kernel.attribute("REQUIRED_CLUSTER_WIDTH")))
+        layout = _layouts[key] = (ranks, int(kernel.attribute("MAX_THREADS_PER_BLOCK")))
+    return layout
 
 
 # --- validation -----------------------------------------------------------------------------------
@@ -336,13 +361,16 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     T, D = spec.tile_tokens, spec.head_dim
     kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer)
     kernel = _kernel(k.device.index, kspec)
-    smem = smem_bytes(T, D)
+    ranks, threads = _layer_layout(kernel, k.device.index)
+    if n_records * ranks > 2**31 - 1:
+        raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
+    smem = smem_bytes(T, D, ranks)
     limit = _smem_limit(k.device.index)
     if smem > limit:
         raise ValueError(f"compression of T={T}, D={D} needs {smem} bytes of shared memory per block, {k.device} has {limit}")
     offsets = [spec.offset(s) for s in _SECTIONS]
     args = (k, v, *kstr, *vstr, out, *ostr, H, n_tiles, spec.sinkhorn_iters, *offsets, _inv_sqrt(D), flag)
-    kernel.launch((n_records, 2), THREADS, args, shared_mem=smem)
+    kernel.launch((n_records * ranks, 2), threads, args, shared_mem=smem)
 
 
 def _finish(flag: torch.Tensor, sync_check: bool, spec: TileSpec) -> None:
