@@ -48,7 +48,7 @@ SHAPES = sorted({(T, D) for (_, _, T) in PRESETS.values() for D in HEAD_DIMS}, r
 
 def _max_registers(arch: str, kernel: str) -> int:
     # 512 threads per CTA, except the layer kernel's 128-thread cluster CTAs on sm_90
-    return 255 if arch == "sm_90" and kernel.startswith("kvarn_compress_") else 128
+    return 255 if arch == "sm_90" and kernel.startswith("kvarn_compress_t") else 128
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -56,15 +56,18 @@ def _max_registers(arch: str, kernel: str) -> int:
 def test_compress_compiles_every_shape(arch, T, D):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, 2)
     m = build(spec, arch)
-    name, append_compress, commit, snapshot = spec.kernel_names
-    for kernel in (name, append_compress):
+    name, cta, append_compress, commit, snapshot = spec.kernel_names
+    for kernel in (name, cta, append_compress):
         res = m.resources[kernel]
         assert res.registers <= _max_registers(arch, kernel), res
         if (T, D) == (128, 128):
             assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
-    if arch == "sm_90":  # both compression kernels: no spills in any shape (sm_90, 2026-12)
+    if arch == "sm_90":  # the compression kernels: no spills in any shape (sm_90, 2026-12)
         for kernel in (name, append_compress):
             assert m.resources[kernel].spill_store_bytes == 0, m.resources[kernel]
+        # the one-CTA layer kernel at D = 256 (64 elements a thread, at the 128-register cap of 512
+        # threads) parks one value in local memory for the whole kernel: one store and one load
+        assert m.resources[cta].spill_store_bytes <= (4 if D == 256 else 0), m.resources[cta]
     for kernel in (commit, snapshot):  # 256 threads; copies and integer checks only
         res = m.resources[kernel]
         assert res.registers <= 64 and res.spill_store_bytes == 0 and res.stack_bytes == 0, res
@@ -82,7 +85,7 @@ def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, v_bits, "lloyd_max")
     m = build(spec, "sm_90")
     assert all(name.endswith("_lm") for name in spec.kernel_names)
-    for name in spec.kernel_names[:2]:  # the codec's kernel and the append's
+    for name in spec.kernel_names[:3]:  # the codec's kernels and the append's
         res = m.resources[name]
         assert res.registers <= _max_registers("sm_90", name) and res.spill_store_bytes == 0, res
         if (T, D) == (128, 128):
@@ -93,9 +96,10 @@ def test_compress_quantizer_is_part_of_the_spec():
     uniform = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
     assert uniform == C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform")
     # unchanged by the quantizer option; the cache dtypes' modules also hold the append kernels
-    assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2"
-                                         for r in ("compress", "append_compress", "append_commit", "append_snapshot"))
-    assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == ("kvarn_compress_t128_d128_f32_s16_v2",)
+    assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2" for r in (
+        "compress", "compress_cta", "append_compress", "append_commit", "append_snapshot"))
+    assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == (
+        "kvarn_compress_t128_d128_f32_s16_v2", "kvarn_compress_cta_t128_d128_f32_s16_v2")
     assert not any(k.startswith("KVARN_LM_") for k, _ in uniform.defines)
     for v_bits in (2, 4):
         lm = C.compress_spec(128, 128, torch.float16, torch.float16, v_bits, "lloyd_max")
@@ -187,7 +191,7 @@ def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
     """The layer kernel's record half runs on a cluster of T / 16 CTAs on sm_90 (ops.compress reads
     the width back from the loaded kernel) and on one CTA for sm_80; the append kernels always on one."""
     spec = C.compress_spec(T, 64, torch.float16, torch.float16, 4)
-    layer, append = spec.kernel_names[:2]
+    layer, cta, append = spec.kernel_names[:3]
     for arch, ranks in (("compute_90", T // 16), ("compute_80", None)):
         ptx = _ptx(spec.defines, arch=arch)
         entries = dict(re.findall(r"\.entry (\w+)\((.*?)\n\s*\{", ptx, re.S))
@@ -196,7 +200,7 @@ def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
         assert ("reqnctapercluster" in directive(layer)) == (ranks is not None)
         if ranks is not None:
             assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(layer))
-        assert "reqnctapercluster" not in directive(append)
+        assert "reqnctapercluster" not in directive(append) and "reqnctapercluster" not in directive(cta)
 
 
 def test_compress_registered():
@@ -206,8 +210,8 @@ def test_compress_registered():
     assert "compress" in fam
     names = {n for s in fam["compress"] for n in s.kernel_names}
     per_input_dtype = 2 * 2 * 3 * 2 * 2  # T x v_bits (the presets) x D x scale dtype x quantizer
-    # the codec's kernel for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
-    assert len(names) == 3 * per_input_dtype + 3 * 2 * per_input_dtype
+    # the codec's 2 kernels for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
+    assert len(names) == 2 * 3 * per_input_dtype + 3 * 2 * per_input_dtype
     assert C.kernel_name(128, 128, torch.float16, torch.float16, 2) in names
     assert C.kernel_name(64, 256, torch.float32, torch.float32, 4, "lloyd_max") in names
     assert C.kernel_name(64, 256, torch.bfloat16, torch.float32, 4, "lloyd_max", "append_commit") in names
@@ -736,3 +740,22 @@ def test_gpu_rejected_half_writes_nothing(preset):
     k_end = spec.offset("v_codes")
     assert torch.equal(out[[0, 2]], ref[[0, 2]])
     assert bool((out[1, :k_end] == 0xAB).all()) and torch.equal(out[1, k_end:], ref[1, k_end:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+@pytest.mark.parametrize("preset,D", [("k4v2_g128", 128), ("k4v4_g64", 256), ("k4v2_g64", 64)])
+def test_gpu_identity_cluster_and_one_cta_layer_kernels(quantizer, preset, D):
+    # a launch of few records runs the cluster kernel, one of more halves than fit as clusters the
+    # one-CTA kernel (ops.compress picks by the device's SM count): both byte-identical to the codec
+    spec = TileSpec(preset=preset, head_dim=D, quantizer=quantizer)
+    T = spec.tile_tokens
+    index = torch.cuda.current_device()
+    ranks = T // 16 if torch.cuda.get_device_capability(index)[0] >= 9 else 1
+    many = C._CLUSTER_CTAS_PER_SM * C._sm_count(index) // (2 * ranks) + 1
+    g = torch.Generator().manual_seed(zlib.crc32(repr((quantizer, preset, D)).encode()))
+    for n in (3, many):
+        k = _sanitize(_gen("outliers", n, T, D, g), torch.bfloat16)
+        v = _sanitize(_gen("rope", n, T, D, g), torch.bfloat16)
+        _check_identity(k, v, spec)

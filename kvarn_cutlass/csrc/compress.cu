@@ -667,34 +667,24 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         const float sum = warp_tree(t[0]);
         rowsum = lane % NK == k ? sum : rowsum;
       };
-      constexpr int H = NK > 1 ? NK / 2 : 1;
-      float acc[H][NJ];
+      // the column tree over k as a depth-first recursion: node(i, m) = the sum over the tokens
+      // k = i mod m, node(i, m) = node(i, 2m) + node(i + m, 2m), leaves (m = NK) the rows, made in
+      // that order; at most log2(NK) partial columns are live at once (registers: NK = 8 for a lone CTA)
+      auto node = [&](auto self, auto i_tag, auto m_tag, float (&out)[NJ]) -> void {
+        constexpr int I = decltype(i_tag)::value, Mm = decltype(m_tag)::value;
+        if constexpr (Mm == NK) {
 #pragma unroll
-      for (int k = 0; k < H; ++k) {
-        float a[NJ];
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) a[j] = zsq(k * NJ + j);
-        row_sum(a, k);
-        if constexpr (NK > 1) {
-          float b[NJ];
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) b[j] = zsq((k + H) * NJ + j);
-          row_sum(b, k + H);
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) acc[k][j] = __fadd_rn(a[j], b[j]);
+          for (int j = 0; j < NJ; ++j) out[j] = zsq(I * NJ + j);
+          row_sum(out, I);
         } else {
+          float lo[NJ], hi[NJ];
+          self(self, Mode<I>{}, Mode<2 * Mm>{}, lo);
+          self(self, Mode<I + Mm>{}, Mode<2 * Mm>{}, hi);
 #pragma unroll
-          for (int j = 0; j < NJ; ++j) acc[k][j] = a[j];
+          for (int j = 0; j < NJ; ++j) out[j] = __fadd_rn(lo[j], hi[j]);
         }
-      }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float t[H];
-#pragma unroll
-        for (int k = 0; k < H; ++k) t[k] = acc[k][j];
-        tree<H>(t);
-        colp[j] = t[0];
-      }
+      };
+      node(node, Mode<0>{}, Mode<1>{}, colp);
     };
     if (it == 0) candidate(Mode<0>{});
     else if (y_ok && s_ok && r_ok) candidate(Mode<1>{});
@@ -1299,9 +1289,8 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
 #endif
 // its CTA size (ops/compress.py reads it from the kernel's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
 #define KVC_LAYER_NT (kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::NT)
-#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
-  extern "C" __global__ void __launch_bounds__(KVC_LAYER_NT, 1) KVC_CLUSTER_DIMS                                   \
-      kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                            \
+#define KVC_LAYER_KERNEL(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                                  \
+  extern "C" __global__ void ATTRS NAME(                                                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
       long long v_sb, long long v_sh, long long v_st, u8* __restrict__ out, long long o_sb, long long o_si,        \
       long long o_sh, int n_heads, int n_tiles, int iters, int off_k_codes, int off_chan_step, int off_chan_min,   \
@@ -1309,9 +1298,17 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
       int* __restrict__ err) {                                                                                      \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
-    kvc::compress_layer_block<T, D, IN, SC, VB, LM, KVC_RANKS>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, \
-                                                    n_heads, n_tiles, iters, sec, inv_sqrt_d, err);              \
+    kvc::compress_layer_block<T, D, IN, SC, VB, LM, RANKS>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, \
+                                                           o_sh, n_heads, n_tiles, iters, sec, inv_sqrt_d, err);  \
   }
+// The layer kernel (a cluster per record half where there are clusters) and its one-CTA form
+// (kvarn_compress_cta_...: more records per SM when a launch has more halves than the GPU has room
+// for clusters; ops/compress.py picks).
+#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
+  KVC_LAYER_KERNEL(kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                               \
+                   __launch_bounds__(KVC_LAYER_NT, 1) KVC_CLUSTER_DIMS, KVC_RANKS, T, D, IN, SC, VB, LM)           \
+  KVC_LAYER_KERNEL(kvarn_compress_cta_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                           \
+                   __launch_bounds__(KVC_NT, 1), 1, T, D, IN, SC, VB, LM)
 
 // The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above).
 #define KVC_APPEND_KERNELS(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                           \

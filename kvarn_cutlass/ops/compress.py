@@ -55,6 +55,7 @@ from ..runtime.spec import KernelSpec, get_kernel
 
 __all__ = [
     "COMPRESS_SIGNATURE",
+    "LAYER_ROLES",
     "THREADS",
     "ERROR_BITS",
     "ERROR_BITS_LLOYD_MAX",
@@ -120,16 +121,19 @@ def kernel_name(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
     quantizer: str = "uniform", role: str = "compress",
 ) -> str:
-    """The symbol of a kernel of the module; ``role``: ``compress`` (the codec's contract) or, in the
-    modules of the cache dtypes float16 / bfloat16 only, one of :data:`APPEND_ROLES` (the cache's
-    append, :mod:`kvarn_cutlass.ops.append`)."""
+    """The symbol of a kernel of the module; ``role``: one of :data:`LAYER_ROLES` (the codec's
+    contract: ``compress``, a thread-block cluster per record half on sm_90, and ``compress_cta``, one
+    CTA per half) or, in the modules of the cache dtypes float16 / bfloat16 only, one of
+    :data:`APPEND_ROLES` (the cache's append, :mod:`kvarn_cutlass.ops.append`)."""
     return (
         f"kvarn_{role}_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
         f"{_QUANT_SUFFIX[quantizer]}"
     )
 
 
-# The append kernels in the modules of the cache dtypes (compress.cu, the append section).
+# The layer kernels of every module, and the append kernels in the modules of the cache dtypes
+# (compress.cu, the append section).
+LAYER_ROLES = ("compress", "compress_cta")
 APPEND_ROLES = ("append_compress", "append_commit", "append_snapshot")
 APPEND_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -164,12 +168,8 @@ def compress_spec(
             defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
             defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
-    names = (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),)
-    if in_dtype in APPEND_DTYPES:
-        names += tuple(
-            kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role)
-            for role in APPEND_ROLES
-        )
+    roles = LAYER_ROLES + (APPEND_ROLES if in_dtype in APPEND_DTYPES else ())
+    names = tuple(kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role) for role in roles)
     return KernelSpec(
         "compress.cu",
         names,
@@ -253,11 +253,23 @@ def _stream_flag(device: torch.device) -> torch.Tensor:
     return flag
 
 
-def _kernel(device_index: int, spec: KernelSpec):
-    return get_kernel(spec, spec.kernel_names[0], COMPRESS_SIGNATURE, device_index)
+def _kernel(device_index: int, spec: KernelSpec, role: str = "compress"):
+    return get_kernel(spec, spec.kernel_names[LAYER_ROLES.index(role)], COMPRESS_SIGNATURE, device_index)
 
 
 _layouts: dict[tuple[int, str], tuple[int, int]] = {}
+_sm_counts: dict[int, int] = {}
+# Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
+# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps, ~100 registers)
+# fits ~5 times per SM; past ~4 per SM a launch is throughput-bound and the one-CTA kernel is faster.
+_CLUSTER_CTAS_PER_SM = 4
+
+
+def _sm_count(index: int) -> int:
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
@@ -360,8 +372,11 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
     kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer)
-    kernel = _kernel(k.device.index, kspec)
-    ranks, threads = _layer_layout(kernel, k.device.index)
+    index = k.device.index
+    kernel = _kernel(index, kspec)
+    ranks, threads = _layer_layout(kernel, index)
+    if ranks > 1 and 2 * n_records * ranks > _CLUSTER_CTAS_PER_SM * _sm_count(index):
+        kernel, ranks, threads = _kernel(index, kspec, "compress_cta"), 1, THREADS
     if n_records * ranks > 2**31 - 1:
         raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
     smem = smem_bytes(T, D, ranks)
