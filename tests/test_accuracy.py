@@ -91,3 +91,26 @@ def test_lloyd_max_perplexity_gates():
     assert res["results"][1]["quantizer"] == "lloyd_max"
     assert base < lm_2bit < uni_2bit, (base, lm_2bit, uni_2bit)
     assert base < lm_4bit < base * (1 + REL_TOL), (base, lm_4bit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
+                    reason=f"reference model/data not found under {SHARED}")
+def test_perplexity_gates_cuda_kernels():
+    """The kernels' paths on CUDA (fp16 model and cache): decode-time through the int8 decode kernel within
+    0.5% of the expected value, and the chunked-prefill path through the fused kernel within 0.5% of it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import kvarn_cutlass.hf as kh
+    from kvarn_cutlass.hf._compat import load_model
+    from kvarn_cutlass.hf.perplexity import evaluate, token_windows
+
+    model, tok = load_model(str(MODEL_DIR), "cuda", torch.float16)
+    windows = token_windows(tok, TEXT.read_text(encoding="utf-8"), 2048, 6)
+    spec = [kh.SimSpec("k4v2_g128", 256)]
+    decode = evaluate(model, windows, spec, method="decode", baseline=False, progress=False, batch_size=6)
+    pre = evaluate(model, windows, spec, method="prefill", chunk=512, baseline=False, progress=False, batch_size=6)
+    decode, pre = decode["results"][0]["ppl"], pre["results"][0]["ppl"]
+    want = EXPECTED[("k4v2_g128", 256, "decode")]
+    assert abs(decode / want - 1) < REL_TOL, f"decode {decode:.4f} vs expected {want}"
+    assert abs(pre / decode - 1) < REL_TOL, f"prefill {pre:.4f} vs decode {decode:.4f}"
