@@ -58,3 +58,20 @@ def assert_same_snapshot(a: list, b: list) -> None:
         assert la[:3] == lb[:3]
         for ta, tb in zip(la[3:], lb[3:]):
             assert ta.shape == tb.shape and torch.equal(ta, tb)
+
+
+REF_MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
+REF_TEXT = SHARED / "data" / "code_eval.txt"
+
+
+def ref_model_on_cuda():
+    """kvarn-ref-lm in fp16 on CUDA with the ``kvarn`` attention, and the first ~40k characters of the
+    held-out text as token ids [1, n] on CUDA (the GPU tests' shared model fixture)."""
+    import kvarn_cutlass.hf  # noqa: F401  (registers 'kvarn')
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(REF_MODEL_DIR, dtype=torch.float16, attn_implementation="kvarn")
+    model = model.to("cuda").eval()
+    tok = AutoTokenizer.from_pretrained(REF_MODEL_DIR)
+    ids = tok(REF_TEXT.read_text(encoding="utf-8")[:40000], return_tensors="pt", add_special_tokens=False).input_ids
+    return model, ids.cuda()

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SHARED  # noqa: E402
+from _helpers import SHARED, ref_model_on_cuda  # noqa: E402
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 TEXT = SHARED / "data" / "code_eval.txt"
 
@@ -28,14 +28,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def setup():
-    import kvarn_cutlass.hf  # noqa: F401  (registers 'kvarn')
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float16, attn_implementation="kvarn")
-    model = model.to("cuda").eval()
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    ids = tok(TEXT.read_text(encoding="utf-8")[:40000], return_tensors="pt", add_special_tokens=False).input_ids
-    return model, ids.cuda()
+    return ref_model_on_cuda()
 
 
 def test_gpu_generate_unquantized_and_quantized(setup):
