@@ -148,6 +148,7 @@ def test_cpu_demo_builds_the_kernel_an_sm90_gpu_would_run(capsys):
     second = run_json(capsys, *DEMO_ARGV[1:])["prefill_kernel_sm90"]
     assert first["status"] in ("compiled", "cached") and second["status"] == "cached", (first, second)
     compiled = build(kspec, "sm90")
+    assert compiled.target == ("sm_90a" if kspec.arch_specific else "sm_90")  # wgmma configs need sm_90a
     for got in (first, second):
         assert got["module"] == kspec.name and got["config"] == config.name and got["target"] == compiled.target
         assert got["registers"] == compiled.resources["kvarn_prefill_fused"].registers

@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
             q16, k16, v16, scale = dev16[0]
             del cache
             result["speed"] = _gpu_speed(args, q16, k16, v16, scale)
-            result["gpu_kernels"] = ("prefill: fused attention kernel (mma.sync); decode: one split-tile int8 "
+            result["gpu_kernels"] = ("prefill: fused attention kernel (wgmma or mma.sync, by the tuned config); decode: one split-tile int8 "
                                      "tensor-core kernel (partials merged by the last block) in a CUDA graph; "
                                      "compression: GPU kernel in cache.append")
         else:
@@ -538,7 +538,7 @@ def _report(r: dict) -> None:
             how = (f"compiled in {c['compile_seconds']} s" if c["status"] == "compiled"
                    else f"from the kernel cache, compiled earlier in {c['compile_seconds']} s")
             spills = "no spills" if c["spill_store_bytes"] == 0 else f"{c['spill_store_bytes']} B of spill stores"
-            line += (f" ({c['module']}, config {c['config']}; {how}; {c['registers']} registers, {spills}, "
+            line += (f" ({c['module']} for {c['target']}, config {c['config']}; {how}; {c['registers']} registers, {spills}, "
                      f"{c['dynamic_smem_bytes']} B of shared memory)")
         elif c["status"] == "failed":
             line += f" ({c['error']})"
