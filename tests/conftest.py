@@ -1,6 +1,8 @@
 """Shared pytest setup.
 
 * Tests marked ``gpu`` are skipped where torch sees no CUDA device.
+* torch runs one intra-op thread (``OMP_NUM_THREADS=1`` unless already set), for this process and the
+  command-line processes the tests start.
 * Slow extras (:data:`EXTRAS`) are left out of the default run and run with ``--extras`` (or ``-m extra``,
   which runs only them). The default run is the README's ``python3 -m pytest -q -rs``, which CI runs on a
   2-core CPU machine and which must stay well under 10 minutes with a cold kernel cache, the accuracy
@@ -9,10 +11,16 @@
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
 import pytest
+
+# Set before any test module imports torch. The tests' tensors are small: on the 2-core machine two OpenMP
+# threads bought nothing idle and cost 4x under load (others' jobs on the other core): test_hf.py took 42 s
+# with two threads and 19 s with one on an idle machine; test_accuracy.py 980 s and 232 s at load 3.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # (node id pattern ("*" matches anything; brackets are literal), node id it keeps in the default run, why the default run can do without the
 # rest). Every shipped variant is still built for sm_90, the measured target, in the default run; sm_80 is a
