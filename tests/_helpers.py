@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 # The shared resources (reference model, eval text): ../shared beside the checkout, or
@@ -62,6 +63,9 @@ def assert_same_snapshot(a: list, b: list) -> None:
 
 REF_MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
 REF_TEXT = SHARED / "data" / "code_eval.txt"
+# skips a test where the shared reference model or its held-out text is missing
+needs_ref_model = pytest.mark.skipif(not (REF_MODEL_DIR / "config.json").exists() or not REF_TEXT.exists(),
+                                     reason=f"reference model/data not found under {SHARED}")
 
 
 def ref_model_on_cuda():

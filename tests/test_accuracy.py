@@ -22,9 +22,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SHARED  # noqa: E402
-MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
-TEXT = SHARED / "data" / "code_eval.txt"
+from _helpers import REF_MODEL_DIR as MODEL_DIR, REF_TEXT as TEXT, needs_ref_model  # noqa: E402
 
 EXPECTED = {
     "unquantized": 9.550,
@@ -37,8 +35,7 @@ REL_TOL = 0.005
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
-                    reason=f"reference model/data not found under {SHARED}")
+@needs_ref_model
 def test_perplexity_gates():
     import kvarn_cutlass.hf as kh
     from kvarn_cutlass.hf._compat import load_model
@@ -67,8 +64,7 @@ def test_perplexity_gates():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
-                    reason=f"reference model/data not found under {SHARED}")
+@needs_ref_model
 def test_lloyd_max_perplexity_gates():
     """lloyd_max against uniform in the same run (docs/accuracy.md, "Quantizer mode"): with every
     complete tile quantized for every query (prefill view, no window), the lower per-element error
@@ -94,8 +90,7 @@ def test_lloyd_max_perplexity_gates():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
-                    reason=f"reference model/data not found under {SHARED}")
+@needs_ref_model
 def test_perplexity_gates_cuda_kernels():
     """The kernels' paths on CUDA (fp16 model and cache): decode-time through the int8 decode kernel within
     0.5% of the expected value, and the chunked-prefill path through the fused kernel within 0.5% of it."""

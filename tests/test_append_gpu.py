@@ -158,15 +158,7 @@ def test_gpu_step_graph_replays_bit_identical_to_eager(preset, D, sink, quantize
     g = torch.Generator(device="cuda").manual_seed(7)
     tiles = eager.num_tiles(0)
     for step in range(steps):
-        q, k, v = _step_inputs(graph, g)
-        graph.q.copy_(q)
-        graph.k.copy_(k)
-        graph.v.copy_(v)
-        out = graph.replay()
-        for layer in range(3):
-            eager.append(layer, k[layer], v[layer])
-            want = kc.decode_attention(q[layer], eager, layer)
-            assert torch.equal(out[layer], want), f"step {step}, layer {layer}: graph and eager outputs differ"
+        _replay_matches_eager(graph, eager, *_step_inputs(graph, g), step)
         if step % 97 == 0:
             graph.check()
             assert_same_state(state(eager), state(graphed), f"step {step}")
@@ -174,6 +166,18 @@ def test_gpu_step_graph_replays_bit_identical_to_eager(preset, D, sink, quantize
     graph.check()
     assert_same_state(state(eager), state(graphed), "end")
     assert eager.num_tiles(0) >= tiles + steps // PRESETS[preset][2] - 1
+
+
+def _replay_matches_eager(graph, eager, q, k, v, step):
+    """One replayed step of ``graph`` against the same appends and decode_attention on ``eager``, bit for bit."""
+    graph.q.copy_(q)
+    graph.k.copy_(k)
+    graph.v.copy_(v)
+    out = graph.replay()
+    for layer in range(3):
+        eager.append(layer, k[layer], v[layer])
+        want = kc.decode_attention(q[layer], eager, layer)
+        assert torch.equal(out[layer], want), f"step {step}, layer {layer}: graph and eager outputs differ"
 
 
 @pytest.mark.parametrize("preset,D,sink,quantizer,dtype", STEP_CASES[:1])
@@ -201,13 +205,7 @@ def test_gpu_step_graph_failed_step_is_restored(preset, D, sink, quantizer, dtyp
             assert_same_state(before, state(graphed), f"restored before step {step}")
             lengths_consistent(graphed)
             continue
-        graph.q.copy_(q)
-        graph.k.copy_(k)
-        graph.v.copy_(v)
-        out = graph.replay()
-        for layer in range(3):
-            eager.append(layer, k[layer], v[layer])
-            assert torch.equal(out[layer], kc.decode_attention(q[layer], eager, layer)), (step, layer)
+        _replay_matches_eager(graph, eager, q, k, v, step)
     assert failed is not None
     graph.check()
     assert_same_state(state(eager), state(graphed), "end")

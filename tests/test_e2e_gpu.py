@@ -17,16 +17,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SHARED, assert_same_snapshot, ref_model_on_cuda, snapshot  # noqa: E402
+from _helpers import REF_MODEL_DIR as MODEL_DIR, assert_same_snapshot, needs_ref_model, ref_model_on_cuda, snapshot  # noqa: E402
 
-MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
-TEXT = SHARED / "data" / "code_eval.txt"
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
-                       reason=f"reference model/data not found under {SHARED}"),
-]
+pytestmark = [pytest.mark.gpu, needs_ref_model]
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers import SHARED, ref_model_on_cuda  # noqa: E402
-MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
-TEXT = SHARED / "data" / "code_eval.txt"
+from _helpers import needs_ref_model, ref_model_on_cuda  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (MODEL_DIR / "config.json").exists() or not TEXT.exists(),
-                       reason=f"reference model/data not found under {SHARED}"),
-]
+pytestmark = [pytest.mark.gpu, needs_ref_model]
 
 
 @pytest.fixture(scope="module")
