@@ -24,7 +24,14 @@ Scheme, per tile [T, D] and per KV head, for K and V separately:
    identity and the ``sinkhorn_iters`` iterations is kept (the first one on ties).
 3. Exact power-of-two exchange between r and s so that max(r) and max(s) have binary exponents
    within one of each other: the stored scales then stay far inside float16 range for any fp16
-   input (rotated |y| <= 65504 * 16, so each factor is about sqrt(|y|) <= 1024).
+   input (rotated |y| <= 65504 * 16, so each factor is about sqrt(|y|) <= 1024). Then the factor of
+   a *zero line* (a token of the rotated K tile, or a channel of the rotated V tile, whose values
+   are all zero) becomes 0, stored as the smallest positive scale (the clamp of ``_positive_scale``):
+   u = 0 / scale = 0 whatever the scale, so only the decoded error there changes, from
+   ``scale * |level|`` with the level the quantizer gives u = 0 (exactly 0 only when the axis's
+   levels happen to include it) to a negligible one. Without this, a tile of tiny values with zero
+   lines (a constant f16-subnormal tile rotates to one nonzero channel) decoded its zero lines with
+   factor ~1 instead of the tile's ~1e-7, thousands of times its magnitude.
 4. K: ``row_scale = r`` (stored), ``u = y / row_scale``, quantized per channel over the tile's
    tokens (4 bits) into ``chan_step``/``chan_min`` and codes. V: ``col_scale = s``, ``u = y /
    col_scale``, quantized per token over the channels (2 or 4 bits) into ``tok_step``/``tok_min``.
@@ -34,11 +41,26 @@ Scheme, per tile [T, D] and per KV head, for K and V separately:
 
    * ``uniform``, asymmetric round-to-nearest-even: ``min = min(u)``, ``step = (max(u) - min(u)) /
      (2^bits - 1)`` (both stored), ``code = clamp(rint((u - min) / step), 0, 2^bits - 1)``.
-   * ``lloyd_max``, nearest Lloyd-Max centroid of N(0, 1) after normalizing the axis to zero mean
-     and unit RMS: ``min = tree_sum(u) / n`` (stored), ``d = u - min``, ``step =
-     float32(sqrt(float64(tree_sum(d * d) / n)))`` (stored), ``z = d / step`` and ``code = #{j : z >
-     t_j}`` with the thresholds ``t = format.lloyd_max_thresholds(bits)`` (ties go to the lower
-     code).
+   * ``lloyd_max``, nearest centroid of the Lloyd-Max codebook of N(0, 1) (``t =
+     format.lloyd_max_thresholds(bits)``: ``code = #{j : (u - min) / step > t_j}``, ties go to the
+     lower code), with (min, step) from one Lloyd iteration of the affine fit ``u ~ min + step *
+     codebook[code]``:
+
+     1. the Gaussian fit: ``mean = tree_sum(u) / n``, ``c = stored(mean)``, ``d = u - c``,
+        ``rms = stored(float32(sqrt(float64(tree_sum(d * d) / n))))``, codes ``k0`` from (c, rms);
+     2. the least-squares refit for those codes: ``b = codebook[k0]``, ``bm = tree_sum(b) / n``
+        (exact: the codebook is in multiples of 2^-12), ``db = b - bm``, ``step =
+        stored(tree_sum(db * d) / tree_sum(db * db))``, ``min = stored(mean - step * bm)``, and the
+        codes again from (min, step). When every code is the same (``tree_sum(db * db) == 0``:
+        a constant axis has rms 0 and code 0) or the refit's stored step is not positive and finite
+        or its min not finite, (min, step) = (c, rms) and the codes are ``k0``.
+
+     The Gaussian fit alone clipped an axis with one outlier (a constant tile rotates into tokens
+     ``[a, 0, ..., 0]``: z = sqrt(n - 1) for a, the largest centroid 2.73) to a quarter of it; the
+     refit puts such an axis's two values on two centroids, and lowers the squared error of a
+     Gaussian axis too (a Lloyd step never raises it before the storage rounding). Overflow of
+     the stored c or rms raises (the range proof of ``MAX_INPUT_ABS_F16_SCALES`` bounds u by them);
+     the refit only replaces them where its own stored values are finite.
 
    Reconstruction, both quantizers: ``min + step * codebook[code]`` (``format.codebook``; the
    identity for ``uniform``), times row_scale (K) or col_scale (V), then the inverse WHT.
@@ -51,7 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import TileSpec, lloyd_max_thresholds
+from .format import TileSpec, codebook, lloyd_max_thresholds
 
 TINY_RMS = 2.0**-100
 # Largest accepted input magnitude: rotated values grow by at most sqrt(256) = 16 and their squares,
@@ -61,7 +83,8 @@ MAX_INPUT_ABS = 2.0**48
 # quantizer, head_dim, sinkhorn_iters); KVarNCache rejects larger tokens when they arrive. Proof: every
 # stored scale is finite, so at most 65504 (values >= 65520 round to inf). K half: each channel's
 # stored min and step bound the normalized values u = y / row_scale: uniform |u| < 65520 * (1 + 15);
-# lloyd_max |u| <= |mean| + sqrt(T) * RMS < 65520 * (1 + sqrt(128)). V half likewise over channels
+# lloyd_max |u| <= |mean| + sqrt(T) * RMS < 65520 * (1 + sqrt(128)) (the Gaussian fit's stored
+# mean and RMS, which the codec checks even where the refit replaces them). V half likewise over channels
 # (uniform 1 + 3 or 1 + 15, lloyd_max 1 + sqrt(D) <= 17). So |u| < 17 * 65520 < 2^21 and every rotated
 # value |y| = |u| * scale < 2^21 * 2^16 = 2^37 (up to float32 rounding). The WHT is orthonormal, so a
 # token with some |x_c| = m has ||y||_2 >= m (1 - 2^-20) and hence a rotated value >= m / sqrt(D) -
@@ -186,21 +209,38 @@ def _quantize_uniform(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, 
 
 
 def _quantize_lloyd_max(u: torch.Tensor, bits: int, dim: int, dtype: torch.dtype, what: str):
-    """Nearest Lloyd-Max centroid of u along ``dim`` after normalizing to zero mean and unit RMS:
-    returns (step = RMS, min = mean) as stored float32 and uint8 codes (see the module docstring)."""
+    """Nearest Lloyd-Max centroid of u along ``dim`` with (min, step) from one Lloyd iteration of the
+    affine fit (the module docstring, step 4): returns (step, min) as stored float32 and uint8 codes."""
     n = torch.tensor(float(u.shape[dim]), dtype=torch.float32)  # a tensor divisor, as in _quantize_uniform
     u = u + 0.0  # a sum of zeros of mixed sign is +0.0 whatever the order
-    center = _store((tree_sum(u, dim) / n).unsqueeze(dim), dtype, what + " min")
+    mean = (tree_sum(u, dim) / n).unsqueeze(dim)
+    center = _store(mean, dtype, what + " min")
     d = u - center
-    ms = tree_sum(d * d, dim) / n
     # float64 sqrt rounded to float32 is correctly rounded (see _rms)
-    scale = _store(torch.sqrt(ms.double()).to(torch.float32).unsqueeze(dim), dtype, what + " step")
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    z = d / safe
-    thresholds = torch.tensor(lloyd_max_thresholds(bits), dtype=torch.float32, device=u.device)
-    codes = (z.unsqueeze(-1) > thresholds).sum(-1)  # ties (z == t_j) go to the lower code
-    codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
-    return scale.squeeze(dim), center.squeeze(dim), codes.to(torch.uint8)
+    rms = torch.sqrt((tree_sum(d * d, dim) / n).double()).to(torch.float32).unsqueeze(dim)
+    scale = _store(rms, dtype, what + " step")
+    codes = _lloyd_max_codes(d, scale, bits)
+    book = torch.tensor(codebook("lloyd_max", bits), dtype=torch.float32, device=u.device)
+    b = book[codes]
+    b_mean = (tree_sum(b, dim) / n).unsqueeze(dim)
+    db = b - b_mean
+    den = tree_sum(db * db, dim).unsqueeze(dim)
+    num = tree_sum(db * d, dim).unsqueeze(dim)
+    step = (num / torch.where(den > 0, den, torch.ones_like(den))).to(dtype).to(torch.float32)
+    low = (mean - step * b_mean).to(dtype).to(torch.float32)
+    refit = (den > 0) & (step > 0) & torch.isfinite(step) & torch.isfinite(low)
+    step = torch.where(refit, step, scale)
+    low = torch.where(refit, low, center)
+    codes = torch.where(refit, _lloyd_max_codes(u - low, step, bits), codes)
+    return step.squeeze(dim), low.squeeze(dim), codes.to(torch.uint8)
+
+
+def _lloyd_max_codes(d: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """``#{j : d / step > t_j}`` (ties go to the lower code); code 0 where the stored step is 0."""
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    thresholds = torch.tensor(lloyd_max_thresholds(bits), dtype=torch.float32, device=d.device)
+    codes = ((d / safe).unsqueeze(-1) > thresholds).sum(-1)
+    return torch.where(step > 0, codes, torch.zeros_like(codes))
 
 
 def _pack_low_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -289,11 +329,11 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, spec: TileSpec) -> torch.Tens
     yv = wht(v.detach().to("cpu", torch.float32).reshape(-1, T, D))
 
     r, _ = normalization_factors(yk, spec.sinkhorn_iters)
-    row_scale = _positive_scale(r, sd, "K row_scale")
+    row_scale = _positive_scale(torch.where((yk == 0).all(-1), torch.zeros_like(r), r), sd, "K row_scale")
     chan_step, chan_min, k_codes = _quantize(yk / row_scale[..., :, None], spec.k_bits, -2, sd, "K chan", spec.quantizer)
 
     _, s = normalization_factors(yv, spec.sinkhorn_iters)
-    col_scale = _positive_scale(s, sd, "V col_scale")
+    col_scale = _positive_scale(torch.where((yv == 0).all(-2), torch.zeros_like(s), s), sd, "V col_scale")
     tok_step, tok_min, v_codes = _quantize(yv / col_scale[..., None, :], spec.v_bits, -1, sd, "V tok", spec.quantizer)
 
     parts = [

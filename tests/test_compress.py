@@ -17,6 +17,8 @@ import re
 import struct
 import zlib
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -44,23 +46,33 @@ def _private_cache(tmp_path_factory, monkeypatch):
 SHAPES = sorted({(T, D) for (_, _, T) in PRESETS.values() for D in HEAD_DIMS}, reverse=True)
 
 
+def _max_registers(arch: str, kernel: str) -> int:
+    # 512 threads per CTA, except the layer kernel's 128-thread cluster CTAs on sm_90
+    return 255 if arch == "sm_90" and kernel.startswith("kvarn_compress_t") else 128
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("T,D", SHAPES)
 def test_compress_compiles_every_shape(arch, T, D):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, 2)
     m = build(spec, arch)
-    name, append_compress, commit, snapshot = spec.kernel_names
-    for kernel in (name, append_compress):
+    name, cta, append_compress, commit, snapshot = spec.kernel_names
+    for kernel in (name, cta, append_compress):
         res = m.resources[kernel]
-        assert res.registers <= 128, res  # 512 threads per block
+        assert res.registers <= _max_registers(arch, kernel), res
         if (T, D) == (128, 128):
             assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
-    if arch == "sm_90":  # the append's compression blocks: no spills in any shape (sm_90, 2026-12)
-        assert m.resources[append_compress].spill_store_bytes == 0, m.resources[append_compress]
+    if arch == "sm_90":  # the compression kernels: no spills in any shape (sm_90, 2026-12)
+        for kernel in (name, append_compress):
+            assert m.resources[kernel].spill_store_bytes == 0, m.resources[kernel]
+        # the one-CTA layer kernel at D = 256 (64 elements a thread, at the 128-register cap of 512
+        # threads) parks one value in local memory for the whole kernel: one store and one load
+        assert m.resources[cta].spill_store_bytes <= (4 if D == 256 else 0), m.resources[cta]
     for kernel in (commit, snapshot):  # 256 threads; copies and integer checks only
         res = m.resources[kernel]
         assert res.registers <= 64 and res.spill_store_bytes == 0 and res.stack_bytes == 0, res
     assert C.smem_bytes(T, D) <= 163 * 1024  # sm_80's opt-in limit per block
+    assert C.smem_bytes(T, D, T // 16) <= 48 * 1024  # a cluster's CTAs: several per SM
 
 
 # lloyd_max on sm_90 only, one V width per shape (both widths for every head_dim): the quantizer
@@ -73,20 +85,21 @@ def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, v_bits, "lloyd_max")
     m = build(spec, "sm_90")
     assert all(name.endswith("_lm") for name in spec.kernel_names)
-    for name in spec.kernel_names[:2]:  # the codec's kernel and the append's
+    for name in spec.kernel_names[:3]:  # the codec's kernels and the append's
         res = m.resources[name]
-        assert res.registers <= 128, res  # 512 threads per block
+        assert res.registers <= _max_registers("sm_90", name) and res.spill_store_bytes == 0, res
         if (T, D) == (128, 128):
-            assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+            assert res.stack_bytes == 0, res
 
 
 def test_compress_quantizer_is_part_of_the_spec():
     uniform = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
     assert uniform == C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform")
     # unchanged by the quantizer option; the cache dtypes' modules also hold the append kernels
-    assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2"
-                                         for r in ("compress", "append_compress", "append_commit", "append_snapshot"))
-    assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == ("kvarn_compress_t128_d128_f32_s16_v2",)
+    assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2" for r in (
+        "compress", "compress_cta", "append_compress", "append_commit", "append_snapshot"))
+    assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == (
+        "kvarn_compress_t128_d128_f32_s16_v2", "kvarn_compress_cta_t128_d128_f32_s16_v2")
     assert not any(k.startswith("KVARN_LM_") for k, _ in uniform.defines)
     for v_bits in (2, 4):
         lm = C.compress_spec(128, 128, torch.float16, torch.float16, v_bits, "lloyd_max")
@@ -118,16 +131,16 @@ def test_compress_compiles_every_dtype_pair_sm90(in_dtype, scale_dtype, v_bits):
     assert set(spec.kernel_names) <= set(m.resources)
 
 
-def _ptx(defines: dict, extra_source: str = "") -> str:
+def _ptx(defines: dict, extra_source: str = "", arch: str = "compute_90", source: str | None = None) -> str:
     from cuda.bindings import nvrtc
 
     from kvarn_cutlass.runtime.compiler import cuda_include_dirs
 
-    src = (C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path).read_text() + extra_source
+    src = (source or C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path.read_text()) + extra_source
     defines = dict(defines)
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"compress.cu", 0, [], [])[1]
     try:
-        opts = [b"-arch=compute_90", b"--std=c++17", b"-default-device", b"--fmad=false"]
+        opts = [f"-arch={arch}".encode(), b"--std=c++17", b"-default-device", b"--fmad=false"]
         opts += [f"-I{d}".encode() for d in (str(C.compress_spec(128, 128, torch.float16, torch.float16, 2).source_path.parent),
                                               *cuda_include_dirs())]
         opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
@@ -141,15 +154,29 @@ def _ptx(defines: dict, extra_source: str = "") -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+_DIV_RN = """__device__ __forceinline__ float div_rn(float a, Recip d) {
+  const float q0 = __fmul_rn(a, d.y);
+  const float q1 = __fmaf_rn(__fmaf_rn(-d.b, q0, a), d.y, q0);
+  return __fmaf_rn(__fmaf_rn(-d.b, q1, a), d.y, q1);
+}"""
+
+
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
+    """No approximate or flush-to-zero instruction; every fused multiply-add is one of the fast
+    division's (the same source with div_rn spelled as __fdiv_rn has none: no mul + add was
+    contracted, --fmad=false), which also keeps correctly rounded reciprocals and IEEE divisions for
+    out-of-range operands."""
     spec = C.compress_spec(128, 128, torch.bfloat16, torch.float16, 2, quantizer)
-    ptx = _ptx(spec.defines)
-    body = [ln for ln in ptx.splitlines() if not ln.strip().startswith("//")]
-    text = "\n".join(body)
-    assert "fma." not in text and "mad.f32" not in text
-    assert ".approx" not in text and ".ftz" not in text
-    assert "div.rn.f32" in text and "sqrt.rn.f32" in text
+    src = spec.source_path.read_text()
+    assert src.count(_DIV_RN) == 1  # the sequence documented (and proved) in compress.cu
+    strip = lambda ptx: "\n".join(ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))  # noqa: E731
+    text = strip(_ptx(spec.defines))
+    assert "mad.f32" not in text and ".approx" not in text and ".ftz" not in text
+    assert "div.rn.f32" in text and "sqrt.rn.f32" in text and "rcp.rn.f32" in text
+    assert text.count("fma.rn.f32") >= 4
+    ieee = strip(_ptx(spec.defines, source=src.replace(_DIV_RN, _DIV_RN.split("{")[0] + "{ return __fdiv_rn(a, d.b); }")))
+    assert "fma." not in ieee and "mad.f32" not in ieee
     if quantizer == "lloyd_max":
         # every threshold is compared as an immediate (no table in memory): setp.gt.f32 ..., 0fXXXXXXXX
         compared = set(re.findall(r"setp\.gt\.f32\s+%p\d+, %f\d+, 0f([0-9A-F]{8});", text))
@@ -159,6 +186,23 @@ def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
         assert ".local" not in text
 
 
+@pytest.mark.parametrize("T", [64, 128])
+def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
+    """The layer kernel's record half runs on a cluster of T / 16 CTAs on sm_90 (ops.compress reads
+    the width back from the loaded kernel) and on one CTA for sm_80; the append kernels always on one."""
+    spec = C.compress_spec(T, 64, torch.float16, torch.float16, 4)
+    layer, cta, append = spec.kernel_names[:3]
+    for arch, ranks in (("compute_90", T // 16), ("compute_80", None)):
+        ptx = _ptx(spec.defines, arch=arch)
+        entries = dict(re.findall(r"\.entry (\w+)\((.*?)\n\s*\{", ptx, re.S))
+        assert set(spec.kernel_names) <= set(entries)
+        directive = lambda name: re.search(rf"\.entry {name}\(.*?\)(.*?)\{{", ptx, re.S).group(1)  # noqa: E731
+        assert ("reqnctapercluster" in directive(layer)) == (ranks is not None)
+        if ranks is not None:
+            assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(layer))
+        assert "reqnctapercluster" not in directive(append) and "reqnctapercluster" not in directive(cta)
+
+
 def test_compress_registered():
     from kvarn_cutlass.runtime import registry
 
@@ -166,8 +210,8 @@ def test_compress_registered():
     assert "compress" in fam
     names = {n for s in fam["compress"] for n in s.kernel_names}
     per_input_dtype = 2 * 2 * 3 * 2 * 2  # T x v_bits (the presets) x D x scale dtype x quantizer
-    # the codec's kernel for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
-    assert len(names) == 3 * per_input_dtype + 3 * 2 * per_input_dtype
+    # the codec's 2 kernels for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
+    assert len(names) == 2 * 3 * per_input_dtype + 3 * 2 * per_input_dtype
     assert C.kernel_name(128, 128, torch.float16, torch.float16, 2) in names
     assert C.kernel_name(64, 256, torch.float32, torch.float32, 4, "lloyd_max") in names
     assert C.kernel_name(64, 256, torch.bfloat16, torch.float32, 4, "lloyd_max", "append_commit") in names
@@ -217,12 +261,15 @@ def test_error_messages_follow_codec_order():
 
 def test_smem_bytes_is_the_kernels_own_constant():
     """The launch's dynamic shared memory is what the compiled kernel says it carves up: each shape's
-    ``kvc::Shape<T, D>::kSmemBytes``, read from the PTX of a probe compiled with the kernel source."""
-    probe = "".join(f"\n__device__ int kvarn_probe_smem_{T}_{D} = kvc::Shape<{T}, {D}>::kSmemBytes;" for T, D in SHAPES)
+    ``kvc::Shape<T, D, R>::kSmemBytes`` (R = 1 and the cluster's T / 16), read from the PTX of a probe
+    compiled with the kernel source."""
+    cases = [(T, D, R) for T, D in SHAPES for R in (1, T // 16)]
+    probe = "".join(f"\n__device__ int kvarn_probe_smem_{T}_{D}_{R} = kvc::Shape<{T}, {D}, {R}>::kSmemBytes;"
+                    for T, D, R in cases)
     ptx = _ptx(C.compress_spec(128, 128, torch.float16, torch.float16, 2).defines, probe)
-    compiled = {(int(t), int(d)): int(n) for t, d, n in re.findall(r"kvarn_probe_smem_(\d+)_(\d+) = (\d+);", ptx)}
-    assert set(compiled) == set(SHAPES)
-    assert {(T, D): C.smem_bytes(T, D) for T, D in SHAPES} == compiled
+    compiled = {tuple(map(int, m[:3])): int(m[3]) for m in re.findall(r"kvarn_probe_smem_(\d+)_(\d+)_(\d+) = (\d+);", ptx)}
+    assert set(compiled) == set(cases)
+    assert {(T, D, R): C.smem_bytes(T, D, R) for T, D, R in cases} == compiled
 
 
 # ================================================================ GPU: byte identity ============
@@ -313,6 +360,11 @@ def _adversarial(T: int, D: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "ties": torch.randint(-2, 3, (T, D), generator=g).float() * 0.5,
         "binary": torch.randint(0, 2, (T, D), generator=g).float(),
         "tiny": r() * 1e-6,
+        # zero lines (smallest scales) and the lloyd_max refit's sparse axes (issue 18)
+        "subnormal_constant": torch.full((T, D), 3 * 2.0**-24),
+        "negative_subnormal_constant": torch.full((T, D), -5 * 2.0**-24),
+        "constant_per_token": (torch.arange(T, dtype=torch.float32)[:, None] - T / 2 + 0.5).expand(T, D) / 8,
+        "sparse": torch.where(torch.rand(T, D, generator=g) < 0.02, r(), torch.zeros(T, D)),
     }
     if dtype == torch.float16:
         cases["fp16_denormals"] = torch.randint(-40, 41, (T, D), generator=g).float() * 2.0**-24
@@ -344,72 +396,141 @@ def test_gpu_identity_adversarial(quantizer, preset, D, scale_dtype, in_dtype):
                 raise AssertionError(f"case {name}: {e}") from None
 
 
-def _threshold_tie_tiles(T: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 k, v [1, T, D] whose lloyd_max normalized values hit the decision thresholds exactly.
+# ---- tiles whose codes sit exactly on a decision boundary ----------------------------------------
+# With sinkhorn_iters=0 the normalization keeps r = s = 1 (row_scale = col_scale = 1), so u is the
+# rotated tile y, and float32 WHT of these inputs is exact (D = 64 or 256: sqrt(D) is a power of two):
+# * K: one nonzero input channel, x[t, 1] = a_t * sqrt(D), rotates to y[t, c] = +-a_t: every K axis
+#   (a channel over tokens) is a or -a, whose fields mirror a's (the codec's sums are sign-symmetric).
+# * V (uniform, float16 scales): x[t, :8] = (sqrt(D) / 8) * H8 @ v_t rotates to y[t, c] = v_t[c % 8]:
+#   eight values per token, exact when each v has few significant bits.
+# The decision of an element is then made at the boundary itself: z = (u - min) / step equal to a
+# lloyd_max threshold (ties go to the lower code) or to k + 1/2 for uniform (rint: to the even code).
+# A division that is not the correctly rounded quotient moves z off the boundary and the code by one.
 
-    Meant for ``sinkhorn_iters=0`` and D = 64 or 256: the normalization keeps r = s = 1, so u is the
-    rotated tile y, and float32 WHT of an input with one or two nonzero channels scaled by sqrt(D) (a
-    power of two) is exact. Every axis is antisymmetric under the first halving-tree pairing (t, t + T/2
-    for K; c, c + D/2 for V, channels >= D/2 flip sign there), so its mean is exactly +0, and its RMS is
-    1 within 1e-6, which float16 scales store as 1.0: z = u exactly.
+def _f32_walk(v: np.float32, z_of, target: np.float32, steps: int = 64) -> np.float32 | None:
+    """The float32 near v whose z_of(v) is exactly target (by ulps), or None."""
+    for _ in range(steps):
+        z = z_of(v)
+        if z == target:
+            return v
+        v = np.nextafter(v, np.float32(np.inf) if z < target else np.float32(-np.inf))
+    return None
 
-    * K: channel 1 holds sqrt(D) * a_t with a = (positive thresholds of 4 and 2 bits, 0, fillers, then
-      the negation): every K axis is +-a.
-    * V: token t holds sqrt(D) * (alpha, beta) at channels D/2 + 1, D/2 + 2 with alpha + beta = t_a (a
-      threshold below sqrt(2), or 0) exactly and alpha^2 + beta^2 = 1: the token's values are
-      +-t_a and +-(alpha - beta). Thresholds for which no float32 pair has an exact sum are left out
-      (t = 0.2582: its last bit is below the spacing of floats near 1/sqrt(2)); K has them all.
-    """
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
-    positive = [t for t in lloyd_max_thresholds(4) + lloyd_max_thresholds(2) if t > 0]
-    first = sorted(set(positive)) + [0.0]
-    n_fill = T // 2 - len(first)
-    fill = f32(((T / 2 - sum(t * t for t in first)) / n_fill) ** 0.5)
-    a = torch.tensor(first + [fill] * n_fill, dtype=torch.float32)
-    a = torch.cat((a, -a))
-    root = D**0.5
-    k = torch.zeros(1, T, D)
-    k[0, :, 1] = a * root
-    pairs = []
-    for ta in [0.0] + sorted({t for t in positive if t * t < 2}):
-        alpha = f32((ta + (2 - ta * ta) ** 0.5) / 2)
-        beta = f32(ta - alpha)
-        if f32(alpha + beta) == ta:  # the sum the WHT forms is exact
-            pairs.append((alpha, beta))
+
+def _lloyd_max_tie_axis(T: int, sd: torch.dtype, t: float) -> np.ndarray:
+    """A lloyd_max axis a [T] float32 holding one element whose final z is exactly the threshold t.
+    Skewed fillers (exponential quantiles less their mean) fix min and step; the tie element is put
+    at the previous round's boundary until the fields stop moving (tests/test_codec.py::_tie_axis
+    explains the rounds and the scaling that float32 steps need)."""
+    for seed in range(16):
+        q = (np.arange(T - 1) + 0.5) / (T - 1)
+        base = np.random.default_rng(seed).permutation(-np.log1p(-q) - 1)
+        scale = 1.0
+        for _ in range(3):
+            fill = (base * scale).astype(np.float32)
+            u = np.concatenate([fill, np.zeros(1, np.float32)])
+            for _ in range(20):
+                step, low, _ = codec._quantize(torch.from_numpy(u)[None], 4, -1, sd, "axis", "lloyd_max")
+                st, lo = np.float32(step.item()), np.float32(low.item())
+                v = _f32_walk(np.float32(lo + st * np.float32(t)), lambda x: np.float32(np.float32(x - lo) / st), np.float32(t))
+                if v is None:
+                    break
+                new = np.concatenate([fill, np.array([v], np.float32)])
+                if (new == u).all():
+                    break
+                u = new
+            else:
+                break
+            if v is None:
+                break
+            significand = float(st) / 2.0 ** np.floor(np.log2(float(st)))
+            if sd == torch.float16 or significand < 1.01:
+                return u
+            scale *= 1.004 / significand
+    raise AssertionError(f"no lloyd_max tie axis for t={t}, T={T}, {sd}")
+
+
+def _tie_tiles(quantizer: str, T: int, D: int, sd: torch.dtype, v_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (k, v) [n, T, D] whose codes meet the decision boundaries exactly (see above); v is
+    None where there is no construction (lloyd_max V axes, uniform V with float32 scales)."""
+    root = float(D) ** 0.5
+    axes = []
+    if quantizer == "lloyd_max":
+        axes = [_lloyd_max_tie_axis(T, sd, t) for t in lloyd_max_thresholds(4)]  # K codes are 4-bit
+    else:
+        # min -1 and max 1: lo = -1, step = stored(2 / 15); ties at z = k + 1/2 for every k
+        rng = np.random.default_rng(T + D)
+        step = np.float32(torch.tensor(2.0 / 15).to(sd).item())
+        ties = [_f32_walk(np.float32(-1 + step * np.float32(k + 0.5)), lambda x: np.float32(np.float32(x + 1) / step),
+                          np.float32(k + 0.5)) for k in range(15)]
+        ties = [x for x in ties if x is not None]
+        fill = rng.uniform(-0.99, 0.99, T - 2 - len(ties)).astype(np.float32)
+        axes = [rng.permutation(np.concatenate([[-1.0, 1.0], ties, fill]).astype(np.float32))]
+    k = torch.zeros(len(axes), T, D)
+    k[:, :, 1] = torch.from_numpy(np.stack(axes)) * root
+    if quantizer == "lloyd_max" or sd != torch.float16:
+        return k, None
+    # V (uniform, float16 scales): per token the values -1, 1 and six boundaries m + 1/2 (m cycling)
+    qmax = 2**v_bits - 1
+    step = float(torch.tensor(2.0 / qmax).to(torch.float16))  # exact: 11 bits
+    h8 = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(8)] for i in range(8)], dtype=torch.float64)
     v = torch.zeros(1, T, D)
     for t in range(T):
-        v[0, t, D // 2 + 1], v[0, t, D // 2 + 2] = (x * root for x in pairs[t % len(pairs)])
+        mids = [-1 + step * ((t + i) % qmax + 0.5) for i in range(6)]  # exact in float32 (<= 17 bits)
+        vals = torch.tensor([-1.0, 1.0] + mids, dtype=torch.float64)
+        v[0, t, :8] = (root / 8 * h8 @ vals).float()
     return k, v
 
 
-@pytest.mark.parametrize("T", [64, 128])
-@pytest.mark.parametrize("D", [64, 256])
-def test_threshold_tie_tiles_hit_the_thresholds(T, D):
-    # the construction's promise, checked with the codec: stored mean 0 and RMS 1, so z = u, and u takes
-    # every threshold of the 4-bit book on the K axis and the sub-sqrt(2) ones on the V axis
-    spec = TileSpec(preset=f"k4v2_g{T}", head_dim=D, sinkhorn_iters=0, quantizer="lloyd_max")
-    k, v = _threshold_tie_tiles(T, D)
-    f = codec.unpack_fields(codec.encode_tiles(k, v, spec), spec)
-    for scales in (f.row_scale, f.col_scale, f.chan_step, f.tok_step):
-        assert bool((scales == 1).all())
-    assert bool((f.chan_min == 0).all()) and bool((f.tok_min == 0).all())
-    yk, yv = codec.wht(k), codec.wht(v)
-    thr4, thr2 = set(lloyd_max_thresholds(4)), set(lloyd_max_thresholds(2))
-    assert thr4 <= set(yk[0, :, 0].tolist())
-    assert thr2 <= set(yv.flatten().tolist()) and len(thr4 & set(yv.flatten().tolist())) >= 7
+def _boundary_hits(x: torch.Tensor, spec: TileSpec, half: str) -> int:
+    """How many elements of the rotated tiles x have z exactly on a decision boundary, with the fields
+    of their records (the codec's)."""
+    f = codec.unpack_fields(codec.encode_tiles(x, x, spec), spec)
+    y = codec.wht(x.float())
+    if half == "K":
+        u, low, step = y.transpose(-1, -2), f.chan_min[..., None], f.chan_step[..., None]  # [n, D, T]
+    else:
+        u, low, step = y, f.tok_min[..., None], f.tok_step[..., None]  # [n, T, D]
+    assert bool((f.row_scale == 1).all()) and bool((f.col_scale == 1).all())
+    z = ((u - low) / torch.where(step > 0, step, torch.ones_like(step))).double()
+    if spec.quantizer == "lloyd_max":
+        bounds = torch.tensor(lloyd_max_thresholds(4 if half == "K" else spec.v_bits), dtype=torch.float64)
+        return int((z[..., None] == bounds).any(-1).sum())
+    return int(((z - z.floor()) == 0.5).sum())
+
+
+@pytest.mark.parametrize("quantizer,T,D,scale_dtype", [("lloyd_max", 64, 64, torch.float16), ("lloyd_max", 128, 256, torch.float32),
+                                                      ("uniform", 64, 256, torch.float16), ("uniform", 128, 64, torch.float32)])
+def test_tie_tiles_meet_the_decision_boundaries(quantizer, T, D, scale_dtype):
+    # the constructions' promise, checked with the codec: lloyd_max, every K axis (D per tile) its
+    # threshold, over the tiles every threshold; uniform, the D/2 axes +a (-a has other fields) every
+    # midpoint (float16 steps) or most (float32); uniform V (float16 scales) six midpoints per token
+    spec = TileSpec(preset=f"k4v2_g{T}", head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer=quantizer)
+    k, v = _tie_tiles(quantizer, T, D, scale_dtype, spec.v_bits)
+    hits = _boundary_hits(k, spec, "K")
+    if quantizer == "lloyd_max":
+        assert hits == 15 * D, hits
+    else:
+        assert hits >= D // 2 * (15 if scale_dtype == torch.float16 else 10), hits
+    if v is not None:
+        assert _boundary_hits(v, spec, "V") == 6 * T * D // 8
+    else:
+        assert quantizer == "lloyd_max" or scale_dtype != torch.float16
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
-def test_gpu_lloyd_max_threshold_ties(preset, D, scale_dtype):
-    # float16 scales: exact ties (z == t_j, lower code); float32 scales: z within an ulp or so of t_j
-    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer="lloyd_max")
-    k, v = _threshold_tie_tiles(spec.tile_tokens, D)
-    _check_identity(k, v, spec)
-    _check_identity(v, k, spec)
+def test_gpu_decision_boundary_ties(quantizer, preset, D, scale_dtype):
+    # exact ties: lloyd_max z == t_j (the lower code), uniform z == k + 1/2 (the even code)
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, sinkhorn_iters=0, quantizer=quantizer)
+    k, v = _tie_tiles(quantizer, spec.tile_tokens, D, scale_dtype, spec.v_bits)
+    _check_identity(k, k.flip(0), spec)
+    if v is not None:
+        _check_identity(v.expand(len(k), -1, -1), v.expand(len(k), -1, -1), spec)
 
 
 @pytest.mark.gpu
@@ -545,3 +666,96 @@ def test_gpu_cache_error_leaves_cache_unchanged():
         c.append(0, big, big)
     assert (c.seq_len(0), c.num_tiles(0)) == before[:2]
     assert torch.equal(c.window_kv(0)[0], before[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_fast_division_is_the_ieee_quotient(tmp_path):
+    """kvc::div_rn (the kernel's division by a shared divisor) against __fdiv_rn on the device, on the
+    operands of tests/test_compress_emulation.py::test_fast_division_is_the_ieee_quotient plus 2^24
+    random ones over the admitted ranges (divisor in [2^-32, 2^32], dividend 0 or in [2^-92, 2^92]);
+    and outside them kvc::divisor_ok / dividend_ok must say no (there the kernel divides by IEEE)."""
+    from kvarn_cutlass.runtime.spec import CSRC_DIR, KernelSpec, get_kernel
+
+    probe = """
+extern "C" __global__ void kvarn_divtest(const float* a, const float* b, float* fast, float* ieee, int* in_range, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  fast[i] = kvc::div_rn(a[i], kvc::recip(b[i]));
+  ieee[i] = __fdiv_rn(a[i], b[i]);
+  in_range[i] = kvc::divisor_ok(b[i]) && kvc::dividend_ok(a[i]);
+}
+"""
+    base = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
+    src = tmp_path / "divtest.cu"
+    src.write_text(base.source_path.read_text() + probe)
+    spec = KernelSpec(str(src), ("kvarn_divtest",), defines=base.defines, options=base.options + (f"-I{CSRC_DIR}",))
+    kernel = get_kernel(spec, "kvarn_divtest", ("ptr a", "ptr b", "ptr fast", "ptr ieee", "ptr in_range", "i32 n"))
+    seed = 17
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = 1 << 24
+    bits_b = torch.randint(0, 2**23, (n,), device="cuda", generator=g, dtype=torch.int64)
+    bits_b[: n // 4] = 2**23 - 1  # all-ones significands: a * RN(1/b) furthest from a / b
+    e_b = torch.randint(127 - 34, 127 + 34, (n,), device="cuda", generator=g)
+    e_a = torch.randint(127 - 96, 127 + 96, (n,), device="cuda", generator=g)
+    sign = lambda: torch.randint(0, 2, (n,), device="cuda", generator=g) << 31  # noqa: E731
+    b = ((e_b << 23) | bits_b | sign()).to(torch.int32).view(torch.float32)
+    a = ((e_a << 23) | torch.randint(0, 2**23, (n,), device="cuda", generator=g) | sign()).to(torch.int32).view(torch.float32)
+    near = (b * torch.randint(0, 32, (n,), device="cuda", generator=g).float() / 2)  # quotients at k / 2
+    a = torch.where(torch.rand(n, device="cuda", generator=g) < 0.25, near, a)
+    a[:64] = torch.tensor([0.0, -0.0, 2.0**-92, -(2.0**-92), 2.0**92, 2.0**-93, 2.0**93, 1e-40] * 8)
+    fast, ieee = torch.empty_like(a), torch.empty_like(a)
+    in_range = torch.empty(n, dtype=torch.int32, device="cuda")
+    kernel.launch((n + 255) // 256, 256, (a, b, fast, ieee, in_range, n))
+    ok = in_range.bool()
+    a64, b64 = a.double(), b.double()
+    want_ok = (b64.abs() >= 2.0**-32) & (b64.abs() <= 2.0**32) & ((a64 == 0) | ((a64.abs() >= 2.0**-92) & (a64.abs() <= 2.0**92)))
+    assert torch.equal(ok, want_ok), f"seed={seed}: the range checks differ from the documented ranges"
+    assert int(ok.sum()) > n // 2
+    bad = ok & ((fast != ieee) | ((fast == 0) != (ieee == 0)))
+    assert not bool(bad.any()), (f"seed={seed}: {int(bad.sum())} quotients differ, first a={a[bad][0].item()!r} "
+                                 f"b={b[bad][0].item()!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["k4v2_g128", "k4v4_g64"])
+def test_gpu_rejected_half_writes_nothing(preset):
+    # a NaN in one token (of a non-first rank of the cluster) rejects its whole record half: the
+    # half's bytes stay as they were, the other half and the other records are written
+    spec = TileSpec(preset=preset)
+    T, nb = spec.tile_tokens, spec.tile_nbytes
+    g = torch.Generator().manual_seed(23)
+    k = _sanitize(torch.randn(3, T, 128, generator=g), torch.float16)
+    v = _sanitize(torch.randn(3, T, 128, generator=g), torch.float16)
+    ref = codec.encode_tiles(k, v, spec)
+    bad = k.clone()
+    bad[1, 3 + T // 16, 9] = float("nan")  # token T/16 + 3: rank 3 of the cluster
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((3, nb), 0xAB, dtype=torch.uint8, device="cuda")
+    C.compress_tiles(bad.cuda(), v.cuda(), spec, out=out, error_flag=flag)
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        C.check_error_flag(flag, spec)
+    out = out.cpu()
+    k_end = spec.offset("v_codes")
+    assert torch.equal(out[[0, 2]], ref[[0, 2]])
+    assert bool((out[1, :k_end] == 0xAB).all()) and torch.equal(out[1, k_end:], ref[1, k_end:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+@pytest.mark.parametrize("preset,D", [("k4v2_g128", 128), ("k4v4_g64", 256), ("k4v2_g64", 64)])
+def test_gpu_identity_cluster_and_one_cta_layer_kernels(quantizer, preset, D):
+    # a launch of few records runs the cluster kernel, one of more halves than fit as clusters the
+    # one-CTA kernel (ops.compress picks by the device's SM count): both byte-identical to the codec
+    spec = TileSpec(preset=preset, head_dim=D, quantizer=quantizer)
+    T = spec.tile_tokens
+    index = torch.cuda.current_device()
+    ranks = T // 16 if torch.cuda.get_device_capability(index)[0] >= 9 else 1
+    many = C._CLUSTER_CTAS_PER_SM * C._sm_count(index) // (2 * ranks) + 1
+    g = torch.Generator().manual_seed(zlib.crc32(repr((quantizer, preset, D)).encode()))
+    for n in (3, many):
+        k = _sanitize(_gen("outliers", n, T, D, g), torch.bfloat16)
+        v = _sanitize(_gen("rope", n, T, D, g), torch.bfloat16)
+        _check_identity(k, v, spec)

@@ -1,40 +1,33 @@
 // KVarN tile compression on the GPU, byte-identical to the CPU codec (kvarn_cutlass/codec.py).
 //
-// One block per (record, half): blockIdx.x is the record (b, tile, head), blockIdx.y is 0 for the
-// K half of the record (k_codes, chan_step, chan_min, row_scale) and 1 for the V half (v_codes,
-// tok_step, tok_min, col_scale). Both halves run the whole pipeline on their own input: WHT along
-// head_dim, Sinkhorn-like variance normalization (lowest-imbalance candidate), power-of-two
-// balance, stored scales, codes, packing. The codes come from the quantizer compiled in
-// (KVARN_QUANT): 0 = uniform (asymmetric round-to-nearest-even: *_min = axis minimum, *_step =
-// range / (2^bits - 1)), 1 = lloyd_max (*_min = axis mean, a halving-tree sum / n; *_step = RMS about
-// the stored mean, sqrt of a halving-tree sum of squares / n; code = number of decision thresholds
-// t_j < (u - min) / step, ties to the lower code; the thresholds arrive as the defines
-// KVARN_LM_THR4 / KVARN_LM_THR2 from format.lloyd_max_thresholds). The uniform build has no
-// lloyd_max code in it.
+// Work unit: a record half, blockIdx.y = 0 for the K half of the record (k_codes, chan_step,
+// chan_min, row_scale), 1 for the V half (v_codes, tok_step, tok_min, col_scale). Each half runs the
+// whole pipeline on its own input: WHT along head_dim, Sinkhorn-like variance normalization
+// (lowest-imbalance candidate), power-of-two balance, zero lines, stored scales, codes, packing.
+// The layer kernel runs a half on a thread-block cluster of R = T / 16 CTAs of 4 warps on sm_90
+// (one CTA of 16 warps on sm_80); the append kernels on one CTA of 16 warps (their launch is
+// ops/append.py's). compress_impl is the same code for both: the "ranks" of a lone CTA are itself.
+// The codes come from the quantizer compiled in (KVARN_QUANT): 0 = uniform (asymmetric
+// round-to-nearest-even: *_min = axis minimum, *_step = range / (2^bits - 1)), 1 = lloyd_max (codes
+// of the Gaussian fit (mean, RMS about the stored mean), then (min, step) = the stored least-squares
+// refit for those codes, codes again; code = number of decision thresholds t_j < (u - min) / step,
+// ties to the lower code; thresholds and codebook arrive as the defines KVARN_LM_THR4/2 and
+// KVARN_LM_BOOK4/2 from kvarn_cutlass.format). The uniform build has no lloyd_max code in it.
 //
-// Exactness rules (the codec is the spec): float32 only; every +, -, *, /, sqrt is a correctly
-// rounded intrinsic (__fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn), so no FMA
-// contraction can happen (the module is also compiled with --fmad=false); no fast math, no
-// flush-to-zero. Sums are halving trees: x[i] + x[i + n/2], repeated.
-//
-// Thread layout (NT = 512 threads, W = 16 warps): thread (warp w, lane l) owns the elements
-//   t = w + W*k (k < NK = T/W),   c = l + 32*j (j < NJ = D/32).
-// * a row sum (over c) is the in-thread halving tree over j (pairs j, j + NJ/2 <=> c, c + D/2),
-//   then __shfl_xor 16, 8, 4, 2, 1 (lane l pairs with l^16 = l + 16 for l < 16; the upper lanes
-//   compute the same sums with the operands swapped, and IEEE addition is commutative);
-// * a column sum (over t) is the in-thread halving tree over k (pairs k, k + NK/2 <=> t, t + T/2),
-//   then the halving tree over the W per-warp partials (t = w) through shared memory;
-// * the WHT butterfly at stride h < 32 is a __shfl_xor by h, at stride 32*b an in-thread pair of j.
-//
-// The rotated tile y lives in shared memory as float32 in a thread-private order (element i of
-// thread tid at [i * NT + tid], conflict-free); y / s is cached in registers when NK*NJ <= 32.
+// Exactness rules (the codec is the spec): float32 only; every +, -, *, sqrt is a correctly rounded
+// intrinsic (__fadd_rn, __fsub_rn, __fmul_rn, __fsqrt_rn) and every division yields the correctly
+// rounded quotient (__fdiv_rn, or the reciprocal-and-correction sequence of div_rn below where it
+// provably equals it); the only fused multiply-adds are div_rn's (the module is compiled with
+// --fmad=false); no fast math, no flush-to-zero. Sums are halving trees: x[i] + x[i + n/2], repeated
+// (compress_impl's comment gives the layouts that keep their order).
 //
 // Error flag (int32, OR-ed, checked by the host; see kvarn_cutlass/ops/compress.py):
 //   bit 0 K row_scale, 1 K chan step, 2 K chan min, 3 V col_scale, 4 V tok step, 5 V tok min
 //   (a stored value is not finite: the codec's _store raises), bit 6 k non-finite input,
 //   7 k input magnitude > 2^48, 8 v non-finite, 9 v magnitude > 2^48 (check_tile_input raises).
-//   A block whose input is rejected writes nothing. lloyd_max stores the mean before the RMS (the
-//   codec raises on the min first), so the host reads its min bits before its step bits.
+//   A record half whose input is rejected writes nothing (every rank of its cluster learns it at the
+//   first exchange). lloyd_max checks the Gaussian fit's mean before its RMS (the codec raises on the
+//   min first), so the host reads its min bits before its step bits.
 //
 // Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32,
 // with the suffix _lm for lloyd_max. The modules of the cache dtypes (in = f16|bf16) also hold the
@@ -135,20 +128,10 @@ __device__ __forceinline__ float warp_tree(float v) {
   for (int h = 16; h >= 1; h /= 2) v = __fadd_rn(v, __shfl_xor_sync(KVC_FULL, v, h));
   return v;
 }
-__device__ __forceinline__ float warp_nanmax(float v) {
-#pragma unroll
-  for (int h = 16; h >= 1; h /= 2) v = nanmax(v, __shfl_xor_sync(KVC_FULL, v, h));
-  return v;
-}
-__device__ __forceinline__ float warp_nanmin(float v) {
-#pragma unroll
-  for (int h = 16; h >= 1; h /= 2) v = nanmin(v, __shfl_xor_sync(KVC_FULL, v, h));
-  return v;
-}
-
-// codec._rms of one finished sum: sqrt(sum / n), values under 2^-100 count as 1 (NaN stays NaN).
-__device__ __forceinline__ float rms_of(float sum, float n) {
-  const float r = __fsqrt_rn(__fdiv_rn(sum, n));
+// codec._rms of one finished mean square (sum * (1/n), n a power of two: the quotient sum / n exactly):
+// its correctly rounded sqrt, values under 2^-100 count as 1 (NaN stays NaN).
+__device__ __forceinline__ float rms_of(float mean_square) {
+  const float r = __fsqrt_rn(mean_square);
   return r < 0x1p-100f ? 1.0f : r;
 }
 
@@ -176,6 +159,11 @@ __device__ __forceinline__ unsigned lloyd_max_code(float) {
   static_assert(BITS < 0, "the lloyd_max thresholds are compiled in only with KVARN_QUANT=1 (KVARN_LM_THR4/2)");
   return 0;
 }
+template <int BITS>
+__device__ __forceinline__ float lloyd_max_value(unsigned) {
+  static_assert(BITS < 0, "the lloyd_max codebook is compiled in only with KVARN_QUANT=1 (KVARN_LM_BOOK4/2)");
+  return 0.0f;
+}
 #if KVARN_QUANT == 1
 template <int N>
 __device__ __forceinline__ unsigned count_above(float z, const float (&thr)[N]) {
@@ -196,7 +184,21 @@ __device__ __forceinline__ unsigned lloyd_max_code<2>(float z) {
   return count_above(z, thr);
 }
 #endif
+// The codebook value of a code (format.codebook, the KVARN_LM_BOOK4/2 defines), for the refit's sums.
+__constant__ float kvc_book4[16] = {KVARN_LM_BOOK4};
+template <>
+__device__ __forceinline__ float lloyd_max_value<4>(unsigned code) {
+  return kvc_book4[code];
+}
+#if KVARN_VB == 2
+__constant__ float kvc_book2[4] = {KVARN_LM_BOOK2};
+template <>
+__device__ __forceinline__ float lloyd_max_value<2>(unsigned code) {
+  return kvc_book2[code];
+}
 #endif
+#endif
+
 
 // Storage rounding (codec._store): round to the scale dtype, report non-finite, return float32.
 template <typename SC>
@@ -225,22 +227,281 @@ struct Store<float> {
   }
 };
 
+// The least-squares refit of a lloyd_max axis (codec._quantize_lloyd_max, step 2) from its finished
+// sums den = tree_sum(db * db) and num = tree_sum(db * d), the unrounded mean and the (exact)
+// codebook mean bm. False (keep the Gaussian fit) when every code is the same or the stored step is
+// not positive and finite or the stored min not finite; no error bit either way.
+template <typename SC>
+__device__ __forceinline__ bool lloyd_max_refit(float den, float num, float mean, float bm, float& step,
+                                                unsigned short& step_bits, float& low, unsigned short& low_bits) {
+  if (!(den > 0.0f)) return false;
+  step = Store<SC>::round(__fdiv_rn(num, den), step_bits);
+  low = Store<SC>::round(__fsub_rn(mean, __fmul_rn(step, bm)), low_bits);
+  return step > 0.0f && is_finite(step) && is_finite(low);
+}
+
 struct Sections {
   int k_codes, chan_step, chan_min, row_scale, v_codes, tok_step, tok_min, col_scale;
 };
 
-template <int T, int D>
+// ---- thread-block clusters -------------------------------------------------------------------
+// A record half runs on R CTAs ("ranks"): R = 1 (one CTA, the append kernels and sm_80) or a
+// thread-block cluster of R = T / 16 CTAs (the layer kernel on sm_90). With R = 1 the exchanges
+// below are the CTA's own shared memory and __syncthreads.
+template <int R>
+__device__ __forceinline__ int cluster_rank() {
+  if constexpr (R == 1) {
+    return 0;
+  } else {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+  }
+}
+// Every thread of every rank; this rank's shared-memory writes before it are visible to every rank after.
+template <int R>
+__device__ __forceinline__ void cluster_sync() {
+  if constexpr (R == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  }
+}
+// Split form, for the last exchange: a rank must not exit while another may still read its shared
+// memory, so it arrives once its own reads are done and waits just before it returns.
+template <int R>
+__device__ __forceinline__ void cluster_arrive() {
+  if constexpr (R > 1) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+template <int R>
+__device__ __forceinline__ void cluster_wait() {
+  if constexpr (R > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// p (in this CTA's shared memory) read from / written to rank q's copy of the same buffer.
+template <int R>
+__device__ __forceinline__ float ld_rank(const float* p, int q) {
+  if constexpr (R == 1) {
+    return *p;
+  } else {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(q));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+  }
+}
+template <int R>
+__device__ __forceinline__ void st_rank(float* p, int q, float v) {
+  if constexpr (R == 1) {
+    *p = v;
+  } else {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(q));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+  }
+}
+
+// ---- division --------------------------------------------------------------------------------
+// Every per-element division of the codec, u = a / b, divides many elements by one b (a row or
+// column factor, a stored scale or step). Instead of an IEEE division sequence per element (~10
+// instructions and a branch), the divisor's correctly rounded reciprocal y = RN(1/b) (__frcp_rn, once
+// per divisor) and per element
+//     q0 = RN(a * y),  q1 = RN(q0 + RN(a - b * q0) * y),  q = RN(q1 + (a - b * q1) * y)   (FMA)
+// which is RN(a / b), the IEEE quotient, under the range conditions below:
+// * |a * y - a / b| <= |a / b| 2^-24 (y within half an ulp of 1/b), so q0 is within 1.5 ulp of a / b;
+//   the first correction leaves q1 within half an ulp plus 2^-22 ulp (the residual, even if rounded,
+//   is relatively exact to 2^-24): within 1 ulp;
+// * Markstein's theorem (IBM J. Res. Dev. 34(1), 1990, Th. 1; Muller et al., Handbook of
+//   Floating-Point Arithmetic, 2018, Th. 4.10): if y is within half an ulp of 1/b and q1 within 1 ulp
+//   of a / b, the residual a - b * q1 is exact and RN(q1 + (a - b * q1) * y) = RN(a / b);
+// * ranges: |b| in [2^-32, 2^32] and a = 0 or |a| in [2^-92, 2^92] keep y, q0, q1 and a / b normal
+//   (|a / b| in [2^-124, 2^124]) and the residual representable (e_b + e_q >= e_min + p - 1 = -103,
+//   with e_b + e_q >= e_a - 1 >= -93). a = 0 gives 0, possibly of the other sign than IEEE's -0 / b:
+//   every quotient here is squared, compared, rounded to a code or has +0.0 added, where the sign
+//   of a zero does not matter.
+// Elements or divisors outside the ranges take __fdiv_rn (a per-thread branch, taken only by such
+// degenerate data). Divisions by n = T or D (powers of two) are multiplications by 1/n, which are
+// the same correctly rounded value; the few per-axis divisions (scores, steps) stay __fdiv_rn.
+struct Recip {
+  float b, y;
+};
+__device__ __forceinline__ Recip recip(float b) { return Recip{b, __frcp_rn(b)}; }
+__device__ __forceinline__ bool divisor_ok(float b) { return fabsf(b) >= 0x1p-32f && fabsf(b) <= 0x1p32f; }
+__device__ __forceinline__ bool dividend_ok(float a) {
+  return a == 0.0f || (fabsf(a) >= 0x1p-92f && fabsf(a) <= 0x1p92f);
+}
+__device__ __forceinline__ float div_rn(float a, Recip d) {
+  const float q0 = __fmul_rn(a, d.y);
+  const float q1 = __fmaf_rn(__fmaf_rn(-d.b, q0, a), d.y, q0);
+  return __fmaf_rn(__fmaf_rn(-d.b, q1, a), d.y, q1);
+}
+// a / d.b by the fast sequence (F) or IEEE division; a code path is chosen once per batch of
+// elements, `if (ok) body(Fast<true>{}) else body(Fast<false>{})`, so no element pays for both.
+template <bool F>
+struct Fast {
+  static constexpr bool value = F;
+};
+template <int M>
+struct Mode {
+  static constexpr int value = M;
+};
+template <bool F>
+__device__ __forceinline__ float divide(float a, Recip d) {
+  if constexpr (F) return div_rn(a, d); else return __fdiv_rn(a, d.b);
+}
+
+// ---- order-free warp reductions of floats that are never NaN (one REDUX each) --------------------
+// The int whose order is the float's (-0 < +0, as nanmin/nanmax); the map is its own inverse.
+__device__ __forceinline__ int order_flip(int i) { return i >= 0 ? i : i ^ 0x7fffffff; }
+__device__ __forceinline__ float warp_min(float x) {
+  return __int_as_float(order_flip(__reduce_min_sync(KVC_FULL, order_flip(__float_as_int(x)))));
+}
+__device__ __forceinline__ float warp_max(float x) {
+  return __int_as_float(order_flip(__reduce_max_sync(KVC_FULL, order_flip(__float_as_int(x)))));
+}
+// nanmax / nanmin over the warp of values >= +0 or NaN (RMS values, normalization factors): their
+// bits order as ints; a NaN anywhere gives a NaN, as torch.amax / amin.
+__device__ __forceinline__ float warp_max_pos(float x) {
+  return __int_as_float(__reduce_max_sync(KVC_FULL, is_nan(x) ? 0x7fffffff : __float_as_int(x)));
+}
+__device__ __forceinline__ float warp_min_pos(float x) {
+  const int m = __reduce_min_sync(KVC_FULL, is_nan(x) ? -1 : __float_as_int(x));
+  return m < 0 ? __int_as_float(0x7fffffff) : __int_as_float(m);
+}
+
+// The codes of one axis held by a warp, lane l holding values v[i] (elements l + 32*i), from its
+// stored (low, step): uniform clamp(rint((v - low) / step)), lloyd_max #{j : (v - low) / step > t_j};
+// 0 where step is 0 (codec: a zero stored step gives code 0).
+template <int BITS, bool LM, int NV>
+__device__ __forceinline__ void axis_codes(const float (&v)[NV], float low, float step, unsigned (&codes)[NV]) {
+  const bool pos = step > 0.0f;
+  float d[NV];
+  bool ok = divisor_ok(step);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    d[i] = __fsub_rn(v[i], low);
+    ok &= dividend_ok(d[i]);
+  }
+  float z[NV];
+  if (ok) {
+    const Recip rc = recip(step);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) z[i] = div_rn(d[i], rc);
+  } else {
+    const float safe = pos ? step : 1.0f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) z[i] = __fdiv_rn(d[i], safe);
+  }
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    unsigned code;
+    if constexpr (LM) {
+      code = lloyd_max_code<BITS>(z[i]);
+    } else {
+      constexpr float QMAX = (float)((1 << BITS) - 1);
+      float q = rintf(z[i]);
+      q = q < 0.0f ? 0.0f : (q > QMAX ? QMAX : q);
+      code = (unsigned)(int)q;
+    }
+    codes[i] = pos ? code : 0u;
+  }
+}
+
+// The lloyd_max quantizer of one axis of n values held by a warp (as axis_codes): the Gaussian fit,
+// its codes, the least-squares refit (codec._quantize_lloyd_max). Sums: the in-thread tree over i,
+// then warp_tree; the caller's layout makes that the codec's halving tree over the axis.
+template <typename SC, int BITS, int NV>
+__device__ __forceinline__ void lloyd_max_axis(const float (&v)[NV], float n, float& step, unsigned short& sbits,
+                                               float& low, unsigned short& lbits, int& errbits, int err_min,
+                                               int err_step) {
+  auto axis_sum = [&](auto value) {
+    float t[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) t[i] = value(i);
+    tree<NV>(t);
+    return warp_tree(t[0]);
+  };
+  const float inv_n = __frcp_rn(n);  // n = T or D: exact, and x * (1/n) is x / n correctly rounded
+  unsigned short unused;
+  const float mean = __fmul_rn(axis_sum([&](int i) { return v[i]; }), inv_n);
+  const float c = Store<SC>::round(mean, unused);
+  if (!is_finite(c)) errbits |= err_min;
+  const float rms = Store<SC>::round(__fsqrt_rn(__fmul_rn(axis_sum([&](int i) {
+    const float d = __fsub_rn(v[i], c);
+    return __fmul_rn(d, d);
+  }), inv_n)), unused);
+  if (!is_finite(rms)) errbits |= err_step;
+  unsigned k0[NV];
+  axis_codes<BITS, true, NV>(v, c, rms, k0);
+  float b[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) b[i] = lloyd_max_value<BITS>(k0[i]);
+  const float bm = __fmul_rn(axis_sum([&](int i) { return b[i]; }), inv_n);
+  const float den = axis_sum([&](int i) {
+    const float db = __fsub_rn(b[i], bm);
+    return __fmul_rn(db, db);
+  });
+  const float num = axis_sum([&](int i) { return __fmul_rn(__fsub_rn(b[i], bm), __fsub_rn(v[i], c)); });
+  if (!lloyd_max_refit<SC>(den, num, mean, bm, step, sbits, low, lbits)) {
+    step = Store<SC>::round(rms, sbits);
+    low = Store<SC>::round(c, lbits);
+  }
+}
+
+// Token-major packing: each lane holds the code of element `lane` of a 32-element run; returns, in
+// lanes 0 .. BITS - 1, the 32-bit words of the run (code of element e at bit (e % (32 / BITS)) *
+// BITS of word e / (32 / BITS): the format's "lowest bits first").
+template <int BITS>
+__device__ __forceinline__ unsigned pack_run(unsigned code) {
+  const int lane = threadIdx.x & 31;
+  unsigned x = code;
+#pragma unroll
+  for (int h = 1; h < 32 / BITS; h *= 2) x |= __shfl_down_sync(KVC_FULL, x, h) << (BITS * h);
+  // word m sits in lane m * (32 / BITS); bring it to lane m
+  return __shfl_sync(KVC_FULL, x, (lane % BITS) * (32 / BITS));
+}
+
+// x[i] for a runtime i < N, by selects (an indexed register array would go to local memory).
+template <int N>
+__device__ __forceinline__ float pick(const float (&x)[N], int i) {
+  float v = x[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) v = i == k ? x[k] : v;
+  return v;
+}
+
+template <int T, int D, int R>
 struct Shape {
-  static constexpr int NK = T / KVC_W;
-  static constexpr int NJ = D / 32;
+  // 16 warps for a lone CTA; on a cluster 4 (one per scheduler): a CTA's tile is T / R = 16 tokens,
+  // and fewer warps with more elements each cut the work that every warp repeats per iteration
+  // (row RMS trees, reciprocals, the score) more than they lengthen the per-element chains.
+  static constexpr int W = R > 1 ? 4 : KVC_W;
+  static constexpr int NT = 32 * W;
+  static constexpr int NK = T / R / W;  // tokens per thread: t = rank + R * (w + W * k)
+  static constexpr int NJ = D / 32;     // channels per thread: c = lane + 32 * j
   static constexpr int N = NK * NJ;
+  static_assert(NK >= 1 && T % (R * W) == 0, "each warp needs a token of each rank");
+  // y stays in registers on clusters (N <= 32); a lone CTA keeps it in shared memory (thread-private
+  // slots, conflict-free) and y / s in registers when N <= 32.
+  static constexpr bool kYInRegs = R > 1;
   static constexpr bool kCacheYs = N <= 32;
-  // dynamic shared memory: the tile (float32, later the code bytes), the per-warp column partials
-  // (W x D), the column RMS / per-channel step and min (3 x D), reduction scratch (4 x W + 4 x D/32).
-  static constexpr int kSmemFloats = T * D + KVC_W * D + 3 * D + 4 * KVC_W + 4 * (D / 32);
-  static constexpr int kSmemBytes = kSmemFloats * 4;
-  // K code bytes are staged channel-major with a T + 4 byte pitch (bank-conflict-free stores).
-  static constexpr int kKPitch = T + 4;
+  static constexpr int CM = (D + NT - 1) / NT;  // columns per thread in the column phases: c = tid + NT * m
+  static constexpr int CW = D / 32 < W ? D / 32 : W;  // warps that own columns there
+  static constexpr int XW = D / 32 < W ? D / 32 : 0;  // the warp that also gathers the extras
+  static constexpr int DR = D / R;      // K channels a rank quantizes (the transposed phase)
+  static constexpr int NI = T / 32;     // tokens per lane there: t = lane + 32 * i
+  static constexpr int kPitch = T + 1;  // floats per transposed channel row (conflict-free)
+  // exchange buffer per iteration: column partials [D], row RMS max / min, max r, input error bits,
+  // the V half's nonzero-channel masks [NJ]
+  static constexpr int XB = (D + 4 + NJ + 3) / 4 * 4;
+  // dynamic shared memory (floats): big (the y slots when R == 1, then the transposed K values,
+  // [DR][kPitch]) | part [W][D] | xbuf [2][XB] | bc [3][D] | red [4W + W * NJ] | red2 [2W + 12] |
+  // best [T + D]
+  static constexpr int kYSlots = kYInRegs ? 0 : N * NT;
+  static constexpr int kBig = kYSlots > DR * kPitch ? kYSlots : DR * kPitch;
+  static constexpr int kRed = 4 * W + W * NJ;
+  static constexpr int kSmemFloats = kBig + W * D + 2 * XB + 3 * D + kRed + 2 * W + 12 + T + D;
+  static constexpr int kSmemBytes = (kSmemFloats * 4 + 15) / 16 * 16;
 };
 
 // The tile of compress_tiles / compress_layer: token t of the half at src[t * st].
@@ -252,24 +513,51 @@ struct StridedTile {
 };
 
 // One record half: the tile `tile(t, c)` (t < T, c < D, values of type IN) is compressed into the
-// record at dst (K half if !is_v, else V half). The arithmetic does not depend on where the tile
-// comes from: every source gives the same bytes for the same values.
-template <int T, int D, typename IN, typename SC, int VB, bool LM, typename Tile>
+// record at dst (K half if !is_v, else V half) by the R ranks of a cluster (R = 1: one CTA). The
+// arithmetic does not depend on where the tile comes from: every source gives the same bytes for
+// the same values.
+//
+// Layout: rank q, thread (warp w, lane l) owns tokens t = q + R*(w + W*k), k < NK, and channels
+// c = l + 32*j, j < NJ. The codec's halving trees keep their order:
+// * a row sum (over c): in-thread over j (pairs c, c + D/2), then __shfl_xor 16 .. 1 (lane l pairs
+//   with l + 16, ...; the upper lanes compute the same sums with the operands swapped);
+// * a column sum (over t): in-thread over k (pairs t, t + T/2), then over the W warps (t = q + R*w)
+//   through shared memory, then over the R ranks (t = q) through the exchange buffers;
+// * the K half's per-channel sums, after the transposition (rank q then holds channels
+//   [q*DR, (q+1)*DR) for all tokens; warp w channel q*DR + w + W*m, lane l tokens t = l + 32*i):
+//   in-thread over i (pairs t, t + T/2), then __shfl_xor 16 .. 1;
+// * the WHT butterfly at stride h < 32 is a __shfl_xor by h, at stride 32*b an in-thread pair of j.
+//
+// One exchange per normalization iteration: the candidate's column partials and row RMS are
+// written, __syncthreads, each rank's partial of every column (the tree over its warps) and its
+// extras (row RMS max / min, max r; at iteration 0 the input error bits and nonzero-channel masks)
+// go to its exchange buffer, cluster barrier, every rank finishes every column from all ranks'
+// buffers (so all ranks hold the same column RMS, new s and score), __syncthreads. The update of r
+// is rank-local. The buffers alternate between iterations: a rank writes buffer p again two
+// iterations later, after the next barrier, which no rank passes before every rank has read buffer
+// p. The K half then transposes u through the ranks' shared memory (one more barrier); a V half
+// only has to keep its buffers alive until every rank has read them (arrive after the loop, wait
+// before exit).
+template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, typename Tile>
 __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
                                               Sections sec, float inv_sqrt_d, int* __restrict__ err) {
-  using S = Shape<T, D>;
-  constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = KVC_NT, W = KVC_W;
+  using S = Shape<T, D, R>;
+  constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = S::NT, W = S::W, XB = S::XB, CM = S::CM, CW = S::CW;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  float* ysm = smem;                        // [N][NT]   the rotated tile; later code bytes / min-max partials
-  float* part = ysm + T * D;                // [W][D]    column partial sums
-  float* colrms = part + W * D;             // [D]
-  float* cstep = colrms + D;                // [D]       stored K chan step (K) ...
-  float* cmin = cstep + D;                  // [D]       ... and chan min
-  float* red = cmin + D;                    // [4][W] + [4][D/32] reduction scratch
-  u8* codes = reinterpret_cast<u8*>(ysm);
+  float* big = smem;              // y slots (R == 1) [N][NT]; then the transposed K values [DR][kPitch]
+  float* part = big + S::kBig;    // [W][D]  per-warp column partials
+  float* xbuf = part + W * D;     // [2][XB] this rank's exchange buffers (read by every rank)
+  float* bc = xbuf + 2 * XB;      // [3][D]  column RMS, new s, RN(1 / new s)
+  float* red = bc + 3 * D;        // [4W + W*NJ] per-warp row RMS max / min, max r, error bits, masks
+  float* red2 = red + S::kRed;    // [2W + 12] per-warp column RMS max / min; the cluster's extras
+  float* best = red2 + 2 * W + 12;  // [T + D] the best candidate's r (by token) and s (by channel)
+  int* redi = reinterpret_cast<int*>(red);
+  int* red2i = reinterpret_cast<int*>(red2);
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int rank = cluster_rank<R>();
+  auto token = [&](int k) { return rank + R * (w + W * k); };
 
   // ---- load, check, WHT ------------------------------------------------------------------------
   float y[N];
@@ -278,22 +566,11 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   for (int k = 0; k < NK; ++k) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      const float x = to_f32(tile(w + W * k, lane + 32 * j));
+      const float x = to_f32(tile(token(k), lane + 32 * j));
       nonfinite |= !is_finite(x);
       toolarge |= fabsf(x) > 0x1p48f;
       y[k * NJ + j] = x;
     }
-  }
-  const bool any_nonfinite = __syncthreads_or(nonfinite);
-  const bool any_toolarge = __syncthreads_or(toolarge);
-  if (any_nonfinite || any_toolarge) {
-    if (tid == 0) {
-      int bits = 0;
-      if (any_nonfinite) bits |= is_v ? KVC_ERR_V_NONFINITE : KVC_ERR_K_NONFINITE;
-      if (any_toolarge) bits |= is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE;
-      atomicOr(err, bits);
-    }
-    return;
   }
 #pragma unroll
   for (int hs = 1; hs < 32; hs *= 2) {
@@ -318,133 +595,267 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       }
     }
   }
+  // |y| <= 2^52 for accepted input; the fast division needs its dividends in [2^-40, 2^52] or 0 (the
+  // derived dividends y / s, y / r, ... then stay within [2^-92, 2^92] for divisors in [2^-32, 2^32]).
+  bool y_ok = true;
+  unsigned col_nz = 0;  // bit j: channel lane + 32*j has a nonzero among this thread's tokens
 #pragma unroll
-  for (int i = 0; i < N; ++i) ysm[i * NT + tid] = __fmul_rn(y[i], inv_sqrt_d);
-  // y[] is dead from here; the tile is read back from shared memory (private slots, no sync needed).
-
-  // ---- variance normalization --------------------------------------------------------------------
-  float r[NK], s[NJ], br[NK], bs[NJ];
-#pragma unroll
-  for (int k = 0; k < NK; ++k) r[k] = br[k] = 1.0f;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) s[j] = bs[j] = 1.0f;
-  float best = __uint_as_float(0x7f800000u);
-  float ys[S::kCacheYs ? N : 1];
-  float zz[N];
-
-  for (int it = 0;; ++it) {
-    // candidate z = (y / s) / r, squared
-#pragma unroll
-    for (int k = 0; k < NK; ++k) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int i = k * NJ + j;
-        float z;
-        if (it == 0) {
-          z = ysm[i * NT + tid];  // s = r = 1: (y / 1) / 1 == y exactly
-        } else if constexpr (S::kCacheYs) {
-          z = __fdiv_rn(ys[i], r[k]);
-        } else {
-          z = __fdiv_rn(__fdiv_rn(ysm[i * NT + tid], s[j]), r[k]);
-        }
-        zz[i] = __fmul_rn(z, z);
-      }
-    }
-    // row RMS (over channels) for this thread's rows, and their max/min
-    float rmax = 0.0f, rmin = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NK; ++k) {
-      float t[NJ];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) t[j] = zz[k * NJ + j];
-      tree<NJ>(t);
-      const float rr = rms_of(warp_tree(t[0]), (float)D);
-      rmax = k == 0 ? rr : nanmax(rmax, rr);
-      rmin = k == 0 ? rr : nanmin(rmin, rr);
-    }
-    // column partials over this thread's tokens
+  for (int k = 0; k < NK; ++k) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      float t[NK];
-#pragma unroll
-      for (int k = 0; k < NK; ++k) t[k] = zz[k * NJ + j];
-      tree<NK>(t);
-      part[w * D + lane + 32 * j] = t[0];
+      const int i = k * NJ + j;
+      y[i] = __fmul_rn(y[i], inv_sqrt_d);
+      y_ok &= y[i] == 0.0f || fabsf(y[i]) >= 0x1p-40f;
+      col_nz |= (y[i] != 0.0f ? 1u : 0u) << j;
     }
+  }
+  float* ysm = big;
+  if constexpr (!S::kYInRegs) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) ysm[i * NT + tid] = y[i];
+  }
+  // y[] lives on in registers on clusters; a lone CTA reads its slots back (no sync needed)
+  auto Y = [&](int i) -> float {
+    if constexpr (S::kYInRegs) return y[i]; else return ysm[i * NT + tid];
+  };
+
+  // ---- variance normalization --------------------------------------------------------------------
+  // the best candidate's factors wait in shared memory (best[t], best[T + c]: registers are short
+  // for a lone CTA's 64 elements a thread at D = 256); written by the threads that hold them
+  float r[NK], s[NJ];
+  auto keep_best = [&]() {
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < NK; ++k) best[token(k)] = r[k];
+    }
+    if (w == 0) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) best[T + lane + 32 * j] = s[j];
+    }
+  };
+  float ir[NK];  // RN(1 / r), the fast division's reciprocals; RN(1 / s) stays in bc[2D + c]
+#pragma unroll
+  for (int k = 0; k < NK; ++k) r[k] = ir[k] = 1.0f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) s[j] = 1.0f;
+  keep_best();  // the identity, should no score be below +inf (NaN)
+  float best_score = __uint_as_float(0x7f800000u), best_rmax = 1.0f;
+  float ys[S::kCacheYs ? N : 1];
+  // the fast division's conditions for this thread's divisors (r, s) and dividends (y, y / s)
+  bool r_ok = true, s_ok = true;
+
+  for (int it = 0;; ++it) {
+    float* xb = xbuf + (it & 1) * XB;
+    // candidate z = (y / s) / r (it 0: y), squared: each token's RMS, and the column partials over
+    // this thread's tokens (the tree over k, its first level as the rows are made: pairs k, k + NK/2)
+    // this lane's token k = lane % NK: its sum over c of z^2 (every lane has every token's; keep one)
+    float rowsum = 0.0f, colp[NJ];
+    auto candidate = [&](auto mode) {
+      constexpr int M = decltype(mode)::value;  // 0: it 0 (z = y), 1: fast division, 2: IEEE
+      auto zsq = [&](int i) {
+        float z;
+        if constexpr (M == 0) z = Y(i);  // s = r = 1: (y / 1) / 1 == y exactly
+        else if constexpr (S::kCacheYs) z = divide<M == 1>(ys[i], Recip{r[i / NJ], ir[i / NJ]});
+        else z = divide<M == 1>(divide<M == 1>(Y(i), Recip{s[i % NJ], bc[2 * D + lane + 32 * (i % NJ)]}), Recip{r[i / NJ], ir[i / NJ]});
+        return __fmul_rn(z, z);
+      };
+      auto row_sum = [&](const float (&zz)[NJ], int k) {
+        float t[NJ];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) t[j] = zz[j];
+        tree<NJ>(t);
+        const float sum = warp_tree(t[0]);
+        rowsum = lane % NK == k ? sum : rowsum;
+      };
+      // the column tree over k as a depth-first recursion: node(i, m) = the sum over the tokens
+      // k = i mod m, node(i, m) = node(i, 2m) + node(i + m, 2m), leaves (m = NK) the rows, made in
+      // that order; at most log2(NK) partial columns are live at once (registers: NK = 8 for a lone CTA)
+      auto node = [&](auto self, auto i_tag, auto m_tag, float (&out)[NJ]) -> void {
+        constexpr int I = decltype(i_tag)::value, Mm = decltype(m_tag)::value;
+        if constexpr (Mm == NK) {
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) out[j] = zsq(I * NJ + j);
+          row_sum(out, I);
+        } else {
+          float lo[NJ], hi[NJ];
+          self(self, Mode<I>{}, Mode<2 * Mm>{}, lo);
+          self(self, Mode<I + Mm>{}, Mode<2 * Mm>{}, hi);
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) out[j] = __fadd_rn(lo[j], hi[j]);
+        }
+      };
+      node(node, Mode<0>{}, Mode<1>{}, colp);
+    };
+    if (it == 0) candidate(Mode<0>{});
+    else if (y_ok && s_ok && r_ok) candidate(Mode<1>{});
+    else candidate(Mode<2>{});
+    // the per-token scalars once per token: lane l takes token k = l % NK, the warp reduces them
+    const float rr = rms_of(__fmul_rn(rowsum, 1.0f / D));
+    const float rmax = warp_max_pos(rr), rmin = warp_min_pos(rr), mr = warp_max_pos(pick<NK>(r, lane % NK));
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) part[w * D + lane + 32 * j] = colp[j];
     if (lane == 0) {
       red[w] = rmax;
       red[W + w] = rmin;
+      red[2 * W + w] = mr;
     }
-    __syncthreads();
-    if (tid < D) {
-      float p[W];
-#pragma unroll
-      for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
-      tree<W>(p);
-      const float cr = rms_of(p[0], (float)T);
-      colrms[tid] = cr;
-      const float mx = warp_nanmax(cr), mn = warp_nanmin(cr);
-      if (lane == 0) {
-        red[2 * W + w] = mx;
-        red[2 * W + D / 32 + w] = mn;
-      }
-    }
-    __syncthreads();
-    float crmax = red[2 * W], crmin = red[2 * W + D / 32];
-#pragma unroll
-    for (int q = 1; q < D / 32; ++q) {
-      crmax = nanmax(crmax, red[2 * W + q]);
-      crmin = nanmin(crmin, red[2 * W + D / 32 + q]);
-    }
-    float rrmax = red[0], rrmin = red[W];
-#pragma unroll
-    for (int q = 1; q < W; ++q) {
-      rrmax = nanmax(rrmax, red[q]);
-      rrmin = nanmin(rrmin, red[W + q]);
-    }
-    const float score = __fadd_rn(__fdiv_rn(crmax, crmin), __fdiv_rn(rrmax, rrmin));
-    if (score < best) {  // uniform across the block
-      best = score;
-#pragma unroll
-      for (int k = 0; k < NK; ++k) br[k] = r[k];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) bs[j] = s[j];
-    }
-    __syncthreads();  // every thread has read red[]: the next writes of part/red/colrms may start
-    if (it >= iters) break;
-    // s *= col_rms(z); then r *= row_rms((y / s) / r) with the new s
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) s[j] = __fmul_rn(s[j], colrms[lane + 32 * j]);
-#pragma unroll
-    for (int k = 0; k < NK; ++k) {
-      float t[NJ];
+    if (it == 0) {
+      const int bits = (nonfinite ? (is_v ? KVC_ERR_V_NONFINITE : KVC_ERR_K_NONFINITE) : 0) |
+                       (toolarge ? (is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE) : 0);
+      const int wbits = __reduce_or_sync(KVC_FULL, bits);
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int i = k * NJ + j;
-        const float q = __fdiv_rn(ysm[i * NT + tid], s[j]);
-        if constexpr (S::kCacheYs) ys[i] = q;
-        const float z = __fdiv_rn(q, r[k]);
-        t[j] = __fmul_rn(z, z);
+        const unsigned m = __ballot_sync(KVC_FULL, (col_nz >> j) & 1u);
+        if (lane == 0) redi[4 * W + w * NJ + j] = (int)m;
       }
-      tree<NJ>(t);
-      r[k] = __fmul_rn(r[k], rms_of(warp_tree(t[0]), (float)D));
+      if (lane == 0) redi[3 * W + w] = wbits;
     }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < CM; ++m) {
+      const int c = tid + NT * m;
+      if (c < D) {
+        float p[W];
+#pragma unroll
+        for (int q = 0; q < W; ++q) p[q] = part[q * D + c];
+        tree<W>(p);
+        xb[c] = p[0];
+      }
+    }
+    if (w == S::XW) {
+      // this rank's extras: row RMS max / min and max r over its warps; (it 0) error bits, masks
+      const int q = lane < W ? lane : 0;
+      const float a = warp_max_pos(red[q]), b = warp_min_pos(red[W + q]), c = warp_max_pos(red[2 * W + q]);
+      if (lane == 0) {
+        xb[D] = a;
+        xb[D + 1] = b;
+        xb[D + 2] = c;
+      }
+      if (it == 0) {
+        const int e = __reduce_or_sync(KVC_FULL, lane < W ? redi[3 * W + lane] : 0);
+        if (lane == 0) reinterpret_cast<int*>(xb)[D + 3] = e;
+        if (lane < NJ) {
+          int mk = 0;
+#pragma unroll
+          for (int qq = 0; qq < W; ++qq) mk |= redi[4 * W + qq * NJ + lane];
+          reinterpret_cast<int*>(xb)[D + 4 + lane] = mk;
+        }
+      }
+    }
+    cluster_sync<R>();
+    if (w < CW) {
+      float mx = 0.0f, mn = 0.0f;
+#pragma unroll
+      for (int m = 0; m < CM; ++m) {
+        const int c = tid + NT * m;
+        float p[R];
+#pragma unroll
+        for (int q = 0; q < R; ++q) p[q] = ld_rank<R>(xb + c, q);
+        tree<R>(p);
+        const float cr = rms_of(__fmul_rn(p[0], 1.0f / T));
+        const float s_c = it == 0 ? 1.0f : bc[D + c];  // column c's s: this thread's new s of the last iteration
+        const float sn = __fmul_rn(s_c, cr);
+        bc[c] = cr;
+        bc[D + c] = sn;
+        bc[2 * D + c] = __frcp_rn(sn);
+        mx = m == 0 ? cr : nanmax(mx, cr);
+        mn = m == 0 ? cr : nanmin(mn, cr);
+      }
+      mx = warp_max_pos(mx);
+      mn = warp_min_pos(mn);
+      if (lane == 0) {
+        red2[w] = mx;
+        red2[W + w] = mn;
+      }
+    }
+    if (w == S::XW) {
+      const int q = lane < R ? lane : 0;
+      const float a = warp_max_pos(ld_rank<R>(xb + D, q)), b = warp_min_pos(ld_rank<R>(xb + D + 1, q));
+      const float c = warp_max_pos(ld_rank<R>(xb + D + 2, q));
+      if (lane == 0) {
+        red2[2 * W] = a;
+        red2[2 * W + 1] = b;
+        red2[2 * W + 2] = c;
+      }
+      if (it == 0) {
+        const int e = __reduce_or_sync(KVC_FULL, __float_as_int(ld_rank<R>(xb + D + 3, q)));
+        if (lane == 0) red2i[2 * W + 3] = e;
+        if (is_v && lane < NJ) {
+          int mk = 0;
+#pragma unroll
+          for (int qq = 0; qq < R; ++qq) mk |= __float_as_int(ld_rank<R>(xb + D + 4 + lane, qq));
+          red2i[2 * W + 4 + lane] = mk;
+        }
+      }
+    }
+    __syncthreads();
+    if (it == 0) {
+      const int e = red2i[2 * W + 3];
+      if (e) {  // rejected input: nothing is written (the same decision on every rank)
+        if (rank == 0 && tid == 0) atomicOr(err, e);
+        cluster_sync<R>();  // no rank leaves while another may read its exchange buffer
+        return;
+      }
+    }
+    const int cq = lane < CW ? lane : 0;
+    const float crmax = warp_max_pos(red2[cq]), crmin = warp_min_pos(red2[W + cq]);
+    const float score = __fadd_rn(__fdiv_rn(crmax, crmin), __fdiv_rn(red2[2 * W], red2[2 * W + 1]));
+    if (score < best_score) {  // uniform across the cluster
+      best_score = score;
+      best_rmax = red2[2 * W + 2];
+      keep_best();
+    }
+    if (it >= iters) break;
+    // s *= col_rms(z); then r *= row_rms((y / s) / r) with the new s
+    s_ok = true;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      s[j] = bc[D + lane + 32 * j];
+      s_ok &= divisor_ok(s[j]);
+    }
+    float row = 0.0f;  // sum over c of ((y / s) / r)^2 of this lane's token k = lane % NK
+    auto update = [&](auto fast) {
+      constexpr bool F = decltype(fast)::value;
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        float t[NJ];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int i = k * NJ + j;
+          const float q = divide<F>(Y(i), Recip{s[j], bc[2 * D + lane + 32 * j]});
+          if constexpr (S::kCacheYs) ys[i] = q;
+          const float z = divide<F>(q, Recip{r[k], ir[k]});
+          t[j] = __fmul_rn(z, z);
+        }
+        tree<NJ>(t);
+        const float sum = warp_tree(t[0]);
+        row = lane % NK == k ? sum : row;
+      }
+    };
+    if (y_ok && s_ok && r_ok) update(Fast<true>{}); else update(Fast<false>{});
+    // r *= row RMS, and RN(1 / r), once per token (lane k), then to every lane
+    const float rn = __fmul_rn(pick<NK>(r, lane % NK), rms_of(__fmul_rn(row, 1.0f / D)));
+    const float irn = __frcp_rn(rn);
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {
+      r[k] = __shfl_sync(KVC_FULL, rn, k);
+      ir[k] = __shfl_sync(KVC_FULL, irn, k);
+    }
+    r_ok = __all_sync(KVC_FULL, divisor_ok(rn));
   }
+  // every remote read of this rank's exchange buffers is done (the K half synchronizes again below)
+  if (is_v) cluster_arrive<R>();
 
   // ---- power-of-two balance ----------------------------------------------------------------------
-  float mr = br[0];
+  __syncthreads();  // the best factors visible
+  float bs[NJ];
 #pragma unroll
-  for (int k = 1; k < NK; ++k) mr = nanmax(mr, br[k]);
+  for (int j = 0; j < NJ; ++j) bs[j] = best[T + lane + 32 * j];
   float ms = bs[0];
 #pragma unroll
   for (int j = 1; j < NJ; ++j) ms = nanmax(ms, bs[j]);
-  ms = warp_nanmax(ms);
-  if (lane == 0) red[w] = mr;
-  __syncthreads();
-  mr = red[0];
-#pragma unroll
-  for (int q = 1; q < W; ++q) mr = nanmax(mr, red[q]);
-  const int diff = frexp_exponent(mr) - frexp_exponent(ms);
+  ms = warp_max_pos(ms);  // every warp holds every column
+  const int diff = frexp_exponent(best_rmax) - frexp_exponent(ms);
   const int shift = diff >= 0 ? diff / 2 : -((1 - diff) / 2);  // floor(diff / 2)
 
   constexpr float kSmallest = Store<SC>::kSmallest;
@@ -452,269 +863,157 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   int errbits = 0;
 
   if (!is_v) {
-    // ---- K: row_scale = r, u = y / row_scale, per-channel codes over tokens, channel-major -------
+    // ---- K: row_scale = r (zero tokens: the smallest scale), u = y / row_scale -------------------
     float rs[NK];
     const float p2 = pow2f(-shift);
+    bool rs_ok = true;
 #pragma unroll
     for (int k = 0; k < NK; ++k) {
-      float x = __fmul_rn(br[k], p2);
+      bool nz = false;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) nz |= Y(k * NJ + j) != 0.0f;
+      float x = __any_sync(KVC_FULL, nz) ? __fmul_rn(best[token(k)], p2) : 0.0f;
       x = x < kSmallest ? kSmallest : x;  // clamp_min (NaN stays NaN)
       rs[k] = Store<SC>::round(x, bits);
       if (!is_finite(rs[k])) errbits |= KVC_ERR_K_ROW_SCALE;
-      if (lane == k) Store<SC>::put(dst + sec.row_scale, w + W * k, rs[k], bits);
+      if (lane == 0) Store<SC>::put(dst + sec.row_scale, token(k), rs[k], bits);
+      rs_ok &= divisor_ok(rs[k]);
     }
-    float* u = zz;
-    float lo[NJ], hi[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    float u[N];
+    if (y_ok && rs_ok) {
 #pragma unroll
       for (int k = 0; k < NK; ++k) {
-        const int i = k * NJ + j;
-        u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], rs[k]), 0.0f);  // canonical +0 (codec: u + 0.0)
-        if constexpr (!LM) {
-          lo[j] = k == 0 ? u[i] : nanmin(lo[j], u[i]);
-          hi[j] = k == 0 ? u[i] : nanmax(hi[j], u[i]);
-        }
-      }
-    }
-    constexpr int P = S::kKPitch;
-    if constexpr (!LM) {
-      __syncthreads();  // every thread is done with ysm: reuse it for the min/max partials
-      float* pmin = ysm;
-      float* pmax = ysm + W * D;
+        const Recip d = recip(rs[k]);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        pmin[w * D + lane + 32 * j] = lo[j];
-        pmax[w * D + lane + 32 * j] = hi[j];
-      }
-      __syncthreads();
-      if (tid < D) {
-        float l = pmin[tid], hh = pmax[tid];
-#pragma unroll
-        for (int q = 1; q < W; ++q) {
-          l = nanmin(l, pmin[q * D + tid]);
-          hh = nanmax(hh, pmax[q * D + tid]);
-        }
-        const float step = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), 15.0f), bits);
-        if (!is_finite(step)) errbits |= KVC_ERR_K_CHAN_STEP;
-        Store<SC>::put(dst + sec.chan_step, tid, step, bits);
-        const float low = Store<SC>::round(l, bits);
-        if (!is_finite(low)) errbits |= KVC_ERR_K_CHAN_MIN;
-        Store<SC>::put(dst + sec.chan_min, tid, low, bits);
-        cstep[tid] = step;
-        cmin[tid] = low;
-      }
-      __syncthreads();  // partials consumed; ysm now holds code bytes
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int c = lane + 32 * j;
-        const float step = cstep[c], low = cmin[c];
-        const bool pos = step > 0.0f;
-        const float safe = pos ? step : 1.0f;
-#pragma unroll
-        for (int k = 0; k < NK; ++k) {
-          float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], low), safe));
-          q = q < 0.0f ? 0.0f : (q > 15.0f ? 15.0f : q);
-          codes[c * P + w + W * k] = pos ? (u8)(int)q : (u8)0;
-        }
+        for (int j = 0; j < NJ; ++j) u[k * NJ + j] = __fadd_rn(div_rn(Y(k * NJ + j), d), 0.0f);
       }
     } else {
-      // lloyd_max. A channel's sum over t = w + W*k is the codec's halving tree: in-thread over k
-      // (pairs t, t + T/2), then over the W per-warp partials (t = w) in part[].
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float t[NK];
+      for (int i = 0; i < N; ++i) u[i] = __fadd_rn(__fdiv_rn(Y(i), rs[i / NJ]), 0.0f);  // canonical +0
+    }
+    // transpose: u(t, c) to rank c / DR, row c % DR, column t
+    constexpr int DR = S::DR, P = S::kPitch, NI = S::NI;
+    float* tb = big;
+    if constexpr (!S::kYInRegs) __syncthreads();  // every y slot read: tb overwrites them
 #pragma unroll
-        for (int k = 0; k < NK; ++k) t[k] = u[k * NJ + j];
-        tree<NK>(t);
-        part[w * D + lane + 32 * j] = t[0];
-      }
-      __syncthreads();
-      if (tid < D) {
-        float p[W];
-#pragma unroll
-        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
-        tree<W>(p);
-        const float mean = Store<SC>::round(__fdiv_rn(p[0], (float)T), bits);
-        if (!is_finite(mean)) errbits |= KVC_ERR_K_CHAN_MIN;
-        Store<SC>::put(dst + sec.chan_min, tid, mean, bits);
-        cmin[tid] = mean;
-      }
-      __syncthreads();  // stored means visible, partials consumed
-      // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float mean = cmin[lane + 32 * j];
-        float t[NK];
-#pragma unroll
-        for (int k = 0; k < NK; ++k) {
-          const int i = k * NJ + j;
-          u[i] = __fsub_rn(u[i], mean);
-          t[k] = __fmul_rn(u[i], u[i]);
-        }
-        tree<NK>(t);
-        part[w * D + lane + 32 * j] = t[0];
-      }
-      __syncthreads();
-      if (tid < D) {
-        float p[W];
-#pragma unroll
-        for (int q = 0; q < W; ++q) p[q] = part[q * D + tid];
-        tree<W>(p);
-        const float rms = Store<SC>::round(__fsqrt_rn(__fdiv_rn(p[0], (float)T)), bits);
-        if (!is_finite(rms)) errbits |= KVC_ERR_K_CHAN_STEP;
-        Store<SC>::put(dst + sec.chan_step, tid, rms, bits);
-        cstep[tid] = rms;
-      }
-      __syncthreads();  // stored RMS visible; ysm (read for u before the first barrier) now holds code bytes
+    for (int k = 0; k < NK; ++k) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int c = lane + 32 * j;
-        const float step = cstep[c];
-        const bool pos = step > 0.0f;
-#pragma unroll
-        for (int k = 0; k < NK; ++k)
-          codes[c * P + w + W * k] = pos ? (u8)lloyd_max_code<4>(__fdiv_rn(u[k * NJ + j], step)) : (u8)0;
+        st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
       }
     }
-    __syncthreads();
-    // pack: 16 output bytes (32 tokens of one channel) per work item, 4-byte smem reads
-    constexpr int kChunks = D * T / 32;
-    for (int q = tid; q < kChunks; q += NT) {
-      const int c = q / (T / 32), t0 = (q % (T / 32)) * 32;
-      const unsigned* cw = reinterpret_cast<const unsigned*>(codes + c * P + t0);
-      unsigned o[4];
+    cluster_sync<R>();
+    // ---- K: per channel over the tile's tokens: warp w, channels q*DR + w + W*m --------------------
+    for (int cl = w; cl < DR; cl += W) {
+      const int c = rank * DR + cl;
+      float v[NI];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const unsigned a = cw[2 * m], bb = cw[2 * m + 1];
-        // bytes a = tokens 0..3, bb = tokens 4..7 -> out bytes (t0|t1<<4), (t2|t3<<4), ...
-        unsigned v = 0;
+      for (int i = 0; i < NI; ++i) v[i] = tb[cl * P + lane + 32 * i];
+      float step, low;
+      unsigned short sbits, lbits;
+      if constexpr (!LM) {
+        float lo = v[0], hi = v[0];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          v |= (((a >> (16 * e)) & 0xfu) | (((a >> (16 * e + 8)) & 0xfu) << 4)) << (8 * e);
-          v |= (((bb >> (16 * e)) & 0xfu) | (((bb >> (16 * e + 8)) & 0xfu) << 4)) << (8 * (e + 2));
+        for (int i = 1; i < NI; ++i) {
+          lo = nanmin(lo, v[i]);
+          hi = nanmax(hi, v[i]);
         }
-        o[m] = v;
+        lo = warp_min(lo);
+        hi = warp_max(hi);
+        step = Store<SC>::round(__fdiv_rn(__fsub_rn(hi, lo), 15.0f), sbits);
+        if (!is_finite(step)) errbits |= KVC_ERR_K_CHAN_STEP;
+        low = Store<SC>::round(lo, lbits);
+        if (!is_finite(low)) errbits |= KVC_ERR_K_CHAN_MIN;
+      } else {
+        lloyd_max_axis<SC, 4, NI>(v, (float)T, step, sbits, low, lbits, errbits, KVC_ERR_K_CHAN_MIN, KVC_ERR_K_CHAN_STEP);
       }
-      reinterpret_cast<uint4*>(dst + sec.k_codes)[q] = make_uint4(o[0], o[1], o[2], o[3]);
+      if (lane == 0) {
+        Store<SC>::put(dst + sec.chan_step, c, step, sbits);
+        Store<SC>::put(dst + sec.chan_min, c, low, lbits);
+      }
+      unsigned codes[NI];
+      axis_codes<4, LM, NI>(v, low, step, codes);
+      // channel-major nibbles: token t at bit 4 * (t % 8) of word t / 8 of the channel's T / 8 words
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const unsigned word = pack_run<4>(codes[i]);
+        if (lane < 4) reinterpret_cast<unsigned*>(dst + sec.k_codes + c * (T / 2))[4 * i + lane] = word;
+      }
     }
   } else {
-    // ---- V: col_scale = s, w = y / col_scale, per-token codes over channels, token-major ---------
+    // ---- V: col_scale = s (zero channels: the smallest scale), u = y / col_scale --------------------
     float cs[NJ];
     const float p2 = pow2f(shift);
+    bool cs_ok = true;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      float x = __fmul_rn(bs[j], p2);
+      float x = (red2i[2 * W + 4 + j] >> lane) & 1 ? __fmul_rn(bs[j], p2) : 0.0f;
       x = x < kSmallest ? kSmallest : x;
       cs[j] = Store<SC>::round(x, bits);
       if (!is_finite(cs[j])) errbits |= KVC_ERR_V_COL_SCALE;
-      if (w == 0) Store<SC>::put(dst + sec.col_scale, lane + 32 * j, cs[j], bits);
+      if (rank == 0 && w == 0) Store<SC>::put(dst + sec.col_scale, lane + 32 * j, cs[j], bits);
+      cs_ok &= divisor_ok(cs[j]);
     }
-    float* u = zz;
-    float tstep[NK];
-    if constexpr (!LM) {
-      constexpr int QMAX = (1 << VB) - 1;
-      float tlow[NK];
+    float u[N];
+    if (y_ok && cs_ok) {
+      Recip d[NJ];
 #pragma unroll
-      for (int k = 0; k < NK; ++k) {
-        float l = 0.0f, hh = 0.0f;
+      for (int j = 0; j < NJ; ++j) d[j] = recip(cs[j]);
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int i = k * NJ + j;
-          u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
-          l = j == 0 ? u[i] : nanmin(l, u[i]);
-          hh = j == 0 ? u[i] : nanmax(hh, u[i]);
-        }
-        l = warp_nanmin(l);
-        hh = warp_nanmax(hh);
-        tstep[k] = Store<SC>::round(__fdiv_rn(__fsub_rn(hh, l), (float)QMAX), bits);
-        if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
-        if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
-        tlow[k] = Store<SC>::round(l, bits);
-        if (!is_finite(tlow[k])) errbits |= KVC_ERR_V_TOK_MIN;
-        if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, tlow[k], bits);
-      }
-      __syncthreads();  // ysm now holds code bytes [T][D]
-#pragma unroll
-      for (int k = 0; k < NK; ++k) {
-        const bool pos = tstep[k] > 0.0f;
-        const float safe = pos ? tstep[k] : 1.0f;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          float q = rintf(__fdiv_rn(__fsub_rn(u[k * NJ + j], tlow[k]), safe));
-          q = q < 0.0f ? 0.0f : (q > (float)QMAX ? (float)QMAX : q);
-          codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)(int)q : (u8)0;
-        }
-      }
+      for (int i = 0; i < N; ++i) u[i] = __fadd_rn(div_rn(Y(i), d[i % NJ]), 0.0f);
     } else {
-      // lloyd_max. A token's sum over c = l + 32*j is the codec's halving tree: in-thread over j
-      // (pairs c, c + D/2), then warp_tree over the lanes; every lane holds the result.
 #pragma unroll
-      for (int k = 0; k < NK; ++k) {
-        float t[NJ];
+      for (int i = 0; i < N; ++i) u[i] = __fadd_rn(__fdiv_rn(Y(i), cs[i % NJ]), 0.0f);  // canonical +0
+    }
+    // ---- V: per token over the channels (this warp's tokens) ---------------------------------------
+    constexpr int QMAX = (1 << VB) - 1;
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int i = k * NJ + j;
-          u[i] = __fadd_rn(__fdiv_rn(ysm[i * NT + tid], cs[j]), 0.0f);  // canonical +0 (codec: u + 0.0)
-          t[j] = u[i];
+    for (int k = 0; k < NK; ++k) {
+      float v[NJ];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) v[j] = u[k * NJ + j];
+      float step, low;
+      unsigned short sbits, lbits;
+      if constexpr (!LM) {
+        float lo = v[0], hi = v[0];
+#pragma unroll
+        for (int j = 1; j < NJ; ++j) {
+          lo = nanmin(lo, v[j]);
+          hi = nanmax(hi, v[j]);
         }
-        tree<NJ>(t);
-        const float mean = Store<SC>::round(__fdiv_rn(warp_tree(t[0]), (float)D), bits);
-        if (!is_finite(mean)) errbits |= KVC_ERR_V_TOK_MIN;
-        if (lane == k) Store<SC>::put(dst + sec.tok_min, w + W * k, mean, bits);
-        // u -= stored mean (in place: the codes need it again), then the sum of squares the same way
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int i = k * NJ + j;
-          u[i] = __fsub_rn(u[i], mean);
-          t[j] = __fmul_rn(u[i], u[i]);
-        }
-        tree<NJ>(t);
-        tstep[k] = Store<SC>::round(__fsqrt_rn(__fdiv_rn(warp_tree(t[0]), (float)D)), bits);
-        if (!is_finite(tstep[k])) errbits |= KVC_ERR_V_TOK_STEP;
-        if (lane == k) Store<SC>::put(dst + sec.tok_step, w + W * k, tstep[k], bits);
+        lo = warp_min(lo);
+        hi = warp_max(hi);
+        step = Store<SC>::round(__fdiv_rn(__fsub_rn(hi, lo), (float)QMAX), sbits);
+        if (!is_finite(step)) errbits |= KVC_ERR_V_TOK_STEP;
+        low = Store<SC>::round(lo, lbits);
+        if (!is_finite(low)) errbits |= KVC_ERR_V_TOK_MIN;
+      } else {
+        lloyd_max_axis<SC, VB, NJ>(v, (float)D, step, sbits, low, lbits, errbits, KVC_ERR_V_TOK_MIN, KVC_ERR_V_TOK_STEP);
       }
-      __syncthreads();  // ysm now holds code bytes [T][D]
+      const int t = token(k);
+      if (lane == 0) {
+        Store<SC>::put(dst + sec.tok_step, t, step, sbits);
+        Store<SC>::put(dst + sec.tok_min, t, low, lbits);
+      }
+      unsigned codes[NJ];
+      axis_codes<VB, LM, NJ>(v, low, step, codes);
+      // token-major: channels 32j .. 32j + 31 are VB words of the token's D * VB / 32
 #pragma unroll
-      for (int k = 0; k < NK; ++k) {
-        const bool pos = tstep[k] > 0.0f;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-          codes[(w + W * k) * D + lane + 32 * j] = pos ? (u8)lloyd_max_code<VB>(__fdiv_rn(u[k * NJ + j], tstep[k])) : (u8)0;
+      for (int j = 0; j < NJ; ++j) {
+        const unsigned word = pack_run<VB>(codes[j]);
+        if (lane < VB) reinterpret_cast<unsigned*>(dst + sec.v_codes + t * (D * VB / 8))[VB * j + lane] = word;
       }
     }
-    __syncthreads();
-    // pack: 16 output bytes (16 * 8 / VB channels of one token) per work item
-    constexpr int kPer = 8 / VB;                 // codes per byte
-    constexpr int kChunks = T * D * VB / 128;    // 16-byte output chunks
-    for (int q = tid; q < kChunks; q += NT) {
-      const unsigned* cw = reinterpret_cast<const unsigned*>(codes + q * 16 * kPer);  // token-major, contiguous
-      unsigned o[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        unsigned v = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // output byte 4m+e from codes [(4m+e)*kPer, +kPer)
-          unsigned byte = 0;
-#pragma unroll
-          for (int g = 0; g < kPer; ++g) {
-            const int ci = (4 * m + e) * kPer + g;
-            const unsigned code = (cw[ci >> 2] >> (8 * (ci & 3))) & 0xffu;
-            byte |= code << (VB * g);
-          }
-          v |= byte << (8 * e);
-        }
-        o[m] = v;
-      }
-      reinterpret_cast<uint4*>(dst + sec.v_codes)[q] = make_uint4(o[0], o[1], o[2], o[3]);
-    }
+    cluster_wait<R>();
   }
-  if (errbits) atomicOr(err, errbits);
+  errbits = __reduce_or_sync(KVC_FULL, errbits);
+  if (lane == 0 && errbits) atomicOr(err, errbits);
 }
 
-
-// The layer kernel's block: record (b, tile, head) = blockIdx.x, half = blockIdx.y, from strided input.
-template <int T, int D, typename IN, typename SC, int VB, bool LM>
+// The layer kernel's CTA: record (b, tile, head) = blockIdx.x / R, rank blockIdx.x % R (the cluster
+// spans x), half = blockIdx.y, from strided input.
+template <int T, int D, typename IN, typename SC, int VB, bool LM, int R>
 __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in, const IN* __restrict__ v_in,
                                                      long long k_sb, long long k_sh, long long k_st,
                                                      long long v_sb, long long v_sh, long long v_st,
@@ -722,7 +1021,7 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
                                                      int n_heads, int n_tiles, int iters, Sections sec,
                                                      float inv_sqrt_d, int* __restrict__ err) {
   const bool is_v = blockIdx.y != 0;
-  const long long rec = blockIdx.x;
+  const long long rec = blockIdx.x / R;
   const int h = (int)(rec % n_heads);
   const long long bt = rec / n_heads;
   const int tile = (int)(bt % n_tiles);
@@ -731,7 +1030,7 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
                                  : k_in + b * k_sb + h * k_sh + (long long)tile * T * k_st,
                             is_v ? v_st : k_st};
   u8* dst = out + b * o_sb + (long long)tile * o_si + h * o_sh;
-  compress_impl<T, D, IN, SC, VB, LM>(src, is_v, dst, iters, sec, inv_sqrt_d, err);
+  compress_impl<T, D, IN, SC, VB, LM, R>(src, is_v, dst, iters, sec, inv_sqrt_d, err);
 }
 
 // ==== the cache's append (kvarn_cutlass/ops/append.py) ============================================
@@ -878,7 +1177,7 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
     const StreamTile<IN, D> tile{win, chunk, st, i * T, ln.window_len, pl.n_sink};
     const long long slot = table[(long long)b * cap + ln.n_tiles + i];
     const int nbytes = sec.col_scale + D * (int)sizeof(SC);
-    compress_impl<T, D, IN, SC, VB, LM>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec, inv_sqrt_d, err);
+    compress_impl<T, D, IN, SC, VB, LM, 1>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec, inv_sqrt_d, err);
     return;
   }
   // aux block: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead
@@ -978,9 +1277,20 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
 
 }  // namespace kvc
 
-#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
-  extern "C" __global__ void __launch_bounds__(KVC_NT)                                                             \
-      kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                            \
+// The layer kernel: a thread-block cluster of KVC_RANKS CTAs per record half on sm_90 (the launch's
+// grid is records * KVC_RANKS wide; ops/compress.py reads the width from the kernel's
+// CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH), one CTA per half before.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVC_RANKS (KVARN_T / 16)
+#define KVC_CLUSTER_DIMS __cluster_dims__(KVC_RANKS, 1, 1)
+#else
+#define KVC_RANKS 1
+#define KVC_CLUSTER_DIMS
+#endif
+// its CTA size (ops/compress.py reads it from the kernel's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+#define KVC_LAYER_NT (kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::NT)
+#define KVC_LAYER_KERNEL(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                                  \
+  extern "C" __global__ void ATTRS NAME(                                                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
       long long v_sb, long long v_sh, long long v_st, u8* __restrict__ out, long long o_sb, long long o_si,        \
       long long o_sh, int n_heads, int n_tiles, int iters, int off_k_codes, int off_chan_step, int off_chan_min,   \
@@ -988,13 +1298,21 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
       int* __restrict__ err) {                                                                                      \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
-    kvc::compress_layer_block<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, o_sh, \
-                                                    n_heads, n_tiles, iters, sec, inv_sqrt_d, err);              \
+    kvc::compress_layer_block<T, D, IN, SC, VB, LM, RANKS>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, out, o_sb, o_si, \
+                                                           o_sh, n_heads, n_tiles, iters, sec, inv_sqrt_d, err);  \
   }
+// The layer kernel (a cluster per record half where there are clusters) and its one-CTA form
+// (kvarn_compress_cta_...: more records per SM when a launch has more halves than the GPU has room
+// for clusters; ops/compress.py picks).
+#define KVC_KERNEL(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                                   \
+  KVC_LAYER_KERNEL(kvarn_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                               \
+                   __launch_bounds__(KVC_LAYER_NT, 1) KVC_CLUSTER_DIMS, KVC_RANKS, T, D, IN, SC, VB, LM)           \
+  KVC_LAYER_KERNEL(kvarn_compress_cta_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                           \
+                   __launch_bounds__(KVC_NT, 1), 1, T, D, IN, SC, VB, LM)
 
 // The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above).
 #define KVC_APPEND_KERNELS(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                           \
-  extern "C" __global__ void __launch_bounds__(KVC_NT)                                                             \
+  extern "C" __global__ void __launch_bounds__(KVC_NT, 1)                                                          \
       kvarn_append_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                     \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
       long long v_sb, long long v_sh, long long v_st, const IN* __restrict__ win_k, const IN* __restrict__ win_v,  \

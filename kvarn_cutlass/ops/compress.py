@@ -1,7 +1,10 @@
 """GPU tile compression (``csrc/compress.cu``), byte-identical to :func:`kvarn_cutlass.codec.encode_tiles`.
 
-One launch compresses every record of a layer: one 512-thread block per (record, K or V half).
-Entry points:
+One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
+thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
+through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
+and in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), on one 512-thread CTA. The
+launch reads the cluster width and CTA size from the compiled kernel. Entry points:
 
 * :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
 * :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
@@ -46,12 +49,13 @@ import threading
 import torch
 
 from .. import codec
-from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, lloyd_max_thresholds
+from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, codebook, lloyd_max_thresholds
 from ..runtime.registry import register
 from ..runtime.spec import KernelSpec, get_kernel
 
 __all__ = [
     "COMPRESS_SIGNATURE",
+    "LAYER_ROLES",
     "THREADS",
     "ERROR_BITS",
     "ERROR_BITS_LLOYD_MAX",
@@ -117,16 +121,19 @@ def kernel_name(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
     quantizer: str = "uniform", role: str = "compress",
 ) -> str:
-    """The symbol of a kernel of the module; ``role``: ``compress`` (the codec's contract) or, in the
-    modules of the cache dtypes float16 / bfloat16 only, one of :data:`APPEND_ROLES` (the cache's
-    append, :mod:`kvarn_cutlass.ops.append`)."""
+    """The symbol of a kernel of the module; ``role``: one of :data:`LAYER_ROLES` (the codec's
+    contract: ``compress``, a thread-block cluster per record half on sm_90, and ``compress_cta``, one
+    CTA per half) or, in the modules of the cache dtypes float16 / bfloat16 only, one of
+    :data:`APPEND_ROLES` (the cache's append, :mod:`kvarn_cutlass.ops.append`)."""
     return (
         f"kvarn_{role}_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
         f"{_QUANT_SUFFIX[quantizer]}"
     )
 
 
-# The append kernels in the modules of the cache dtypes (compress.cu, the append section).
+# The layer kernels of every module, and the append kernels in the modules of the cache dtypes
+# (compress.cu, the append section).
+LAYER_ROLES = ("compress", "compress_cta")
 APPEND_ROLES = ("append_compress", "append_commit", "append_snapshot")
 APPEND_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -144,8 +151,9 @@ def compress_spec(
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
 
     The quantizer is compiled in (``KVARN_QUANT``), with the lloyd_max decision thresholds of
-    :func:`kvarn_cutlass.format.lloyd_max_thresholds` as defines, so the kernel cache keys of the
-    two quantizers differ and the thresholds have one source. The uniform module has neither.
+    :func:`kvarn_cutlass.format.lloyd_max_thresholds` and the codebook of
+    :func:`kvarn_cutlass.format.codebook` (the refit's sums) as defines, so the kernel cache keys of the
+    two quantizers differ and both have one source. The uniform module has neither.
     """
     defines = {
         "KVARN_T": tile_tokens,
@@ -156,16 +164,12 @@ def compress_spec(
         "KVARN_QUANT": _QUANT_CODE[quantizer],
     }
     if quantizer == "lloyd_max":
-        defines["KVARN_LM_THR4"] = _float_literals(lloyd_max_thresholds(4))  # K codes are 4-bit
-        if v_bits == 2:
-            defines["KVARN_LM_THR2"] = _float_literals(lloyd_max_thresholds(2))
+        for bits in (4, 2) if v_bits == 2 else (4,):  # K codes are 4-bit
+            defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
+            defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
-    names = (kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer),)
-    if in_dtype in APPEND_DTYPES:
-        names += tuple(
-            kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role)
-            for role in APPEND_ROLES
-        )
+    roles = LAYER_ROLES + (APPEND_ROLES if in_dtype in APPEND_DTYPES else ())
+    names = tuple(kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role) for role in roles)
     return KernelSpec(
         "compress.cu",
         names,
@@ -190,10 +194,18 @@ def _all_specs() -> list[KernelSpec]:
 register("compress", _all_specs)
 
 
-def smem_bytes(tile_tokens: int, head_dim: int) -> int:
-    """Dynamic shared memory per block (mirrors ``Shape::kSmemBytes`` in compress.cu)."""
-    T, D = tile_tokens, head_dim
-    return 4 * (T * D + _WARPS * D + 3 * D + 4 * _WARPS + 4 * (D // 32))
+def smem_bytes(tile_tokens: int, head_dim: int, ranks: int = 1) -> int:
+    """Dynamic shared memory per CTA of a record half spread over ``ranks`` CTAs (1: the append
+    kernels and sm_80; the layer kernel's cluster width on sm_90); mirrors ``Shape::kSmemBytes`` in
+    compress.cu (tests/test_compress.py reads the kernel's own constant)."""
+    T, D, R = tile_tokens, head_dim, ranks
+    W = 4 if R > 1 else _WARPS
+    nj = D // 32
+    y_slots = 0 if R > 1 else (T // W) * nj * 32 * W
+    big = max(y_slots, D // R * (T + 1))
+    xb = (D + 4 + nj + 3) // 4 * 4
+    floats = big + W * D + 2 * xb + 3 * D + 4 * W + W * nj + 2 * W + 12 + T + D
+    return (floats * 4 + 15) // 16 * 16
 
 
 def _inv_sqrt(d: int) -> float:
@@ -241,8 +253,34 @@ def _stream_flag(device: torch.device) -> torch.Tensor:
     return flag
 
 
-def _kernel(device_index: int, spec: KernelSpec):
-    return get_kernel(spec, spec.kernel_names[0], COMPRESS_SIGNATURE, device_index)
+def _kernel(device_index: int, spec: KernelSpec, role: str = "compress"):
+    return get_kernel(spec, spec.kernel_names[LAYER_ROLES.index(role)], COMPRESS_SIGNATURE, device_index)
+
+
+_layouts: dict[tuple[int, str], tuple[int, int]] = {}
+_sm_counts: dict[int, int] = {}
+# Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
+# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps, ~100 registers)
+# fits ~5 times per SM; past ~4 per SM a launch is throughput-bound and the one-CTA kernel is faster.
+_CLUSTER_CTAS_PER_SM = 4
+
+
+def _sm_count(index: int) -> int:
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
+    """(CTAs per record half, threads per CTA) of the layer kernel, as compiled: its cluster width
+    (sm_90: T / 16 CTAs of 128 threads; without a cluster one CTA of ``THREADS``)."""
+    key = (device_index, kernel.name)
+    layout = _layouts.get(key)
+    if layout is None:
+        ranks = max(1, int(kernel.attribute("REQUIRED_CLUSTER_WIDTH")))
+        layout = _layouts[key] = (ranks, int(kernel.attribute("MAX_THREADS_PER_BLOCK")))
+    return layout
 
 
 # --- validation -----------------------------------------------------------------------------------
@@ -334,14 +372,20 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
     kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer)
-    kernel = _kernel(k.device.index, kspec)
-    smem = smem_bytes(T, D)
+    index = k.device.index
+    kernel = _kernel(index, kspec)
+    ranks, threads = _layer_layout(kernel, index)
+    if ranks > 1 and 2 * n_records * ranks > _CLUSTER_CTAS_PER_SM * _sm_count(index):
+        kernel, ranks, threads = _kernel(index, kspec, "compress_cta"), 1, THREADS
+    if n_records * ranks > 2**31 - 1:
+        raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
+    smem = smem_bytes(T, D, ranks)
     limit = _smem_limit(k.device.index)
     if smem > limit:
         raise ValueError(f"compression of T={T}, D={D} needs {smem} bytes of shared memory per block, {k.device} has {limit}")
     offsets = [spec.offset(s) for s in _SECTIONS]
     args = (k, v, *kstr, *vstr, out, *ostr, H, n_tiles, spec.sinkhorn_iters, *offsets, _inv_sqrt(D), flag)
-    kernel.launch((n_records, 2), THREADS, args, shared_mem=smem)
+    kernel.launch((n_records * ranks, 2), threads, args, shared_mem=smem)
 
 
 def _finish(flag: torch.Tensor, sync_check: bool, spec: TileSpec) -> None:
