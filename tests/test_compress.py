@@ -2,12 +2,15 @@
 
 CPU part: every shape compiles with NVRTC for sm_90 and sm_80 with no GPU, every pair of input
 dtype, scale dtype and V bits on sm_90 (the lloyd_max quantizer for every shape on sm_90; the GPU
-part compiles every variant the cache can pick), the PTX holds no fused multiply-add, the
-lloyd_max thresholds are compiled in exactly, and the wrappers reject bad arguments with clear errors.
+part compiles every variant the cache can pick); the PTX holds no fused multiply-add but the fast
+division's, the layer kernel asks for a cluster of T/16 CTAs on sm_90 only, the lloyd_max
+thresholds are compiled in exactly, the launch's shared memory is the kernel's own constant, the
+tie tiles meet their decision boundaries, and the wrappers reject bad arguments with clear errors.
 GPU part (``-m gpu``): records byte-identical to ``codec.encode_tiles`` for every preset x head_dim x
 scale dtype x input dtype on random and adversarial tiles (lloyd_max: every preset x head_dim x scale
-dtype, the input dtype cycling), the codec's errors, every byte written, and a CUDA KVarNCache
-matching a CPU one.
+dtype, the input dtype cycling), on tiles whose codes sit on decision boundaries, through the
+cluster and the one-CTA layer kernels; the fast division against __fdiv_rn; the codec's errors, a
+rejected half writing nothing, every byte written, and a CUDA KVarNCache matching a CPU one.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """CPU mirror of the GPU compression kernel (``csrc/compress.cu``), operation for operation.
 
-``emulate_records`` replays the kernel in numpy float32 with its thread layout: per block (one
-record half), thread (warp w, lane l) holds the elements t = w + W*k (k < NK = T/W) and
-c = l + 32*j (j < NJ = D/32); arrays below are indexed ``[w, l, k, j]`` like the registers. Every
-in-thread halving tree, ``__shfl_xor`` butterfly (WHT stages h < 32, ``warp_tree``) and the
-cross-warp shared-memory tree is written out in the kernel's order; ``sqrt`` is correctly rounded
-like ``__fsqrt_rn``. Min/max reductions are order-free (finite input, canonical +0 after ``+ 0.0``).
-Both quantizers: lloyd_max's per-axis mean and sum of squares go through the kernel's column sum
-(in-thread tree over k, then tree<W> over the warps) or row sum (tree over j, then warp_tree).
+``emulate_records`` replays the kernel in numpy float32 with its thread layout, for a record half on
+one CTA of 16 warps (the append kernels, sm_80, big launches) or on a cluster of R = T/16 CTAs of 4
+warps (the layer kernel on sm_90): rank q, warp w, lane l hold tokens t = q + R*(w + W*k) and
+channels c = l + 32*j; arrays are indexed ``[q, w, l, k, j]`` like the registers. Every in-thread
+halving tree, ``__shfl_xor`` butterfly (WHT stages h < 32, ``warp_tree``), the tree over the warps
+(shared memory) and over the ranks (distributed shared memory), and the K half's per-channel trees
+after its transposition (tokens t = l + 32*i in the lanes) are written out in the kernel's order;
+``sqrt`` is correctly rounded like ``__fsqrt_rn``; divisions are IEEE (the kernel's
+reciprocal-and-correction sequence equals them: ``test_fast_division_is_the_ieee_quotient``).
+Min/max reductions are order-free (finite input, canonical +0 after ``+ 0.0``). Both quantizers,
+with lloyd_max's Gaussian fit and least-squares refit through the same per-axis sums.
 
 What the tests establish (no GPU needed):
 
@@ -17,8 +20,10 @@ What the tests establish (no GPU needed):
   in ``VML_HA`` mode, ATen ``cpu/vml.h``: ``IMPLEMENT_VML_MKL(sqrt, Sqrt)``), so the codec takes its
   sqrt in float64; a codec back on ``torch.sqrt`` fails the float32-scale cases here and
   ``tests/test_codec.py::test_codec_rms_is_the_correctly_rounded_sqrt``;
-* the lloyd_max path (per-axis mean and RMS) reproduces the codec on random, realistic and
-  degenerate tiles (constant axes: stored RMS 0, code 0).
+* for both layouts (one CTA, a cluster of ranks), so the rank-split trees keep the codec's order;
+* the lloyd_max path (Gaussian fit, refit) reproduces the codec on random, realistic and degenerate
+  tiles (constant axes: stored RMS 0, code 0; zero lines: the smallest scale);
+* the fast division is the IEEE quotient on adversarial operands in its admitted ranges.
 """
 
 from __future__ import annotations

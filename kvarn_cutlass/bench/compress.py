@@ -1,22 +1,21 @@
 """Bench section ``compress``: GPU tile compression of one layer, and the row-WHT kernels.
 
 Main case (Qwen3-8B shape): one layer, 8 KV heads, head_dim 128, one 128-token tile per head,
-``k4v2_g128`` with float16 scales: 8 records in one launch of 16 blocks (K and V halves).
-Variants: batch 16 (128 records), head_dim 64 and 256. Times are CUDA-event medians over rotating
-input sets, of the launch alone inside a CUDA graph (``graph_us``: GPU time) and of the eager call
-with a deferred error flag (``eager_us``: host launch overhead included, no sync); ``checked_us``
-is the default call, which reads the error flag back (one sync) as ``KVarNCache`` does.
+``k4v2_g128`` with float16 scales: 8 records in one launch. Variants: batch 16 (128 records), head_dim
+64 and 256. Times are CUDA-event medians over rotating input sets, of the launch alone inside a CUDA
+graph (``graph_us``: GPU time) and of the eager call with a deferred error flag (``eager_us``: host
+launch overhead included, no sync); ``checked_us`` is the default call, which reads the error flag
+back (one sync) as ``KVarNCache`` does. ``kernel`` says which layer kernel ran: ``cluster xR`` (a
+thread-block cluster of R = T/16 CTAs of 128 threads per record half, sm_90) or ``one CTA`` (512
+threads per half; ops.compress picks it for launches of more halves than fit as clusters).
 
 Bytes floor per record: read 2 * T * D * 2 bytes (K and V, fp16) and write ``tile_nbytes``
 (13,824 B for k4v2_g128, D=128, f16 scales): 8 records move 0.63 MB, 0.15 us at 4.25 TB/s. The
-kernel is latency/compute bound instead: per element of each half, 3 * sinkhorn_iters + 2 = 14
-correctly rounded float32 divisions (about 10 instructions each) plus the squares, tree sums and
-rounding, about 150 instructions: 128 * 128 * 150 / 32 = 77k warp instructions per block, 19k
-cycles at 4 per cycle on one SM, about 10 us at 1.98 GHz, plus ~20 block barriers.
-Prediction: ~12 us per layer at batch 1 (16 blocks on 16 of 132 SMs; target <= 20 us), ~25 us
-at batch 16 (256 blocks, one 512-thread block per SM: two waves), ~4 us for D=64 and ~25 us for
-D=256 at batch 1. Splitting a half across a thread-block cluster (sm_90) is the next step if the
-batch-1 latency matters.
+kernel is latency bound: five Sinkhorn candidates, each a chain of per-element divisions (now 5
+instructions each from the divisor's reciprocal), warp-shuffle row sums and one cluster-wide
+exchange of the column sums. Prediction (docs/perf-notes.md, "Tile compression on clusters"): ~8 us
+per layer at batch 1 (bar 10), ~45 us at batch 16 (one CTA per half, two waves), ~5 us for D=64 and
+~11 us for D=256 at batch 1.
 
 ``prefill_compress``: the appends of a 16k-token prompt in 512-token chunks (one layer, 8 KV heads,
 head_dim 128, k4v2_g128, window 256, fp16; chunks are token-range views of the prompt as a model's
@@ -80,6 +79,7 @@ def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions,
     return {
         "preset": preset,
         "quantizer": quantizer,
+        "kernel": _layer_kernel(spec, records),
         "batch": batch,
         "kv_heads": _KV_HEADS,
         "head_dim": head_dim,
@@ -93,6 +93,20 @@ def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions,
         "gb_per_s": round(bytes_per_set / (graph.median_us * 1e-6) / 1e9, 1),
         "graph_timing": graph.to_dict(),
     }
+
+
+def _layer_kernel(spec, records: int) -> str:
+    """Which layer kernel ops.compress launches for ``records`` records (its own rule)."""
+    import torch
+
+    from ..ops import compress as C
+
+    index = torch.cuda.current_device()
+    kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer)
+    ranks, _ = C._layer_layout(C._kernel(index, kspec), index)
+    if ranks > 1 and 2 * records * ranks <= C._CLUSTER_CTAS_PER_SM * C._sm_count(index):
+        return f"cluster x{ranks}"
+    return "one CTA"
 
 
 def _rotate_case(rows: int, head_dim: int, out_f32: bool, opts: BenchOptions) -> dict[str, Any]:
@@ -187,8 +201,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         "rotate": rotate,
         "prefill_compress_ms": prefill["prefill_compress_ms"],
         "prefill_compress": prefill,
-        "target_us_per_layer": 20.0,
-        "prediction_us_per_layer": {"b1_d128": 12.0, "b16_d128": 25.0, "b1_d64": 4.0, "b1_d256": 25.0},
+        "target_us_per_layer": 10.0,
+        "prediction_us_per_layer": {"b1_d128": 8.0, "b16_d128": 45.0, "b1_d64": 5.0, "b1_d256": 11.0,
+                                    "b1_d128_lloyd_max": 9.0, "prefill_compress_gpu_ms": 0.7},
     }
 
 

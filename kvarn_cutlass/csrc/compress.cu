@@ -470,6 +470,25 @@ __device__ __forceinline__ float pick(const float (&x)[N], int i) {
   return v;
 }
 
+// The column tree over a thread's NK rows (tokens) as a depth-first recursion: node(i, m) = the sum
+// over the rows k = i mod m, node(i, m) = node(i, 2m) + node(i + m, 2m) (the halving tree's order),
+// the leaves (m = NK) the rows zsq(k * NJ + j), each also handed to row(values, k) as it is made.
+// At most log2(NK) partial columns are live at once (registers: NK = 8 in a lone CTA).
+template <int I, int M, int NK, int NJ, typename Zsq, typename Row>
+__device__ __forceinline__ void column_node(float (&out)[NJ], const Zsq& zsq, const Row& row) {
+  if constexpr (M == NK) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) out[j] = zsq(I * NJ + j);
+    row(out, I);
+  } else {
+    float lo[NJ], hi[NJ];
+    column_node<I, 2 * M, NK>(lo, zsq, row);
+    column_node<I + M, 2 * M, NK>(hi, zsq, row);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) out[j] = __fadd_rn(lo[j], hi[j]);
+  }
+}
+
 template <int T, int D, int R>
 struct Shape {
   // 16 warps for a lone CTA; on a cluster 4 (one per scheduler): a CTA's tile is T / R = 16 tokens,
@@ -667,24 +686,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         const float sum = warp_tree(t[0]);
         rowsum = lane % NK == k ? sum : rowsum;
       };
-      // the column tree over k as a depth-first recursion: node(i, m) = the sum over the tokens
-      // k = i mod m, node(i, m) = node(i, 2m) + node(i + m, 2m), leaves (m = NK) the rows, made in
-      // that order; at most log2(NK) partial columns are live at once (registers: NK = 8 for a lone CTA)
-      auto node = [&](auto self, auto i_tag, auto m_tag, float (&out)[NJ]) -> void {
-        constexpr int I = decltype(i_tag)::value, Mm = decltype(m_tag)::value;
-        if constexpr (Mm == NK) {
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) out[j] = zsq(I * NJ + j);
-          row_sum(out, I);
-        } else {
-          float lo[NJ], hi[NJ];
-          self(self, Mode<I>{}, Mode<2 * Mm>{}, lo);
-          self(self, Mode<I + Mm>{}, Mode<2 * Mm>{}, hi);
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) out[j] = __fadd_rn(lo[j], hi[j]);
-        }
-      };
-      node(node, Mode<0>{}, Mode<1>{}, colp);
+      column_node<0, 1, NK>(colp, zsq, row_sum);
     };
     if (it == 0) candidate(Mode<0>{});
     else if (y_ok && s_ok && r_ok) candidate(Mode<1>{});

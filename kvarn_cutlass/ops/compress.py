@@ -3,7 +3,8 @@
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
 thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
-and in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), on one 512-thread CTA. The
+in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), and for launches of more halves than
+fit as clusters (over ~4 cluster CTAs per SM: ~33 records on an H200), on one 512-thread CTA. The
 launch reads the cluster width and CTA size from the compiled kernel. Entry points:
 
 * :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
