@@ -28,7 +28,8 @@
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
-# GPU_TEST_GROUPS (default: all) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR to each group.
+# GPU_TEST_GROUPS (default: all; "none": no tests) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR
+# to each group; GPU_TEST_PARALLEL=1 runs the groups at once.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.
@@ -100,12 +101,33 @@ if [ -n "${GPU_TUNE:-}" ]; then
 fi
 
 limit=${GPU_TEST_LIMIT:-120}
+# GPU_TEST_PARALLEL=1: the groups run at once (one process each; their logs are written whole, one
+# group after another, once all have finished); the GPU has room for several test processes.
+group_log="$OUT/groups"
+[ -z "${GPU_TEST_PARALLEL:-}" ] || mkdir -p "$group_log"
 for group in ${GPU_TEST_GROUPS:-runtime compress append rotate decode prefill hf}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
-  step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
-    ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files
+  if [ -n "${GPU_TEST_PARALLEL:-}" ]; then
+    (
+      timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+        ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files >"$group_log/$group.log" 2>&1
+      echo "gpu_$group: exit $?" >>"$SUMMARY"
+    ) &
+  else
+    step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+      ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files
+  fi
 done
+if [ -n "${GPU_TEST_PARALLEL:-}" ]; then
+  wait
+  for f in "$group_log"/*.log; do
+    echo "== $(basename "$f" .log) (parallel)" | tee -a "$OUT/gpu_check.log"
+    tee -a "$OUT/gpu_check.log" <"$f"
+  done
+  rm -rf "$group_log"
+  grep -q ": exit [1-9]" "$SUMMARY" && failed=1
+fi
 
 if [ "$#" -gt 0 ]; then
   bench_args=()
@@ -140,6 +162,14 @@ if [ -n "${GPU_NCU:-}" ]; then
       prefill) step ncu_prefill ncu_one prefill kvarn_prefill_fused ;;
     esac
   done
+fi
+
+# 6b'. GPU_PREFILL_VARIANTS="CONFIG ..." (or "tuned"): which role of the fused prefill kernel sets its
+#     pace (tools/prefill_variants.py: variants that leave one role's work out)
+if [ -n "${GPU_PREFILL_VARIANTS:-}" ]; then
+  variant_configs=()
+  [ "$GPU_PREFILL_VARIANTS" = tuned ] || variant_configs=($GPU_PREFILL_VARIANTS)
+  step prefill_variants timeout "${GPU_PREFILL_VARIANTS_LIMIT:-240}" python3 tools/prefill_variants.py "${variant_configs[@]}"
 fi
 
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
