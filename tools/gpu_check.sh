@@ -172,6 +172,10 @@ if [ -n "${GPU_PREFILL_VARIANTS:-}" ]; then
   step prefill_variants timeout "${GPU_PREFILL_VARIANTS_LIMIT:-240}" python3 tools/prefill_variants.py "${variant_configs[@]}"
 fi
 
+# 6b''. GPU_PREFILL_HOST=1: host time of prefill_attention and append against the fused kernel's GPU time,
+#     and a cProfile of the calls (tools/prefill_host.py)
+[ -z "${GPU_PREFILL_HOST:-}" ] || step prefill_host timeout 180 python3 tools/prefill_host.py
+
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
 #     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt
 if [ -n "${GPU_SANITIZE:-}" ]; then
