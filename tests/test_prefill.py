@@ -464,6 +464,28 @@ def test_gpu_matches_torch_path_poisoned_strided():
 
 
 @gpu
+def test_gpu_launches_reuse_no_stale_argument():
+    """A kernel's later launches rewrite every argument of its prepared launch: two caches of the same
+    variant (other pools, tables, windows, lengths) and chunks of other sizes and strides, interleaved,
+    each against the reference."""
+    _gpu_skip()
+    gen = torch.Generator().manual_seed(21)
+    D = 128
+    caches = [kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda") for _ in range(2)]
+    oc = outliers(gen, D)
+    for c, n0 in zip(caches, (700, 1500)):
+        _, k0, v0 = make_chunk(gen, 1, 2, 8, n0, D, torch.float16, oc, 0.3)
+        c.append(0, k0.cuda(), v0.cuda())
+    for c, n in ((caches[0], 300), (caches[1], 77), (caches[0], 1), (caches[1], 513)):
+        q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.3))
+        if n == 513:  # other strides
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        ref = kc.reference.attention(q, c, 0, k=k, v=v)
+        out = prefill_attention(q, k, v, c, 0)
+        assert rel(out, ref) < TOL, (n, rel(out, ref))
+
+
+@gpu
 def test_gpu_every_candidate_config():
     """Each tuner candidate that fits is correct (what `tune` may pick)."""
     _gpu_skip()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import struct
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -214,7 +215,12 @@ class UntunedPrefillConfigWarning(UserWarning):
 
 def select_config(spec: TileSpec, arch: str = "sm90") -> FusedConfig:
     """The tuned config of ``spec``'s bucket, else :data:`DEFAULT_CONFIGS` (with a warning once per bucket)."""
-    entry = _load_table(str(table_path(arch))).get(bucket_key(spec))
+    return _select_config(spec, arch, str(table_path(arch)))
+
+
+@functools.lru_cache(maxsize=None)
+def _select_config(spec: TileSpec, arch: str, table: str) -> FusedConfig:
+    entry = _load_table(table).get(bucket_key(spec))
     if entry and entry.get("status") == "tuned":
         cfg = FusedConfig(**entry["config"])
         if cfg.fits(spec.head_dim, spec.tile_tokens):
@@ -269,25 +275,55 @@ class FusedPrefillKernel:
         self.config = config
         self.spec = spec
         self._kernel = get_module(kspec, index).kernel(KERNEL_SYMBOL, _SIG)
+        self._device_index = index
         self.smem = smem_bytes(build(kspec, arch_target(device_arch(index), kspec.arch_specific)).cubin)
         if self.smem > MAX_SMEM_PER_BLOCK:
             raise ValueError(f"{kspec.name} needs {self.smem} bytes of shared memory (> {MAX_SMEM_PER_BLOCK})")
+        # The first launch is prepared with every argument checked; later ones rewrite its argument slots
+        # in one struct.pack_into and its grid: a chunk's launch costs a few microseconds of host time
+        # instead of ~150 (the prompt is otherwise host-bound for its short-context chunks).
+        self._prepared = None
+        self._write_args = None
 
     def launch(self, q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v, win_len,
                chunk_k, chunk_v, num_kv_heads, scale):
-        """All tensors on one CUDA device; shapes as in ``csrc/prefill_fused.cu``. q, out [B, Hq, n, D]."""
+        """All tensors on this kernel's CUDA device; shapes as in ``csrc/prefill_fused.cu``.
+        q, out [B, Hq, n, D]. Not thread-safe (one prepared launch per kernel, as PreparedLaunch)."""
         B, Hq, n, D = q.shape
         G = Hq // num_kv_heads
         grid = (math.ceil(G * n / self.config.rows), num_kv_heads, B)
-        args = (
-            q, *q.stride()[:3], out, *out.stride()[:3],
-            pool, tile_table, tile_table.shape[1], n_tiles,
-            sink_k, sink_v, sink_k.shape[2], sink_len,
-            win_k, win_v, win_k.shape[2], win_len,
-            chunk_k, chunk_v, *chunk_k.stride()[:3], *chunk_v.stride()[:3],
-            num_kv_heads, G, n, float(scale) * LOG2E,
-        )
-        self._kernel.launch(grid, self.config.threads, args, shared_mem=self.smem)
+        tensors = (q, out, pool, tile_table, sink_k, sink_v, win_k, win_v, chunk_k, chunk_v)
+        if self._prepared is None:
+            args = (
+                q, *q.stride()[:3], out, *out.stride()[:3],
+                pool, tile_table, tile_table.shape[1], n_tiles,
+                sink_k, sink_v, sink_k.shape[2], sink_len,
+                win_k, win_v, win_k.shape[2], win_len,
+                chunk_k, chunk_v, *chunk_k.stride()[:3], *chunk_v.stride()[:3],
+                num_kv_heads, G, n, float(scale) * LOG2E,
+            )
+            self._prepared = self._kernel.prepare(grid, self.config.threads, args, shared_mem=self.smem)
+            self._write_args = self._prepared.writer(0, len(_SIG))
+        else:
+            for t in tensors:
+                if not t.is_cuda or t.device.index != self._device_index:
+                    raise ValueError(f"{self._kernel.name}: a tensor is on {t.device}, the kernel on "
+                                     f"cuda:{self._device_index}")
+            try:
+                self._write_args(
+                    q.data_ptr(), *q.stride()[:3], out.data_ptr(), *out.stride()[:3],
+                    pool.data_ptr(), tile_table.data_ptr(), tile_table.shape[1], n_tiles,
+                    sink_k.data_ptr(), sink_v.data_ptr(), sink_k.shape[2], sink_len,
+                    win_k.data_ptr(), win_v.data_ptr(), win_k.shape[2], win_len,
+                    chunk_k.data_ptr(), chunk_v.data_ptr(), *chunk_k.stride()[:3], *chunk_v.stride()[:3],
+                    num_kv_heads, G, n, float(scale) * LOG2E,
+                )
+            except struct.error:  # a value out of its argument's range: prepare again, which names it
+                self._prepared = None
+                return self.launch(q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v,
+                                   win_len, chunk_k, chunk_v, num_kv_heads, scale)
+            self._prepared.set_grid(*grid)
+        self._prepared.launch()
 
 
 _kernels: dict[tuple, FusedPrefillKernel] = {}

@@ -10,6 +10,7 @@ settings and the paths in the docs and tools stay valid.
 
 from __future__ import annotations
 
+import functools
 import os
 from importlib import resources
 from pathlib import Path
@@ -25,4 +26,10 @@ def config_dir() -> Path:
     env = os.environ.get(CONFIG_ENV, "").strip()
     if env:
         return Path(env)
+    return _package_dir()
+
+
+@functools.lru_cache(maxsize=1)
+def _package_dir() -> Path:
+    # resolved once: importlib.resources costs ~30 us, and every prefill launch selects its config here
     return Path(os.fspath(resources.files("kvarn_cutlass") / "gemm_configs"))
