@@ -17,8 +17,8 @@
 // EMPTY[s] (consumers -> producers) hand each stage over, so dequantization overlaps the MMAs.
 //
 // Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
-// max|q_rot| lies in [2^7, 2^8), rounded to f16. The producers copy each record into a two-slot ring
-// (cp.async, one tile ahead) and dequantize it block by block into f16 operands:
+// max|q_rot| lies in [2^7, 2^8), rounded to f16. The producers copy each record into a ring of RSLOTS
+// slots (cp.async, each group one of its tiles ahead) and dequantize it block by block into f16 operands:
 //   K: kd[c][t] = f16(chan_min' + chan_step' * kbook[code])     (one fma rounding, channel-major)
 //      with chan_*' = f16(chan_* * 2^-ek); score[r][t] = (q_rot[r] . kd[:, t]) * row_scale[t] * 2^ek *
 //      scale * log2(e) / s_r
@@ -108,11 +108,10 @@ static_assert(!WGMMA || (RPW == 16 && BN == 64 && D <= 128),
               "wgmma: 16 rows per warp (64 per warpgroup), 64-token blocks, head_dim 64 or 128");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
-// byte tables, the per-row factors, and two stages. A stage holds a tile block (kd [D][KS] f16,
+// byte tables, the per-row factors, and the stages. A stage holds a tile block (kd [D][KS] f16,
 // vd [BN][QS] f16, tokf [BN] f32, the tile factor) or an exact block (K and V [BN][QS], cache dtype);
 // NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
-constexpr int SM_REC = 2 * REC;
 constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
@@ -124,6 +123,14 @@ constexpr int ST_EK = BN * QS * 2;  // the exact block's K; its V follows
 constexpr int ST_EXACT = 2 * ST_EK;
 // 128-byte aligned stages (wgmma descriptors address whole core matrices)
 constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 127) / 128 * 128;
+// Record slots: two per producer group where shared memory allows (a group's next record is then in
+// flight during its whole current tile; with one slot the group waits out a record's latency every tile).
+// opt-in dynamic shared memory per block: sm_90 227 KB, sm_80 / sm_87 163 KB, other sm_8x 99 KB
+constexpr int SMEM_LIMIT = (__CUDA_ARCH__ >= 900 ? 227 : (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870) ? 163 : 99) * 1024;
+constexpr int SMEM_BUT_RECORDS = SM_Q + SM_PAR + SM_LUT + SM_ROWF + 127 + NSTAGE * ST_BYTES;
+constexpr int RSLOTS = (NG == 2 && SMEM_BUT_RECORDS + 4 * REC <= SMEM_LIMIT) ? 4 : 2;
+constexpr int AHEAD = RSLOTS / NG - 1;  // records of a group's later tiles in flight while it works on one
+constexpr int SM_REC = RSLOTS * REC;
 constexpr int OFF_SM_REC = SM_Q;
 constexpr int OFF_SM_PAR = OFF_SM_REC + SM_REC;
 constexpr int OFF_SM_LUT = OFF_SM_PAR + SM_PAR;
@@ -246,6 +253,11 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* p, u32 lbo, u32 sbo) 
     d.bitfield.base_offset_ = 0;
     d.bitfield.layout_type_ = 0;  // INTERLEAVE (no swizzle)
     return d.desc_;
+}
+// desc advanced by `units` of 16 bytes: the start-address field (bits 0-13, address / 16 < 2^14 for shared
+// memory) never carries, so a 32-bit add of the low word is exact
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, u32 units) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + units);
 }
 // The accumulator of m64nNk16 per thread: N / 8 groups of 4 floats, in mma.sync's m16n8 order.
 template <class Op, int NG, size_t... I>
@@ -482,18 +494,21 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], const floa
 template <bool TILE>
 __device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float (&s)[SN][4]) {
     using Op = typename ScoreMMA<TILE ? false : (bool)CACHE_BF16, TILE>::Op;
+    // one descriptor per operand, advanced per k-step (desc_plus): building each k-step's descriptor from
+    // its pointer put a dozen dependent instructions between consecutive wgmmas
+    const uint64_t da = wgmma_desc(sQw, 1024, 128), db = wgmma_desc(sK, BN * 16, 128);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        gmma_ss<Op>(wgmma_desc(sQw + kk * 2048, 1024, 128), wgmma_desc(sK + kk * 2 * (BN * 16), BN * 16, 128), s,
+        gmma_ss<Op>(desc_plus(da, kk * (2048 >> 4)), desc_plus(db, kk * (2 * BN * 16 >> 4)), s,
                     kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
 }
 // acc += P . V for one block, P the packed A fragments (k16 step kt: score n8 tiles 2kt, 2kt + 1), issued.
 template <bool TILE>
 __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], const u8* sV, float (&acc)[ON][4]) {
     using Op = typename ValueMMA<TILE ? false : (bool)CACHE_BF16>::Op;
+    const uint64_t dv = wgmma_desc(sV, D * 16, 128);  // advanced per k-step as in issue_scores
 #pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt)
-        gmma_rs<Op>(pa[kt], wgmma_desc(sV + kt * 2 * (D * 16), D * 16, 128), acc, gmma::ScaleOut::One);
+    for (int kt = 0; kt < BN / 16; ++kt) gmma_rs<Op>(pa[kt], desc_plus(dv, kt * (2 * D * 16 >> 4)), acc, gmma::ScaleOut::One);
 }
 template <bool BF16>
 __device__ __forceinline__ void pack_p(const float (&s)[SN][4], u32 (&pa)[BN / 16][4]) {
@@ -1033,18 +1048,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         P.red = P.rs + T;
         const ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
-        // records through a two-slot ring (tile g in slot g % 2): a group fetches tile g + 2 as soon as it is
-        // done with tile g, so each record has at least one other tile's time to land
+        // records through a ring of RSLOTS slots (tile g in slot g % RSLOTS): a group fetches tile g + RSLOTS
+        // as soon as it is done with tile g, so each record has at least one other tile's time to land
         auto fetch = [&](int g) {
             const long long slot = tile_table[(long long)b * table_stride + g];
             const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
-            u8* dst = sRec + (g & 1) * REC;
+            u8* dst = sRec + (g % RSLOTS) * REC;
             for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
             cp_async_commit();
         };
         if (n_tiles > 0) {
             build_luts(sLut, ptid);
-            for (int g = 0; g < 2 && g < n_tiles; ++g)
+            for (int g = 0; g < RSLOTS && g < n_tiles; ++g)
                 if (g % NG == pg) fetch(g);
             bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
@@ -1057,10 +1072,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (bi < sc.nba) {
                 const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
                 if (t0 == 0) {  // a new tile: its record, factors and parameters
-                    if (NG == 1 && g + 1 < n_tiles) cp_async_wait_group<1>();  // tile g + 1 may stay in flight
+                    // the group's next tile g + NG may stay in flight
+                    if (AHEAD == 1 && g + NG < n_tiles) cp_async_wait_group<1>();
                     else cp_async_wait_all();
                     bar_sync(BAR_GROUP + pg, GT);  // record g landed (and the last tile's red was read)
-                    rec = sRec + (g & 1) * REC;
+                    rec = sRec + (g % RSLOTS) * REC;
                     tile_partial_max(rec, P.red, gtid);
                     bar_sync(BAR_GROUP + pg, GT);
                     const TileFactors f = tile_factors(P.red);
@@ -1076,9 +1092,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 if (gtid < BN) tokf[gtid] = P.rs[t0 + gtid];
                 if (gtid == 0) tokf[BN] = fv_tile;  // the consumers keep the running max of the tile factors
                 fence_operands_for_wgmma();
-                if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + 2
+                if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
                     bar_sync(BAR_GROUP + pg, GT);
-                    if (g + 2 < n_tiles) fetch(g + 2);
+                    if (g + RSLOTS < n_tiles) fetch(g + RSLOTS);
                 }
                 bar_arrive(BAR_FULL + s, HANDOFF);
             } else {
@@ -1098,7 +1114,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #endif
     // the rows this warp multiplies: its own (mma.sync) or its warpgroup's 64 (wgmma)
     constexpr int MMA_ROWS = WGMMA ? 64 : RPW;
-    const int mma_row0 = WGMMA ? (warp >> 2) * 64 : warp * RPW;
+    // the warpgroup index broadcast from lane 0 (as CUTLASS's canonical_warp_group_idx): the compiler then
+    // knows it is warp-uniform and keeps the wgmma descriptors derived from it in uniform registers
+    const int mma_row0 = WGMMA ? __shfl_sync(0xffffffffu, warp >> 2, 0) * 64 : warp * RPW;
     const u8* sQw = sQ + q_off(mma_row0, 0);
     RowState st;
     float acc[MT][ON][4];
@@ -1168,7 +1186,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     // consumer warpgroups the turns alternate (FA3's ping-pong): one warpgroup's MMAs run while the other
     // does its softmax.
     constexpr bool PINGPONG = NC == 8;
-    const int wg = warp >> 2;
+    const int wg = mma_row0 / 64;
     if (PINGPONG && wg == 1) bar_arrive(BAR_TURN, 256);  // the first turn is warpgroup 0's
     float s[1][SN][4];
     u32 pa[BN / 16][4];
