@@ -107,7 +107,7 @@ def walk(ins, folds: bool, rounds: int) -> int:
 def fold_roles(spec: TileSpec, group: int) -> tuple[int, int]:
     """(warps that fold, rounds each of them runs) in one iteration: fold_tiles' pair assignment."""
     d, t = spec.head_dim, spec.tile_tokens
-    lanes_per_pair = 8 if t == 128 else min(d // 4, 32)
+    lanes_per_pair = min(d // 4, 32)
     pairs = (128 // t) * group
     per_round = NUM_WARPS * 32 // lanes_per_pair
     return min(NUM_WARPS, math.ceil(pairs / (32 // lanes_per_pair))), math.ceil(pairs / per_round)

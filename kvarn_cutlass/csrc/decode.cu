@@ -474,17 +474,18 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
 }
 
 // --- fold: the score MMA's B operand and constants for the tiles of one iteration ------------------------
-// LPP lanes take one (tile, head) pair, pairs filling warps in order: T = 128: 8 lanes, so at G = 4 one warp
-// folds the four pairs and the per-pair reductions and constants are issued once for four; T = 64 (two
-// tiles per iteration): a warp per pair (fewer instructions per iteration there, measured in SASS). UPL
-// units of 4 channels each:
+// LPP lanes take one (tile, head) pair, pairs filling warps in order: a warp per pair (D = 64: half a warp),
+// so at T = 128 and G = 4 every warp folds one head. Warp w of every resident block issues on the same
+// SM sub-partition, so folding all pairs on one warp (8 lanes per pair, fewer instructions in all) made
+// that sub-partition issue 827 of the iteration's 2,195 warp-instructions; spread, the busiest warp issues
+// 608 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
 // unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
 // channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
 // score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
 __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
                                            int tid) {
-    constexpr int LPP = TPI == 1 ? 8 : (D / 4 < 32 ? D / 4 : 32), UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
+    constexpr int LPP = D / 4 < 32 ? D / 4 : 32, UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
     if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
     const int pl = tid % LPP;
     const int npairs = ntl * G;
