@@ -272,6 +272,23 @@ __device__ __forceinline__ float group_sum(float v) {
     for (int o = 1; o < N; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// Max of non-negative floats / wrapping u32 sum over groups of N consecutive lanes: a whole warp in one
+// REDUX (non-negative floats order as their bit patterns), smaller groups by shuffles.
+template <int N>
+__device__ __forceinline__ float group_max_nonneg(float v) {
+    if constexpr (N == 32) return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+    else return group_max<N>(v);
+}
+template <int N>
+__device__ __forceinline__ unsigned group_sum_u32(unsigned v) {
+    if constexpr (N == 32) {
+        return __reduce_add_sync(0xffffffffu, v);
+    } else {
+#pragma unroll
+        for (int o = 1; o < N; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    }
+}
 // Max / sum over the 8 lanes of a warp with the same lane % 4 (the tokens of one head).
 __device__ __forceinline__ float head_max(float v) {
 #pragma unroll
@@ -478,7 +495,7 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
 // so at T = 128 and G = 4 every warp folds one head. Warp w of every resident block issues on the same
 // SM sub-partition, so folding all pairs on one warp (8 lanes per pair, fewer instructions in all) made
 // that sub-partition issue 827 of the iteration's 2,195 warp-instructions; spread, the busiest warp issues
-// 608 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
+// 590 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
 // unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
 // channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
 // score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
@@ -516,7 +533,7 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
                 bias = fmaf(qa[i], QZ ? cm[i] : fmaf(8.f, cs[i], cm[i]), bias);
             }
         }
-        amax = group_max<LPP>(amax);
+        amax = group_max_nonneg<LPP>(amax);
         bias = group_sum<LPP>(bias);
         const float inv = amax > 0.f ? rcp(amax) * 127.f : 0.f;  // |x| <= 127 (1 + 2^-22) < 127.5
         unsigned ssum = 0;  // sum of the hi levels + 65536 x sum of the lo levels (|each| <= 127 D < 2^15)
@@ -537,10 +554,7 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
                 ssum += sh + (sl << 16);
             }
         }
-        if constexpr (!QZ) {
-#pragma unroll
-            for (int o = 1; o < LPP; o <<= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, o);
-        }
+        if constexpr (!QZ) ssum = group_sum_u32<LPP>(ssum);
         if (valid) {
             const int nb = h >> 2, hl = 2 * (h & 3) * 4;  // lane (g = 2 (h % 4) + level, q) of the fragment
 #pragma unroll
