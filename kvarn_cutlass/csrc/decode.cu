@@ -950,43 +950,62 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 }
 
 // --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
-// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). Partials with m = -inf
-// (empty splits) are skipped: their o was never written.
+// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
+// block's L2 round trips are on the step's latency chain, so the m and l of both ranges (tile part, exact
+// part) are loaded together, once, and the partial rows in unconditional batches (unroll 8). A partial
+// with m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the
+// stale row may hold anything (pl is always written).
+struct RangeHead {
+    int j0, n;     // partials [j0, j0 + n)
+    float m0, l0;  // m and l of partial j0 + lane (lane < n)
+    float M;       // max m of the range (-inf: no token)
+};
+
+__device__ __forceinline__ RangeHead range_head(const float* pm, const float* pl, size_t base, int G, int gg,
+                                                int j0, int j1, int lane) {
+    RangeHead r;
+    r.j0 = j0;
+    r.n = j1 - j0;
+    const size_t i0 = (base + j0) * G + gg;
+    r.m0 = lane < r.n ? __ldcg(pm + i0 + lane * G) : neg_inf();
+    r.l0 = lane < r.n ? __ldcg(pl + i0 + lane * G) : 0.f;
+    float m = r.m0;
+    for (int j = lane + 32; j < r.n; j += 32) m = fmaxf(m, __ldcg(pm + i0 + j * G));
+    r.M = m;
+    return r;
+}
+
+// L = sum_j 2^(m_j - M) l_j and o = sum_j 2^(m_j - M) o_j over the range (M already warp-reduced).
 template <int CPL>
-__device__ __forceinline__ void merge_range(const float* po, const float* pm, const float* pl, size_t base, int G,
-                                            int gg, int j0, int j1, int lane, float& M, float& L, float (&o)[CPL]) {
-    float m = neg_inf();
-    for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, __ldcg(pm + (base + j) * G + gg));
-    M = group_max<32>(m);
+__device__ __forceinline__ void range_rows(const RangeHead& r, const float* po, const float* pm, const float* pl,
+                                           size_t base, int G, int gg, int lane, float& L, float (&o)[CPL]) {
+    const size_t i0 = (base + r.j0) * G + gg;
+    const float* row = po + i0 * D + lane * CPL;
     float l = 0.f;
 #pragma unroll
     for (int k = 0; k < CPL; ++k) o[k] = 0.f;
-    for (int j32 = j0; j32 < j1; j32 += 32) {
+    for (int j32 = 0; j32 < r.n; j32 += 32) {
         const int j = j32 + lane;
-        float wj = 0.f;
-        if (j < j1) {
-            const float mj = __ldcg(pm + (base + j) * G + gg);
-            if (mj != neg_inf()) {
-                wj = exp2f(mj - M);
-                l = fmaf(wj, __ldcg(pl + (base + j) * G + gg), l);
-            }
-        }
-        const int nj = min(32, j1 - j32);
+        const float mj = j32 == 0 ? r.m0 : (j < r.n ? __ldcg(pm + i0 + j * G) : neg_inf());
+        const float lj = j32 == 0 ? r.l0 : (j < r.n ? __ldcg(pl + i0 + j * G) : 0.f);
+        const float wj = mj == neg_inf() ? 0.f : exp2f(mj - r.M);
+        l = fmaf(wj, lj, l);
+        const int nj = min(32, r.n - j32);
 #pragma unroll 8
-        for (int jj = 0; jj < nj; ++jj) {
+        for (int jj = 0; jj < nj; ++jj, row += G * D) {
             const float wgt = __shfl_sync(0xffffffffu, wj, jj);
-            if (wgt == 0.f) continue;  // warp-uniform
-            const float* row = po + ((base + j32 + jj) * G + gg) * D + lane * CPL;
             if constexpr (CPL % 4 == 0) {
 #pragma unroll
                 for (int k = 0; k < CPL; k += 4) {
                     const float4 v = __ldcg(reinterpret_cast<const float4*>(row + k));
-                    o[k] = fmaf(wgt, v.x, o[k]); o[k + 1] = fmaf(wgt, v.y, o[k + 1]);
-                    o[k + 2] = fmaf(wgt, v.z, o[k + 2]); o[k + 3] = fmaf(wgt, v.w, o[k + 3]);
+                    const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[k + e] = wgt != 0.f ? fmaf(wgt, vv[e], o[k + e]) : o[k + e];
                 }
             } else {
                 const float2 v = __ldcg(reinterpret_cast<const float2*>(row));
-                o[0] = fmaf(wgt, v.x, o[0]); o[1] = fmaf(wgt, v.y, o[1]);
+                o[0] = wgt != 0.f ? fmaf(wgt, v.x, o[0]) : o[0];
+                o[1] = wgt != 0.f ? fmaf(wgt, v.y, o[1]) : o[1];
             }
         }
     }
@@ -999,9 +1018,14 @@ __device__ void final_merge(const float* po, const float* pm, const float* pl, v
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const size_t base = (size_t)(b * Hkv + h) * (S + E);
     for (int gg = w; gg < G; gg += NW) {
-        float Mt, Lt, Me, Le, ot[CPL], oe[CPL];
-        merge_range<CPL>(po, pm, pl, base, G, gg, 0, S, lane, Mt, Lt, ot);
-        merge_range<CPL>(po, pm, pl, base, G, gg, S, S + E, lane, Me, Le, oe);
+        RangeHead rt = range_head(pm, pl, base, G, gg, 0, S, lane);
+        RangeHead re = range_head(pm, pl, base, G, gg, S, S + E, lane);
+        rt.M = group_max<32>(rt.M);
+        re.M = group_max<32>(re.M);
+        float Lt, Le, ot[CPL], oe[CPL];
+        range_rows<CPL>(rt, po, pm, pl, base, G, gg, lane, Lt, ot);
+        range_rows<CPL>(re, po, pm, pl, base, G, gg, lane, Le, oe);
+        const float Mt = rt.M, Me = re.M;
         wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
         const float M = fmaxf(Mt, Me);
         const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
