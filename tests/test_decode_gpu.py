@@ -405,7 +405,7 @@ def test_more_splits_than_tiles_and_one_split(splits):
     plan = decode.DecodePlan(c, splits=splits, min_tps=1)
     plan.refresh(0)
     q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.float16)
-    plan.workspace(2).po.fill_(float("nan"))  # G = 4 q heads / 2 KV heads
+    plan.workspace(2).po.fill_(float("nan"))  # group 2: 4 q heads over 2 KV heads
     out = torch.full_like(q, float("nan"))
     plan.launch(q, 0, out)
     torch.cuda.synchronize()

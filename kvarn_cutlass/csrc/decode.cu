@@ -495,7 +495,7 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
 // so at T = 128 and G = 4 every warp folds one head. Warp w of every resident block issues on the same
 // SM sub-partition, so folding all pairs on one warp (8 lanes per pair, fewer instructions in all) made
 // that sub-partition issue 827 of the iteration's 2,195 warp-instructions; spread, the busiest warp issues
-// 590 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
+// ~590 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
 // unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
 // channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
 // score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
