@@ -399,11 +399,13 @@ def test_tickets_reset_and_repeatable():
 
 @pytest.mark.parametrize("splits", [1, 64])
 def test_more_splits_than_tiles_and_one_split(splits):
-    """64 splits of a 6-tile sequence: most blocks are empty (neutral partials, skipped in the merge)."""
+    """64 splits of a 6-tile sequence: most blocks are empty (neutral partials, skipped in the merge). The
+    partial rows start as NaN: the merge loads the rows of empty splits too and must drop them by weight."""
     c = make_cache(2, 2, 64, preset="k4v2_g64", n=6 * 64 + 128, window=128, seed=70)
     plan = decode.DecodePlan(c, splits=splits, min_tps=1)
     plan.refresh(0)
     q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.float16)
+    plan.workspace(2).po.fill_(float("nan"))  # group 2: 4 q heads over 2 KV heads
     out = torch.full_like(q, float("nan"))
     plan.launch(q, 0, out)
     torch.cuda.synchronize()

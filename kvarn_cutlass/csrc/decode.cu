@@ -272,6 +272,23 @@ __device__ __forceinline__ float group_sum(float v) {
     for (int o = 1; o < N; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// Max of non-negative floats / wrapping u32 sum over groups of N consecutive lanes: a whole warp in one
+// REDUX (non-negative floats order as their bit patterns), smaller groups by shuffles.
+template <int N>
+__device__ __forceinline__ float group_max_nonneg(float v) {
+    if constexpr (N == 32) return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+    else return group_max<N>(v);
+}
+template <int N>
+__device__ __forceinline__ unsigned group_sum_u32(unsigned v) {
+    if constexpr (N == 32) {
+        return __reduce_add_sync(0xffffffffu, v);
+    } else {
+#pragma unroll
+        for (int o = 1; o < N; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    }
+}
 // Max / sum over the 8 lanes of a warp with the same lane % 4 (the tokens of one head).
 __device__ __forceinline__ float head_max(float v) {
 #pragma unroll
@@ -474,17 +491,18 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
 }
 
 // --- fold: the score MMA's B operand and constants for the tiles of one iteration ------------------------
-// LPP lanes take one (tile, head) pair, pairs filling warps in order: T = 128: 8 lanes, so at G = 4 one warp
-// folds the four pairs and the per-pair reductions and constants are issued once for four; T = 64 (two
-// tiles per iteration): a warp per pair (fewer instructions per iteration there, measured in SASS). UPL
-// units of 4 channels each:
+// LPP lanes take one (tile, head) pair, pairs filling warps in order: a warp per pair (D = 64: half a warp),
+// so at T = 128 and G = 4 every warp folds one head. Warp w of every resident block issues on the same
+// SM sub-partition, so folding all pairs on one warp (8 lanes per pair, fewer instructions in all) made
+// that sub-partition issue 827 of the iteration's 2,195 warp-instructions; spread, the busiest warp issues
+// ~590 (d128 k4v2, tools/decode_sass_loop.py). UPL units of 4 channels each:
 // unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
 // channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
 // score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
 __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
                                            int tid) {
-    constexpr int LPP = TPI == 1 ? 8 : (D / 4 < 32 ? D / 4 : 32), UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
+    constexpr int LPP = D / 4 < 32 ? D / 4 : 32, UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
     if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
     const int pl = tid % LPP;
     const int npairs = ntl * G;
@@ -515,7 +533,7 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
                 bias = fmaf(qa[i], QZ ? cm[i] : fmaf(8.f, cs[i], cm[i]), bias);
             }
         }
-        amax = group_max<LPP>(amax);
+        amax = group_max_nonneg<LPP>(amax);
         bias = group_sum<LPP>(bias);
         const float inv = amax > 0.f ? rcp(amax) * 127.f : 0.f;  // |x| <= 127 (1 + 2^-22) < 127.5
         unsigned ssum = 0;  // sum of the hi levels + 65536 x sum of the lo levels (|each| <= 127 D < 2^15)
@@ -536,10 +554,7 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
                 ssum += sh + (sl << 16);
             }
         }
-        if constexpr (!QZ) {
-#pragma unroll
-            for (int o = 1; o < LPP; o <<= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, o);
-        }
+        if constexpr (!QZ) ssum = group_sum_u32<LPP>(ssum);
         if (valid) {
             const int nb = h >> 2, hl = 2 * (h & 3) * 4;  // lane (g = 2 (h % 4) + level, q) of the fragment
 #pragma unroll
@@ -935,43 +950,62 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 }
 
 // --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
-// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). Partials with m = -inf
-// (empty splits) are skipped: their o was never written.
+// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
+// block's L2 round trips are on the step's latency chain, so the m and l of both ranges (tile part, exact
+// part) are loaded together, once, and the partial rows in unconditional batches (unroll 8). A partial
+// with m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the
+// stale row may hold anything (pl is always written).
+struct RangeHead {
+    int j0, n;     // partials [j0, j0 + n)
+    float m0, l0;  // m and l of partial j0 + lane (lane < n)
+    float M;       // max m of the range (-inf: no token)
+};
+
+__device__ __forceinline__ RangeHead range_head(const float* pm, const float* pl, size_t base, int G, int gg,
+                                                int j0, int j1, int lane) {
+    RangeHead r;
+    r.j0 = j0;
+    r.n = j1 - j0;
+    const size_t i0 = (base + j0) * G + gg;
+    r.m0 = lane < r.n ? __ldcg(pm + i0 + lane * G) : neg_inf();
+    r.l0 = lane < r.n ? __ldcg(pl + i0 + lane * G) : 0.f;
+    float m = r.m0;
+    for (int j = lane + 32; j < r.n; j += 32) m = fmaxf(m, __ldcg(pm + i0 + j * G));
+    r.M = m;
+    return r;
+}
+
+// L = sum_j 2^(m_j - M) l_j and o = sum_j 2^(m_j - M) o_j over the range (M already warp-reduced).
 template <int CPL>
-__device__ __forceinline__ void merge_range(const float* po, const float* pm, const float* pl, size_t base, int G,
-                                            int gg, int j0, int j1, int lane, float& M, float& L, float (&o)[CPL]) {
-    float m = neg_inf();
-    for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, __ldcg(pm + (base + j) * G + gg));
-    M = group_max<32>(m);
+__device__ __forceinline__ void range_rows(const RangeHead& r, const float* po, const float* pm, const float* pl,
+                                           size_t base, int G, int gg, int lane, float& L, float (&o)[CPL]) {
+    const size_t i0 = (base + r.j0) * G + gg;
+    const float* row = po + i0 * D + lane * CPL;
     float l = 0.f;
 #pragma unroll
     for (int k = 0; k < CPL; ++k) o[k] = 0.f;
-    for (int j32 = j0; j32 < j1; j32 += 32) {
+    for (int j32 = 0; j32 < r.n; j32 += 32) {
         const int j = j32 + lane;
-        float wj = 0.f;
-        if (j < j1) {
-            const float mj = __ldcg(pm + (base + j) * G + gg);
-            if (mj != neg_inf()) {
-                wj = exp2f(mj - M);
-                l = fmaf(wj, __ldcg(pl + (base + j) * G + gg), l);
-            }
-        }
-        const int nj = min(32, j1 - j32);
+        const float mj = j32 == 0 ? r.m0 : (j < r.n ? __ldcg(pm + i0 + j * G) : neg_inf());
+        const float lj = j32 == 0 ? r.l0 : (j < r.n ? __ldcg(pl + i0 + j * G) : 0.f);
+        const float wj = mj == neg_inf() ? 0.f : exp2f(mj - r.M);
+        l = fmaf(wj, lj, l);
+        const int nj = min(32, r.n - j32);
 #pragma unroll 8
-        for (int jj = 0; jj < nj; ++jj) {
+        for (int jj = 0; jj < nj; ++jj, row += G * D) {
             const float wgt = __shfl_sync(0xffffffffu, wj, jj);
-            if (wgt == 0.f) continue;  // warp-uniform
-            const float* row = po + ((base + j32 + jj) * G + gg) * D + lane * CPL;
             if constexpr (CPL % 4 == 0) {
 #pragma unroll
                 for (int k = 0; k < CPL; k += 4) {
                     const float4 v = __ldcg(reinterpret_cast<const float4*>(row + k));
-                    o[k] = fmaf(wgt, v.x, o[k]); o[k + 1] = fmaf(wgt, v.y, o[k + 1]);
-                    o[k + 2] = fmaf(wgt, v.z, o[k + 2]); o[k + 3] = fmaf(wgt, v.w, o[k + 3]);
+                    const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[k + e] = wgt != 0.f ? fmaf(wgt, vv[e], o[k + e]) : o[k + e];
                 }
             } else {
                 const float2 v = __ldcg(reinterpret_cast<const float2*>(row));
-                o[0] = fmaf(wgt, v.x, o[0]); o[1] = fmaf(wgt, v.y, o[1]);
+                o[0] = wgt != 0.f ? fmaf(wgt, v.x, o[0]) : o[0];
+                o[1] = wgt != 0.f ? fmaf(wgt, v.y, o[1]) : o[1];
             }
         }
     }
@@ -984,9 +1018,14 @@ __device__ void final_merge(const float* po, const float* pm, const float* pl, v
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const size_t base = (size_t)(b * Hkv + h) * (S + E);
     for (int gg = w; gg < G; gg += NW) {
-        float Mt, Lt, Me, Le, ot[CPL], oe[CPL];
-        merge_range<CPL>(po, pm, pl, base, G, gg, 0, S, lane, Mt, Lt, ot);
-        merge_range<CPL>(po, pm, pl, base, G, gg, S, S + E, lane, Me, Le, oe);
+        RangeHead rt = range_head(pm, pl, base, G, gg, 0, S, lane);
+        RangeHead re = range_head(pm, pl, base, G, gg, S, S + E, lane);
+        rt.M = group_max<32>(rt.M);
+        re.M = group_max<32>(re.M);
+        float Lt, Le, ot[CPL], oe[CPL];
+        range_rows<CPL>(rt, po, pm, pl, base, G, gg, lane, Lt, ot);
+        range_rows<CPL>(re, po, pm, pl, base, G, gg, lane, Le, oe);
+        const float Mt = rt.M, Me = re.M;
         wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
         const float M = fmaxf(Mt, Me);
         const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
