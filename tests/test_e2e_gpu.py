@@ -71,8 +71,24 @@ def test_graph_decode_with_a_transformers_static_cache_equals_eager_greedy(setup
     finally:
         model.set_attn_implementation("kvarn")
     assert torch.equal(got, want), f"first difference at {_first_difference(got, want)}"
-    for a, b in zip(cache.layers, eager_cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    held = 300 + new - 1  # the last token is chosen, never fed back
+    for i, (a, b) in enumerate(zip(cache.layers, eager_cache.layers)):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == held, f"layer {i}"
+        for name in ("keys", "values"):
+            x, y = getattr(a, name), getattr(b, name)  # float16 [1, kv_heads, 400, head_dim]
+            assert x.dtype == y.dtype == torch.float16 and x.shape == y.shape
+            # the slots past the last position: neither path writes them
+            assert not x[:, :, held:].any() and not y[:, :, held:].any(), f"layer {i} {name}: a slot past {held} written"
+            xw, yw = x[:, :, :held].float(), y[:, :, :held].float()
+            if i == 0:
+                # layer 0's K/V are a function of the token and its position only (no attention before them):
+                # the same bits, or the step writes another position
+                assert torch.equal(xw, yw), f"layer 0 {name}: first difference at {_first_difference(xw, yw)}"
+            else:
+                # later layers' K/V carry SDPA's output over the masked static buffer, whose kernel is not bound to
+                # the same bits eagerly and under capture: equal up to fp16 rounding
+                torch.testing.assert_close(xw, yw, rtol=1e-2, atol=1e-2 * float(yw.abs().max()),
+                                           msg=lambda m, i=i, name=name: f"layer {i} {name}: {m}")
 
 
 def test_replayed_steps_never_synchronize_and_sync_every_streams_the_tokens(setup):
