@@ -416,12 +416,12 @@ def test_bench_a_failed_record_merge_costs_the_other_sections_nothing(tmp_path, 
     results = {name: {"x": round(rng.uniform(1, 100), 3)} for name in ("decode", "prefill")}
     fake = {name: Section(name, lambda opts, name=name: results[name], "stand-in") for name in results}
     prov = {"gpu": "NVIDIA Test GPU", "compute_capability": "9.0", "date": "2031-01-01T00:00:00+00:00"}
-    merge = record.record_section
+    record_merge = record.record_section
 
-    def merge_fails_for_prefill(name, res, path, provenance):  # the first section to run
+    def merge_fails_for_prefill(name, res, path, provenance, merge=None):  # the first section to run
         if name == "prefill":
             raise OSError("disk full")
-        merge(name, res, path, provenance)
+        record_merge(name, res, path, provenance, merge=merge)
 
     monkeypatch.setattr(bench, "sections", lambda: fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

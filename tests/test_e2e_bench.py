@@ -42,7 +42,8 @@ def test_fp16_cache_bytes_and_backups_are_what_transformers_and_the_cache_alloca
     config = Qwen3Config(**{**e2e.QWEN3_8B, "num_hidden_layers": 3})
     static = StaticCache(config=config, max_cache_len=50)
     static.early_initialization(2, 8, 128, torch.float16, torch.device("cpu"))
-    assert sum(la.keys.nbytes + la.values.nbytes for la in static.layers) == e2e.fp16_cache_bytes(50, 3, 2, 8, 128)
+    held = sum(la.keys.nbytes + la.values.nbytes + la.cumulative_length.nbytes for la in static.layers)
+    assert held == e2e.fp16_cache_bytes(50, 3, 2, 8, 128)
     cache = KVarNCache(3, 2, 8, 128, window=256, max_seq_len=600)
     before = cache.allocated_nbytes()
     for layer in range(3):
@@ -173,3 +174,161 @@ def test_layer_override_is_checked_before_any_gpu_work(monkeypatch):
     monkeypatch.setenv("KVARN_E2E_LAYERS", "two")
     with pytest.raises(ValueError, match="KVARN_E2E_LAYERS"):
         e2e.run(e2e.BenchOptions(quick=True))
+
+
+# --- the flash fp16 prefill (the TTFT baseline) -------------------------------------------------------------------------
+def _tiny_qwen3():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    shape = {**e2e.QWEN3_8B, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 64])
+def test_fp16_prefill_is_transformers_static_cache_prefill(chunk):
+    """Against transformers' own chunked prefill of a StaticCache (masked SDPA over the whole buffer): the same last
+    logits and the same cache, the model's attention implementation left as it was."""
+    from transformers import StaticCache
+
+    from kvarn_cutlass.hf import prefill
+
+    model = _tiny_qwen3()
+    ids = torch.randint(0, 320, (2, 37), generator=torch.Generator().manual_seed(1))
+    want_cache = StaticCache(config=model.config, max_cache_len=45)
+    want = prefill(model, ids, want_cache, chunk).logits[:, -1]
+    cache = StaticCache(config=model.config, max_cache_len=45)
+    got = e2e.fp16_prefill(model, ids, cache, chunk)
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i, (a, b) in enumerate(zip(cache.layers, want_cache.layers)):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 37
+        # layer 0's K/V do not depend on attention; later layers' carry its rounding
+        check = torch.testing.assert_close if i else (lambda x, y, **_: torch.equal(x, y) or pytest.fail("layer 0"))
+        check(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+        check(a.values, b.values, rtol=1e-4, atol=1e-4)
+
+
+def test_fp16_prefill_refuses_a_used_or_small_cache_and_its_attention_needs_kv_end():
+    from transformers import StaticCache
+
+    model = _tiny_qwen3()
+    ids = torch.randint(0, 320, (1, 20))
+    with pytest.raises(ValueError, match="max_cache_len=10"):
+        e2e.fp16_prefill(model, ids, StaticCache(config=model.config, max_cache_len=10), 8)
+    cache = StaticCache(config=model.config, max_cache_len=30)
+    e2e.fp16_prefill(model, ids, cache, 8)
+    with pytest.raises(ValueError, match="empty StaticCache"):
+        e2e.fp16_prefill(model, ids, cache, 8)
+    with pytest.raises(ValueError, match="chunk_size"):
+        e2e.fp16_prefill(model, ids, StaticCache(config=model.config, max_cache_len=30), 0)
+    q, kv = torch.randn(1, 4, 3, 32), torch.randn(1, 2, 30, 32)
+    for bad in (None, 2, 31, True):
+        with pytest.raises(ValueError, match="kv_end"):
+            e2e.fp16_prefill_attention(None, q, kv, kv, None, kv_end=bad)
+
+
+def test_the_faster_fp16_prefill_is_ttft_ms_fp16_and_is_named():
+    row = {"ttft_ms_fp16_flash": 80.0, "ttft_ms_fp16_static_sdpa": 120.0}
+    e2e._fp16_ttft(row)
+    assert (row["ttft_ms_fp16"], row["ttft_fp16_baseline"]) == (80.0, "flash")
+    row = {"ttft_ms_fp16_static_sdpa": 120.0, "error_fp16_flash": "OutOfMemoryError"}
+    e2e._fp16_ttft(row)
+    assert (row["ttft_ms_fp16"], row["ttft_fp16_baseline"]) == (120.0, "static_sdpa")
+    doc = _record()
+    doc["sections"]["e2e"]["results"]["rows"][0]["ttft_fp16_baseline"] = "flash"
+    md = e2e.headline_markdown(doc)
+    assert "| 100.0 | 150.0 (flash) | 1.50x |" in md and f"flash: {e2e.FP16_TTFT_BASELINES['flash']}" in md
+
+
+# --- parts, their estimates and the merge --------------------------------------------------------------------------------
+def test_the_full_plan_runs_in_parts_each_of_which_fits_a_device_command():
+    p = e2e.FULL
+    assert e2e.plan_parts(p) == ["gen-b1-c512", "gen-b1-c2048", "gen-b16-c512", "gen-b16-c2048", "sweep-b1",
+                                 "sweep-b16", "granted"]
+    pp = e2e.parts_plan(p)
+    assert [n for n, _ in pp.parts] == e2e.plan_parts(p)
+    assert all(s > 0 for _, s in pp.parts) and all(pp.fixed_s + s < 600 for _, s in pp.parts)
+    assert pp.fixed_s + sum(s for _, s in pp.parts) > 600  # why it runs in parts
+    est = dict(pp.parts)
+    assert est["gen-b16-c512"] > 8 * est["gen-b1-c512"]  # the batch-16 prefills dominate
+    assert e2e.parts_plan(p, ["granted"]).fixed_s < pp.fixed_s  # no model, no kernels
+    with pytest.raises(ValueError, match=r"part 'gen-b2-c512' .*its parts: gen-b1-c512"):
+        e2e.parts_plan(p, ["gen-b2-c512"])
+
+
+def _part_results(rows=(), sweep=(), granted=(), parts=(), layers=36) -> dict:
+    res = {"shape": {**e2e.QWEN3_8B, "num_hidden_layers": layers}, "plan": {"layers": layers, "prompt": 16384},
+           "rows": [dict(r) for r in rows], "decode_sweep": [dict(x) for x in sweep],
+           "granted_context": [dict(g) for g in granted], "parts": {n: {"seconds": 1.0} for n in parts}}
+    res["bars"] = e2e._bars(res)
+    return res
+
+
+def test_merge_keeps_the_recorded_parts_and_replaces_the_remeasured():
+    r = lambda b, c, t: {"batch": b, "prompt": 16384, "chunk": c, "ttft_ms_kvarn": t, "ttft_ms_fp16": 50.0,  # noqa: E731
+                         "decode_tok_s_kvarn": 30.0, "decode_tok_s_fp16": 20.0}
+    recorded = _part_results(rows=[r(16, 512, 40.0), r(1, 512, 90.0)], sweep=[{"batch": 1, "context": 1024}],
+                             parts=["gen-b16-c512", "gen-b1-c512", "sweep-b1"])
+    new = _part_results(rows=[r(1, 512, 45.0), r(1, 2048, 45.0)],
+                        granted=[{"budget_gib": 8, "ratio": 4.7, "fits": True}],
+                        parts=["gen-b1-c512", "gen-b1-c2048", "granted"])
+    merged = e2e.merge_results(recorded, new)
+    assert [(x["batch"], x["chunk"], x["ttft_ms_kvarn"]) for x in merged["rows"]] == [(1, 512, 45.0), (1, 2048, 45.0),
+                                                                                        (16, 512, 40.0)]
+    assert merged["decode_sweep"] == recorded["decode_sweep"] and merged["granted_context"] == new["granted_context"]
+    assert set(merged["parts"]) == {"gen-b16-c512", "gen-b1-c512", "sweep-b1", "gen-b1-c2048", "granted"}
+    # the bars of the merged rows: b1 c512 re-measured (90 -> 45 ms against 50), b16 c512 kept
+    assert not recorded["bars"]["b1_c512_ttft_kvarn_le_fp16"] and merged["bars"]["b1_c512_ttft_kvarn_le_fp16"]
+    assert merged["bars"]["b16_c512_ttft_kvarn_le_fp16"] and "b1_c2048_ttft_kvarn_le_fp16" in merged["bars"]
+    assert merged["bars"]["goal_granted_8gib_ge_4.5x"] and not recorded["bars"].get("goal_granted_8gib_ge_4.5x")
+    other = _part_results(rows=[r(1, 512, 45.0)], layers=4)  # another configuration: replaces, never mixes
+    assert e2e.merge_results(recorded, other) == other
+
+
+def test_record_section_merges_with_the_sections_merge(tmp_path):
+    from kvarn_cutlass.bench.record import record_section
+
+    path = tmp_path / "h200.json"
+    a = _part_results(sweep=[{"batch": 1, "context": 1024}], parts=["sweep-b1"])
+    b = _part_results(sweep=[{"batch": 16, "context": 1024}], parts=["sweep-b16"])
+    record_section("e2e", a, path, {"date": "1"}, merge=e2e.merge_results)
+    record_section("e2e", b, path, {"date": "2"}, merge=e2e.merge_results)
+    entry = json.loads(path.read_text())["sections"]["e2e"]
+    assert [p["batch"] for p in entry["results"]["decode_sweep"]] == [1, 16] and entry["provenance"] == {"date": "2"}
+    record_section("e2e", b, path, {"date": "3"})  # without a merge the new results replace the entry
+    assert json.loads(path.read_text())["sections"]["e2e"]["results"] == b
+
+
+def test_group_parts_fills_commands_under_the_limit():
+    from kvarn_cutlass.cli.bench import group_parts
+
+    parts = [("a", 100.0), ("b", 300.0), ("c", 50.0), ("d", 250.0), ("e", 900.0)]
+    groups = group_parts(100.0, parts, 450.0)
+    assert sorted(n for g in groups for n in g) == ["a", "b", "c", "d", "e"]
+    est = dict(parts)
+    for g in groups:
+        assert g == sorted(g) and (len(g) == 1 or 100 + sum(est[n] for n in g) <= 450)
+    assert ["e"] in groups  # too long for any command: alone
+    with pytest.raises(ValueError, match="--command-limit"):
+        group_parts(100.0, parts, 100.0)
+
+
+def test_cli_lists_the_parts_and_checks_part_before_any_gpu_work(capsys):
+    from kvarn_cutlass.cli import main
+
+    assert main(["bench", "--section", "e2e", "--list-parts"]) == 0
+    out = capsys.readouterr().out
+    commands = [ln.split("#")[0].split() for ln in out.splitlines() if ln.strip().startswith("kvarn-cutlass bench")]
+    named = [c[i + 1] for c in commands for i, w in enumerate(c) if w == "--part"]
+    assert sorted(named) == sorted(e2e.plan_parts(e2e.FULL))  # every part in exactly one command
+    for line in out.splitlines():
+        if line.strip().startswith("kvarn-cutlass bench"):
+            assert int(line.split("# ~")[1].split()[0]) <= 450
+    for argv, match in ((["--part", "granted"], "exactly one --section"),
+                        (["--section", "e2e", "--part", "gen-b2-c512"], "not among the parts"),
+                        (["--section", "copy", "--part", "x"], "does not run in parts"),
+                        (["--section", "copy", "--list-parts"], "runs in parts")):
+        assert main(["bench", *argv]) == 1
+        assert match in capsys.readouterr().err

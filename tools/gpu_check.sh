@@ -26,6 +26,8 @@
 # 8. GPU_GENERATE=1: the greedy-agreement rows of docs/accuracy.md on CUDA -> $OUT/generate.jsonl
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
+# GPU_BENCH_PARTS="PART ..." passes --part PART for each (one section that runs in parts, e.g. e2e:
+# `kvarn-cutlass bench --section e2e --list-parts` names them and groups them into commands);
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
 # GPU_TEST_GROUPS (default: all; "none": no tests) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR
@@ -133,6 +135,7 @@ if [ "$#" -gt 0 ]; then
   bench_args=()
   [ -n "${GPU_BENCH_QUICK:-}" ] && bench_args+=(--quick)
   [ -n "${GPU_BENCH_OUT:-}" ] && bench_args+=(--out "$GPU_BENCH_OUT")
+  for part in ${GPU_BENCH_PARTS:-}; do bench_args+=(--part "$part"); done
   for s in "$@"; do
     [ "$s" = "all" ] || bench_args+=(--section "$s")
   done

@@ -2,19 +2,21 @@
 
 Model: transformers ``Qwen3Config`` with Qwen3-8B's shape (36 layers, hidden 4096, intermediate 12288,
 32 q / 8 KV heads, head_dim 128, vocabulary 151936, untied LM head) and seeded random weights (no
-download), float16 on the GPU, built once. Both caches run that model object through the same code,
-:class:`kvarn_cutlass.hf.static_step.StaticGreedy` (chunked prefill, then the whole decode step captured
-once in a CUDA graph and replayed per token), in the same run:
+download), float16 on the GPU, built once per command. Both caches run that model object through the same
+code, :class:`kvarn_cutlass.hf.static_step.StaticGreedy` (chunked prefill, then the whole decode step
+captured once in a CUDA graph and replayed per token), in the same run:
 
 * KVarN: :class:`kvarn_cutlass.hf.KVarNCache` (k4v2_g128, window 256, ``max_seq_len`` = prompt + new
   tokens) with attention ``kvarn``: the fused prefill kernel per chunk and layer; in the graph the device
   append (tile compression included) and the int8 decode kernel;
 * fp16: transformers ``StaticCache`` (``max_cache_len`` = prompt + new tokens) with attention ``sdpa``,
   transformers' own path: a decode step attends over the whole static buffer with a mask built on the
-  device (SDPA on the KV heads, ``pack_gqa``); prefill chunks after the first attend over the whole
-  buffer with a materialized mask and K/V repeated to the query heads. That is what transformers does
-  with a StaticCache, not the best fp16 prefill: ``bench --section prefill`` compares the attention
-  kernels with flash attention.
+  device; prefill chunks after the first attend over the whole buffer with a materialized mask.
+  That is not the strongest fp16 prefill, so TTFT also times :func:`fp16_prefill`: the same model, cache
+  and cache writes, with each chunk's attention SDPA flash over the filled prefix only
+  (``causal_lower_right``, grouped K/V), as ``bench --section prefill`` times one layer. ``ttft_ms_fp16``
+  is the faster of the two and ``ttft_fp16_baseline`` names it (``flash`` / ``static_sdpa``); both are kept
+  (``ttft_ms_fp16_flash``, ``ttft_ms_fp16_static_sdpa``).
 
 ``rows``: per batch (1, 16) and prefill chunk (512, 2048), a 16384-token random prompt and 300 new tokens:
 
@@ -26,17 +28,27 @@ once in a CUDA graph and replayed per token), in the same run:
   every replay after the first (eager) step, one synchronization at the end; the context grows from the
   prompt to prompt + new tokens over them;
 * ``peak_mem_gib_*``: ``torch.cuda.max_memory_allocated`` over the last run's prefill and decode (weights
-  included); ``cache_bytes_*``: the cache's tensors (KVarN ``allocated_nbytes()``, with the window backups
-  of the step; fp16 the static K/V buffers); ``est_peak_gib_*``: :func:`estimate_bytes`.
+  included; ``peak_mem_gib_fp16_flash_prefill``: the flash prefills'); ``cache_bytes_*``: the cache's
+  tensors (KVarN ``allocated_nbytes()``, with the window backups of the step; fp16 the static K/V
+  buffers); ``est_peak_gib_*``: :func:`estimate_bytes`.
 
 ``decode_sweep``: decode tokens/s against the context at batch 1 and 16 (the plot): each cache is filled
 with random K/V up to the context (``library.append`` / ``StaticLayer.update``; the decode time does
 not depend on the values), then a one-token prompt and the same graph-replayed steps.
 
-``granted_context``: the longest context whose cache fits in 8 and 64 GiB (batch 1, 36 layers, whatever
-the model's layer count), KVarN against fp16, computed from the record layout (:func:`kvarn_cache_bytes`:
-a pool of ``ceil(L / 128)`` records per KV head and layer, the tile table, the window buffers, the
-lengths) and checked by allocating both caches on the GPU (``torch.cuda.memory_allocated`` around it).
+``granted_context``: the longest context whose cache fits in 8 and 64 GiB (``Plan.budgets_gib``; batch 1,
+36 layers, whatever the model's layer count), KVarN against fp16, computed from the record layout
+(:func:`kvarn_cache_bytes`: a pool of ``ceil(L / 128)`` records per KV head and layer, the tile table, the
+window buffers, the lengths; :func:`fp16_cache_bytes`) and checked by allocating both caches on the GPU:
+the bytes they request from this process's caching allocator must be exactly the computed ones (other
+processes on the GPU do not change that count; an allocation that fails is recorded, not raised).
+
+Parts: a full run (estimated ~10 min with the first compiles) is more than one 10-minute device command,
+so it runs in parts (:func:`plan_parts`): ``gen-b<B>-c<C>`` (one row), ``sweep-b<B>``, ``granted``.
+``kvarn-cutlass bench --section e2e --list-parts`` prints each part's estimate (:func:`estimate_part_seconds`,
+from H200 rates in :data:`RATES`) and groups them into commands; ``--part NAME`` runs some, and
+:func:`merge_results` folds them into the record's e2e entry (rows, sweep points, budgets by key; each part's
+measured seconds, date and commit under ``parts``). A run prints its estimates and progress on stderr.
 
 Memory (:func:`estimate_bytes`): weights 16.4 GB; at batch 16 and 16384 + 300 tokens the fp16 cache is
 39.4 GB and the KVarN cache 9.0 GB (+0.6 GB window backups); the largest prefill transient (chunk 2048,
@@ -44,11 +56,10 @@ fp16: MLP activations 2.4 GB, K/V repeated to 32 heads over the whole buffer 4.4
 states) ~9 GB: peaks ~65 GB (fp16) and ~30 GB (KVarN), within the H200's 139 GiB. The sweep's largest
 point (batch 16, 32k, fp16) needs ~94 GB. A run that still runs out of memory is recorded with its error.
 
-Run: ``kvarn-cutlass bench --section e2e`` (estimated ~6 min on an H200: the batch-16 prefills dominate),
-``--quick`` (4 layers, a 4096-token prompt, 64 new tokens, a shorter sweep: ~1-2 min, most of it the
-kernels' first compile on a cold kernel cache). ``KVARN_E2E_LAYERS=N`` overrides the layer count of
-either. The README's headline table and the plot, from the record, without a GPU:
-``python3 -m kvarn_cutlass.bench.e2e``.
+Run: ``kvarn-cutlass bench --section e2e --list-parts`` for the commands, or ``--quick`` (4 layers, a
+4096-token prompt, 64 new tokens, a shorter sweep: ~3-4 min, most of it the kernels' first compile on a
+cold kernel cache). ``KVARN_E2E_LAYERS=N`` overrides the layer count of either. The README's headline
+table and the plot, from the record, without a GPU: ``python3 -m kvarn_cutlass.bench.e2e``.
 """
 
 from __future__ import annotations
@@ -65,10 +76,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import BenchOptions, register_section
+from . import BenchOptions, PartsPlan, register_section
 
-__all__ = ["FULL", "QUICK", "QWEN3_8B", "Plan", "estimate_bytes", "fp16_cache_bytes", "granted_context",
-           "headline_markdown", "kvarn_cache_bytes", "run", "run_plan", "update_readme", "write_plot"]
+__all__ = ["FULL", "QUICK", "QWEN3_8B", "Plan", "estimate_bytes", "estimate_part_seconds", "fp16_cache_bytes",
+           "fp16_prefill", "fp16_prefill_attention", "granted_context", "headline_markdown", "kvarn_cache_bytes",
+           "merge_results", "parts_plan", "plan_parts", "run", "run_plan", "update_readme", "write_plot"]
 
 # Qwen3-8B's shape (its config.json), but random weights
 QWEN3_8B: dict[str, Any] = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -84,8 +96,9 @@ KINDS = ("kvarn", "fp16")
 @dataclass(frozen=True)
 class Plan:
     """What one run measures: ``layers`` of the model, a ``prompt``-token prompt plus ``new_tokens``, at each of
-    ``batches`` x ``chunks`` (``reps`` prefills each), and the decode sweep (``(batch, contexts)`` pairs,
-    ``sweep_steps`` timed replays per point)."""
+    ``batches`` x ``chunks`` (``reps`` prefills each), the decode sweep (``(batch, contexts)`` pairs,
+    ``sweep_steps`` timed replays per point), and the granted context at each of ``budgets_gib`` (GiB, the
+    Qwen3-8B shape's 36 layers whatever ``layers``)."""
 
     layers: int
     prompt: int
@@ -95,6 +108,7 @@ class Plan:
     reps: int
     sweep: tuple[tuple[int, tuple[int, ...]], ...]
     sweep_steps: int
+    budgets_gib: tuple[float, ...] = BUDGETS_GIB
 
 
 FULL = Plan(36, 16384, 300, (1, 16), (512, 2048), 3,
@@ -126,9 +140,9 @@ def backup_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, window: 
 
 
 def fp16_cache_bytes(tokens: int, layers: int, batch: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes of a transformers ``StaticCache`` of ``tokens`` in float16: K and V [batch, kv_heads, tokens, head_dim]
-    per layer."""
-    return layers * 2 * batch * kv_heads * tokens * head_dim * 2
+    """Bytes of a transformers ``StaticCache`` of ``tokens`` in float16: per layer K and V [batch, kv_heads, tokens,
+    head_dim] and the int64 ``cumulative_length``."""
+    return layers * (2 * batch * kv_heads * tokens * head_dim * 2 + 8)
 
 
 def weight_bytes(shape: dict[str, Any]) -> int:
@@ -172,8 +186,174 @@ def granted_context(budget_bytes: int, layers: int, kv_heads: int, head_dim: int
     base = kvarn_cache_bytes(0, layers, batch, kv_heads, head_dim, preset, window)
     per_tile = kvarn_cache_bytes(T, layers, batch, kv_heads, head_dim, preset, window) - base
     kvarn = max(0, (budget_bytes - base) // per_tile) * T
-    fp16 = budget_bytes // fp16_cache_bytes(1, layers, batch, kv_heads, head_dim)
+    base = fp16_cache_bytes(0, layers, batch, kv_heads, head_dim)
+    fp16 = max(0, (budget_bytes - base) // (fp16_cache_bytes(1, layers, batch, kv_heads, head_dim) - base))
     return {"kvarn": int(kvarn), "fp16": int(fp16)}
+
+
+# --- parts of a run and their estimated durations (no GPU) -------------------------------------------------------------
+# H200 rates the estimates assume. Measured in docs/benchmarks/h200.json: an fp16 8192^3 matmul at 765 TFLOPS; one
+# layer's chunked prefill of 16384 tokens (32 q / 8 KV heads, batch 1): KVarN 15.3 / 10.5 ms, SDPA flash 8.6 / 7.0 ms
+# at chunk 512 / 2048, the appends alone 1.5 ms (chunk 2048); decode's copy ceiling 4250 GB/s. Derated for a whole
+# model (GEMMs at 500 TFLOPS, reads at 3 TB/s), transformers' StaticCache prefill (a masked kernel over the whole
+# buffer, K/V repeated to the query heads) at 4x flash's time. Fixed per command: imports, the model build on the
+# GPU, and the first compiles of the kernels on a cold kernel cache (the largest and least certain term).
+RATES: dict[str, Any] = {"gemm_flops_s": 500e12, "read_bytes_s": 3.0e12, "kvarn_layer_ms": {512: 15.3, 2048: 10.5},
+                         "flash_layer_ms": {512: 8.6, 2048: 7.0}, "static_sdpa_over_flash": 4.0, "append_layer_ms": 1.5,
+                         "capture_s": 2.0, "imports_s": 20.0, "build_s_per_layer": 1.0, "compile_s": 150.0}
+PART_PATTERNS = ("gen-b<batch>-c<chunk>", "sweep-b<batch>", "granted")
+
+
+def plan_parts(plan: Plan) -> list[str]:
+    """The parts of ``plan`` in run order: ``gen-b<B>-c<C>`` (one row: TTFT, decode, peak memory of both caches at batch
+    B, chunk C), ``sweep-b<B>`` (the decode sweep's points of batch B), ``granted`` (the granted context)."""
+    return ([f"gen-b{b}-c{c}" for b in plan.batches for c in plan.chunks] + [f"sweep-b{b}" for b, _ in plan.sweep]
+            + ["granted"])
+
+
+def _parse_part(plan: Plan, name: str) -> tuple:
+    """``("gen", batch, chunk)``, ``("sweep", batch)`` or ``("granted",)``; ValueError naming the part otherwise."""
+    if name in plan_parts(plan):
+        if name == "granted":
+            return ("granted",)
+        nums = tuple(int(x) for x in re.findall(r"\d+", name))
+        return (name.split("-")[0], *nums)
+    raise ValueError(f"part {name!r} is not a part of this e2e plan (patterns {', '.join(PART_PATTERNS)}); "
+                     f"its parts: {', '.join(plan_parts(plan))}")
+
+
+def _nonembedding_params(layers: int, shape: dict[str, Any] = QWEN3_8B) -> int:
+    """Weights per layer that every token multiplies (projections and MLP), times ``layers``."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    return layers * (2 * h * q + 2 * h * kv + 3 * h * inter)
+
+
+def _prefill_s(prefill: str, layers: int, batch: int, prompt: int, chunk: int) -> float:
+    """Estimated seconds of one chunked prefill; ``prefill``: 'kvarn', 'flash' or 'static_sdpa'."""
+    gemm = 2 * batch * prompt * _nonembedding_params(layers) / RATES["gemm_flops_s"]
+    table = RATES["kvarn_layer_ms"] if prefill == "kvarn" else RATES["flash_layer_ms"]
+    ms = table[min(table, key=lambda c: abs(c - chunk))] * (prompt / 16384) ** 2
+    if prefill == "static_sdpa":
+        ms *= RATES["static_sdpa_over_flash"]
+    return gemm + layers * batch * ms / 1e3
+
+
+def _step_s(kind: str, layers: int, batch: int, capacity: int) -> float:
+    """Estimated seconds of one decode step: the weights and the cache read once (fp16: the whole static buffer)."""
+    H, D = QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
+    cache = (kvarn_cache_bytes(capacity, layers, batch, H, D) if kind == "kvarn"
+             else fp16_cache_bytes(capacity, layers, batch, H, D))
+    return (weight_bytes({**QWEN3_8B, "num_hidden_layers": layers}) + cache) / RATES["read_bytes_s"]
+
+
+def estimate_part_seconds(plan: Plan, part: str) -> float:
+    """Estimated seconds of ``part`` of ``plan`` on an H200 (:data:`RATES`), the fixed per-command cost excluded."""
+    what = _parse_part(plan, part)
+    L = plan.layers
+    if what[0] == "gen":
+        b, c = what[1:]
+        total = plan.prompt + plan.new_tokens
+        prefills = sum(_prefill_s(p, L, b, plan.prompt, c) for p in ("kvarn", "static_sdpa", "flash"))
+        decode = sum(plan.new_tokens * _step_s(k, L, b, total) + RATES["capture_s"] for k in KINDS)
+        return plan.reps * prefills + decode
+    if what[0] == "sweep":
+        b = what[1]
+        t = 0.0
+        for context in dict(plan.sweep)[b]:
+            fill = L * b * RATES["append_layer_ms"] * context / 16384 / 1e3
+            fill += 3 * fp16_cache_bytes(context, L, b, 8, 128) / RATES["read_bytes_s"]  # random K/V, written, copied
+            t += fill + sum((plan.sweep_steps + 2) * _step_s(k, L, b, context) + RATES["capture_s"] for k in KINDS)
+        return t
+    return 2.0 + 2 * sum(b * GIB for b in plan.budgets_gib) / RATES["read_bytes_s"]  # zero-filled allocations
+
+
+def parts_plan(plan: Plan, parts: list[str] | None = None) -> PartsPlan:
+    """The :class:`kvarn_cutlass.bench.PartsPlan` of ``parts`` (default: all) of ``plan``: the fixed seconds (imports;
+    with a ``gen`` or ``sweep`` part the model build and the first kernel compiles) and each part's estimate."""
+    names = plan_parts(plan) if parts is None else list(dict.fromkeys(parts))
+    kinds = {_parse_part(plan, n)[0] for n in names}
+    fixed = RATES["imports_s"]
+    if kinds - {"granted"}:
+        fixed += RATES["build_s_per_layer"] * plan.layers + RATES["compile_s"]
+    return PartsPlan(round(fixed), tuple((n, round(estimate_part_seconds(plan, n))) for n in names))
+
+
+# --- the strongest fp16 prefill: SDPA flash over the filled prefix of a StaticCache ------------------------------------
+# the attention implementation of fp16_prefill (no 'flash' in the name: transformers reads such names as flash-attn)
+FP16_PREFILL_ATTN = "e2e_fp16_prefill"
+FP16_TTFT_BASELINES = {"flash": "SDPA flash (causal_lower_right) over the filled prefix of the static fp16 cache",
+                       "static_sdpa": "transformers StaticCache + SDPA (masked, over the whole static buffer)"}
+
+
+def fp16_prefill_attention(module, query, key, value, attention_mask, scaling: float | None = None,
+                           dropout: float = 0.0, kv_end: int | None = None, **kwargs):
+    """Attention of one prefill chunk over a transformers StaticCache layer (transformers attention function).
+
+    query float16 [B, Hq, n, D]; key/value: the layer's whole static buffers [B, Hkv, max_cache_len, D] after the
+    chunk's update; ``kv_end`` (host int, passed through the model call): the tokens the cache holds with the chunk.
+    Attends over ``[:kv_end]`` only with ``causal_lower_right(n, kv_end)``: SDPA's flash backend on CUDA with grouped
+    K/V where the build takes it (else K/V expanded to the query heads, as ``bench --section prefill``); on the CPU
+    SDPA's default. ``attention_mask`` is None (no mask function is registered) and ``dropout`` 0 (eval). Returns
+    (attn_output [B, n, Hq, D], None). Raises ValueError for a missing or out-of-range ``kv_end``.
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    n = query.shape[2]
+    if isinstance(kv_end, bool) or not isinstance(kv_end, int) or not n <= kv_end <= key.shape[2]:
+        raise ValueError(f"kv_end must be an int in [{n}, {key.shape[2]}] (the tokens the cache holds with this "
+                         f"chunk), got {kv_end!r}")
+    k, v = key[:, :, :kv_end], value[:, :, :kv_end]
+    gqa = query.shape[1] != k.shape[1]
+    backend = contextlib.nullcontext()
+    if query.is_cuda:
+        from .prefill import _gqa_supported
+
+        backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        if gqa and not _gqa_supported(SDPBackend.FLASH_ATTENTION):
+            r = query.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), False
+    with backend:
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=causal_lower_right(n, kv_end), scale=scaling,
+                                             enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def fp16_prefill(model, input_ids, cache, chunk_size: int):
+    """Chunked prefill of ``input_ids`` int64 [batch, n] into ``cache``, an empty transformers ``StaticCache`` with
+    ``max_cache_len >= n``, through :func:`fp16_prefill_attention` (the model's own projections, RoPE and cache
+    update: the cache ends holding what transformers' prefill writes). Non-final chunks run the decoder stack only.
+    Returns the last position's logits [batch, vocab]. Raises ValueError for a cache that is not empty or too small,
+    or a bad ``chunk_size``."""
+    import torch
+    from transformers import AttentionInterface
+
+    from ..hf._compat import base_model, cache_kwarg
+
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    n = input_ids.shape[1]
+    if cache.layers[0].is_initialized:
+        raise ValueError("cache must be an empty StaticCache (its chunks' kv_end count from 0)")
+    if n > cache.layers[0].max_cache_len:
+        raise ValueError(f"cache holds max_cache_len={cache.layers[0].max_cache_len} tokens, fewer than the {n} "
+                         "of input_ids")
+    AttentionInterface.register(FP16_PREFILL_ATTN, fp16_prefill_attention)
+    kw, inner = cache_kwarg(model), base_model(model)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(FP16_PREFILL_ATTN)
+    try:
+        with torch.no_grad():
+            starts = list(range(0, n, chunk_size))
+            for s in starts[:-1]:
+                e = min(s + chunk_size, n)
+                inner(input_ids=input_ids[:, s:e], use_cache=True, kv_end=e, **{cache_kwarg(inner): cache})
+            out = model(input_ids=input_ids[:, starts[-1]:], use_cache=True, logits_to_keep=1, kv_end=n, **{kw: cache})
+    finally:
+        model.set_attn_implementation(before)
+    return out.logits[:, -1]
 
 
 # --- the GPU run ------------------------------------------------------------------------------------------------------
@@ -241,26 +421,26 @@ def _step_ms(run, steps: int) -> list[float]:
     return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
 
 
-def _generation(model, kind: str, ids, chunk: int, new_tokens: int, reps: int) -> dict[str, Any]:
-    """TTFT (median of ``reps`` fresh prefills), decode tokens/s and peak memory of one (cache, batch, chunk),
-    as the row's ``*_<kind>`` fields."""
+def _generation(model, kind: str, ids, chunk: int, new_tokens: int, reps: int, ttft: str) -> dict[str, Any]:
+    """TTFT (median of ``reps`` fresh prefills, as field ``ttft``), decode tokens/s and peak memory of one (cache,
+    batch, chunk), as the row's ``*_<kind>`` fields."""
     import torch
 
     from ..hf.static_step import StaticGreedy
 
     batch, prompt = ids.shape
-    ttft, run = [], None
+    ttfts, run = [], None
     for _ in range(reps):
         run = None
         _release()
         torch.cuda.reset_peak_memory_stats()
         run = StaticGreedy(model, ids, new_tokens, _cache_for(model, kind, prompt + new_tokens), chunk, graph=True)
-        ttft.append(_elapsed_ms(run.prefill))
+        ttfts.append(_elapsed_ms(run.prefill))
     run.step()  # the eager first step and the capture
     steps = _step_ms(run, new_tokens - 2)
     run.finish()
-    out = {f"ttft_ms_{kind}": round(statistics.median(ttft), 2),
-           f"ttft_ms_{kind}_samples": [round(t, 2) for t in ttft],
+    out = {ttft: round(statistics.median(ttfts), 2),
+           f"{ttft}_samples": [round(t, 2) for t in ttfts],
            f"decode_step_ms_{kind}": round(statistics.median(steps), 4),
            f"decode_tok_s_{kind}": round(batch * 1000.0 / statistics.median(steps), 1),
            f"peak_mem_gib_{kind}": round(torch.cuda.max_memory_allocated() / GIB, 2),
@@ -268,6 +448,60 @@ def _generation(model, kind: str, ids, chunk: int, new_tokens: int, reps: int) -
     del run
     _release()
     return out
+
+
+def _flash_ttft(model, ids, chunk: int, capacity: int, reps: int) -> dict[str, Any]:
+    """TTFT of :func:`fp16_prefill` (the chunked prefill and the first argmax, timed as :func:`_generation` times
+    StaticGreedy's prefill) on fresh StaticCaches of ``capacity``: median of ``reps`` and the peak memory."""
+    import torch
+    from transformers import StaticCache
+
+    ttfts = []
+    for _ in range(reps):
+        _release()
+        torch.cuda.reset_peak_memory_stats()
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
+        ttfts.append(_elapsed_ms(lambda c=cache: fp16_prefill(model, ids, c, chunk).argmax(-1)))
+        del cache
+    out = {"ttft_ms_fp16_flash": round(statistics.median(ttfts), 2),
+           "ttft_ms_fp16_flash_samples": [round(t, 2) for t in ttfts],
+           "peak_mem_gib_fp16_flash_prefill": round(torch.cuda.max_memory_allocated() / GIB, 2)}
+    _release()
+    return out
+
+
+def _fp16_ttft(row: dict[str, Any]) -> None:
+    """``ttft_ms_fp16``: the faster of the measured fp16 prefills, ``ttft_fp16_baseline`` naming it (a key of
+    :data:`FP16_TTFT_BASELINES`)."""
+    got = {b: row[f"ttft_ms_fp16_{b}"] for b in FP16_TTFT_BASELINES if f"ttft_ms_fp16_{b}" in row}
+    if got:
+        best = min(got, key=got.get)
+        row["ttft_ms_fp16"], row["ttft_fp16_baseline"] = got[best], best
+
+
+def _gen_row(model, plan: Plan, batch: int, chunk: int) -> dict[str, Any]:
+    """One row: both caches' generation at ``batch`` and ``chunk``, and the flash fp16 prefill."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(0, QWEN3_8B["vocab_size"], (batch, plan.prompt), generator=g, device="cuda")
+    capacity = plan.prompt + plan.new_tokens
+    row: dict[str, Any] = {"batch": batch, "prompt": plan.prompt, "chunk": chunk, "new_tokens": plan.new_tokens}
+    for kind in KINDS:
+        row[f"est_peak_gib_{kind}"] = round(estimate_bytes(kind, plan.layers, batch, capacity, chunk) / GIB, 2)
+        ttft = "ttft_ms_kvarn" if kind == "kvarn" else "ttft_ms_fp16_static_sdpa"
+        try:
+            row.update(_generation(model, kind, ids, chunk, plan.new_tokens, plan.reps, ttft))
+        except torch.cuda.OutOfMemoryError as e:  # recorded; the other rows still run
+            row[f"error_{kind}"] = _oom(e)
+            _release()
+    try:
+        row.update(_flash_ttft(model, ids, chunk, capacity, plan.reps))
+    except torch.cuda.OutOfMemoryError as e:
+        row["error_fp16_flash"] = _oom(e)
+        _release()
+    _fp16_ttft(row)
+    return row
 
 
 def _fill(cache, kind: str, tokens: int, generator) -> None:
@@ -315,106 +549,194 @@ def _sweep_point(model, kind: str, batch: int, context: int, steps: int) -> floa
     return round(batch * 1000.0 / ms, 1)
 
 
-def _check_granted(layers: int, shape: dict[str, Any]) -> list[dict[str, Any]]:
-    """:func:`granted_context` for each budget, both caches allocated on the GPU at that length."""
+def _sweep(model, plan: Plan, batch: int) -> list[dict[str, Any]]:
+    """The decode sweep's points of ``batch``."""
+    import torch
+
+    points = []
+    for context in dict(plan.sweep)[batch]:
+        point: dict[str, Any] = {"batch": batch, "context": context}
+        for kind in KINDS:
+            try:
+                point[f"decode_tok_s_{kind}"] = _sweep_point(model, kind, batch, context, plan.sweep_steps)
+            except torch.cuda.OutOfMemoryError as e:
+                point[f"error_{kind}"] = _oom(e)
+                _release()
+        points.append(point)
+    return points
+
+
+def _allocation(make) -> tuple[int, int]:
+    """(requested, allocated) device bytes that the object ``make()`` returns holds: the caching allocator's
+    ``requested_bytes`` (what the tensors asked for, exact) and ``allocated_bytes`` (whole blocks) of this process,
+    around the call; the object is freed after."""
+    import torch
+
+    _release()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    obj = make()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    del obj
+    _release()
+    delta = {k: int(after[f"{k}_bytes.all.current"] - before[f"{k}_bytes.all.current"]) for k in ("requested", "allocated")}
+    return delta["requested"], delta["allocated"]
+
+
+def _check_granted(budgets_gib: tuple[float, ...], layers: int, shape: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`granted_context` for each budget (GiB), checked by allocating both caches at that length on the GPU.
+
+    Per budget: the tokens, their computed bytes (``*_bytes``), and what the allocation of the cache took from this
+    process's caching allocator: ``*_requested_bytes`` (exact) and ``*_allocated_bytes`` (in whole blocks; other
+    processes on the GPU change neither). ``fits``: both caches allocated, each requesting exactly its computed bytes,
+    and those within the budget. An allocation that fails is recorded as ``error_<kind>`` (then ``fits`` is False)."""
     import torch
     from transformers import Qwen3Config, StaticCache
 
     from ..cache import KVarNCache
 
     H, D = shape["num_key_value_heads"], shape["head_dim"]
+    config = Qwen3Config(**{**shape, "num_hidden_layers": layers})
+
+    def static(tokens: int):
+        cache = StaticCache(config=config, max_cache_len=tokens)
+        cache.early_initialization(1, H, D, torch.float16, torch.device("cuda"))
+        return cache
+
+    makers = {"kvarn": lambda n: KVarNCache(layers, 1, H, D, preset=PRESET, window=WINDOW, device="cuda", max_seq_len=n),
+              "fp16": static}
     out = []
-    for gib in BUDGETS_GIB:
-        budget = gib * GIB
+    for gib in budgets_gib:
+        budget = int(gib * GIB)
         g = granted_context(budget, layers, H, D)
-        _release()
-        before = torch.cuda.memory_allocated()
-        cache = KVarNCache(layers, 1, H, D, preset=PRESET, window=WINDOW, device="cuda", max_seq_len=g["kvarn"])
-        kv_alloc = torch.cuda.memory_allocated() - before
-        del cache
-        _release()
-        before = torch.cuda.memory_allocated()
-        static = StaticCache(config=Qwen3Config(**{**shape, "num_hidden_layers": layers}), max_cache_len=g["fp16"])
-        static.early_initialization(1, H, D, torch.float16, torch.device("cuda"))
-        fp_alloc = torch.cuda.memory_allocated() - before
-        del static
-        _release()
-        out.append({"budget_gib": gib, "layers": layers, "batch": 1, "kvarn_tokens": g["kvarn"], "fp16_tokens": g["fp16"],
-                    "ratio": round(g["kvarn"] / g["fp16"], 3),
-                    "kvarn_bytes": kvarn_cache_bytes(g["kvarn"], layers, 1, H, D),
-                    "fp16_bytes": fp16_cache_bytes(g["fp16"], layers, 1, H, D),
-                    "kvarn_allocated_bytes": int(kv_alloc), "fp16_allocated_bytes": int(fp_alloc),
-                    "fits": bool(kv_alloc <= budget and fp_alloc <= budget)})
+        entry: dict[str, Any] = {"budget_gib": gib, "budget_bytes": budget, "layers": layers, "batch": 1,
+                                 "kvarn_tokens": g["kvarn"], "fp16_tokens": g["fp16"],
+                                 "ratio": round(g["kvarn"] / g["fp16"], 3) if g["fp16"] else None,
+                                 "kvarn_bytes": kvarn_cache_bytes(g["kvarn"], layers, 1, H, D),
+                                 "fp16_bytes": fp16_cache_bytes(g["fp16"], layers, 1, H, D)}
+        for kind in KINDS:
+            try:
+                entry[f"{kind}_requested_bytes"], entry[f"{kind}_allocated_bytes"] = _allocation(
+                    lambda: makers[kind](g[kind]))
+            except torch.cuda.OutOfMemoryError as e:
+                entry[f"error_{kind}"] = _oom(e)
+                _release()
+        entry["fits"] = all(f"error_{k}" not in entry and entry[f"{k}_requested_bytes"] == entry[f"{k}_bytes"] <= budget
+                            for k in KINDS)
+        out.append(entry)
     return out
 
 
 def _warm_up(model, chunks: tuple[int, ...]) -> None:
-    """A short generation of every (cache, chunk): loads and compiles every kernel before anything is timed."""
+    """A short generation of every (cache, chunk) and the flash fp16 prefill of every chunk: loads and compiles every
+    kernel before anything is timed."""
     import torch
+    from transformers import StaticCache
 
     from ..hf.static_step import static_greedy
 
     ids = torch.randint(0, QWEN3_8B["vocab_size"], (1, 2 * max(chunks) + 8), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
-    for kind in KINDS:
-        for chunk in chunks:
+    for chunk in chunks:
+        for kind in KINDS:
             static_greedy(model, ids, 4, _cache_for(model, kind, ids.shape[1] + 4), chunk, graph=True)
             _release()
+        fp16_prefill(model, ids, StaticCache(config=model.config, max_cache_len=ids.shape[1]), chunk)
+        _release()
 
 
 def _oom(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def run_plan(plan: Plan) -> dict[str, Any]:
-    """Measure ``plan`` on the current CUDA GPU (see the module docstring); returns the section's results."""
-    import torch
+def run_plan(plan: Plan, parts: list[str] | None = None, log=None) -> dict[str, Any]:
+    """Measure ``parts`` (default: all; :func:`plan_parts`) of ``plan`` on the current CUDA GPU (see the module
+    docstring); returns the section's results (``parts``: per part its seconds, estimate, date and commit).
+    ``log``: a text stream for the estimates and the progress (None: quiet). Raises ValueError for an unknown part
+    before any GPU work."""
+    import time
 
-    model = _build_model(plan.layers)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    _warm_up(model, plan.chunks)
-    rows = []
-    for batch in plan.batches:
-        g = torch.Generator(device="cuda").manual_seed(batch)
-        ids = torch.randint(0, QWEN3_8B["vocab_size"], (batch, plan.prompt), generator=g, device="cuda")
-        for chunk in plan.chunks:
-            row: dict[str, Any] = {"batch": batch, "prompt": plan.prompt, "chunk": chunk, "new_tokens": plan.new_tokens}
-            for kind in KINDS:
-                row[f"est_peak_gib_{kind}"] = round(
-                    estimate_bytes(kind, plan.layers, batch, plan.prompt + plan.new_tokens, chunk) / GIB, 2)
-                try:
-                    row.update(_generation(model, kind, ids, chunk, plan.new_tokens, plan.reps))
-                except torch.cuda.OutOfMemoryError as e:  # recorded; the other rows still run
-                    row[f"error_{kind}"] = _oom(e)
-                    _release()
-            rows.append(row)
-    sweep = []
-    for batch, contexts in plan.sweep:
-        for context in contexts:
-            point: dict[str, Any] = {"batch": batch, "context": context}
-            for kind in KINDS:
-                try:
-                    point[f"decode_tok_s_{kind}"] = _sweep_point(model, kind, batch, context, plan.sweep_steps)
-                except torch.cuda.OutOfMemoryError as e:
-                    point[f"error_{kind}"] = _oom(e)
-                    _release()
-            sweep.append(point)
+    from .record import provenance
+
+    pp = parts_plan(plan, parts)
+    say = (lambda m: print(f"bench e2e: {m}", file=log, flush=True)) if log is not None else (lambda m: None)
+    say(f"{len(pp.parts)} part(s), estimated {pp.fixed_s + sum(s for _, s in pp.parts):.0f} s on an H200 "
+        f"({pp.fixed_s:.0f} s of it setup: imports, model build, first kernel compiles)")
+    what = {name: _parse_part(plan, name) for name, _ in pp.parts}
+    gen_chunks = tuple(sorted({w[2] for w in what.values() if w[0] == "gen"}))
+    prov = provenance()
+    t0 = time.perf_counter()
+    model = weights = None
+    if any(w[0] != "granted" for w in what.values()):
+        model = _build_model(plan.layers)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if gen_chunks:
+        _warm_up(model, gen_chunks)
+    say(f"setup done in {time.perf_counter() - t0:.0f} s")
+    rows, sweep, granted, timing = [], [], [], {}
+    for name, est in pp.parts:
+        say(f"{name}: running (estimated {est:.0f} s)")
+        t = time.perf_counter()
+        w = what[name]
+        if w[0] == "gen":
+            rows.append(_gen_row(model, plan, w[1], w[2]))
+        elif w[0] == "sweep":
+            sweep.extend(_sweep(model, plan, w[1]))
+        else:
+            granted = _check_granted(plan.budgets_gib, QWEN3_8B["num_hidden_layers"], QWEN3_8B)
+        timing[name] = {"seconds": round(time.perf_counter() - t, 1), "estimate_s": est, "date": prov["date"],
+                        "git_commit": prov["git_commit"]}
+        say(f"{name}: done in {timing[name]['seconds']:.0f} s")
     del model
     _release()
-    results = {
+    results: dict[str, Any] = {
         "shape": {**QWEN3_8B, "num_hidden_layers": plan.layers, "preset": PRESET, "window": WINDOW},
         "plan": asdict(plan),
-        "weights_gib": round(weights / GIB, 2),
         "method": "one model, both caches through kvarn_cutlass.hf.static_step.StaticGreedy; TTFT: whole chunked "
                   "prefill + first argmax between CUDA events, one sync, median of reps on fresh caches after a "
-                  "warm-up; decode: batch / median per-step time of CUDA-graph replays (per-step events, one sync); "
-                  "fp16: transformers StaticCache + sdpa (masked attention over the whole static buffer)",
+                  "warm-up; ttft_ms_fp16: the faster of SDPA flash (causal_lower_right) over the filled prefix of a "
+                  "static fp16 cache and transformers StaticCache + sdpa, named by ttft_fp16_baseline; decode: "
+                  "batch / median per-step time of CUDA-graph replays (per-step events, one sync); fp16 decode: "
+                  "transformers StaticCache + sdpa (masked attention over the whole static buffer)",
         "rows": rows,
         "decode_sweep": sweep,
-        "granted_context": _check_granted(QWEN3_8B["num_hidden_layers"], QWEN3_8B),
+        "granted_context": granted,
+        "parts": timing,
     }
+    if weights is not None:
+        results["weights_gib"] = round(weights / GIB, 2)
     results["bars"] = _bars(results)
     return results
+
+
+def _config(results: dict[str, Any]) -> tuple:
+    """What must agree for two runs' results to merge: the shape, the run's sizes, quick."""
+    plan = results.get("plan") or {}
+    return (results.get("shape"), tuple(plan.get(k) for k in ("layers", "prompt", "new_tokens", "reps", "sweep_steps")),
+            bool(results.get("quick")))
+
+
+def merge_results(recorded: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` (a run of some parts) over ``recorded`` (the e2e results in the record): when both measured the same
+    configuration (:func:`_config`), the rows by (batch, prompt, chunk), the sweep points by (batch, context), the
+    granted contexts by budget and the parts' timings by name, the new replacing the recorded, in order; the bars
+    recomputed. Otherwise ``new`` alone (a quick run never mixes with a full one)."""
+    if _config(recorded) != _config(new):
+        return new
+
+    def union(key, field: str) -> list[dict[str, Any]]:
+        merged = {key(x): x for x in recorded.get(field, [])}
+        merged.update({key(x): x for x in new.get(field, [])})
+        return [merged[k] for k in sorted(merged)]
+
+    out = {**recorded, **new}
+    out["rows"] = union(lambda r: (r["batch"], r["prompt"], r["chunk"]), "rows")
+    out["decode_sweep"] = union(lambda p: (p["batch"], p["context"]), "decode_sweep")
+    out["granted_context"] = union(lambda g: g["budget_gib"], "granted_context")
+    out["parts"] = {**recorded.get("parts", {}), **new.get("parts", {})}
+    out["bars"] = _bars(out)
+    return out
 
 
 def _bars(results: dict[str, Any]) -> dict[str, bool]:
@@ -431,21 +753,37 @@ def _bars(results: dict[str, Any]) -> dict[str, bool]:
         if (p["batch"], p["context"]) == (16, 32768) and "decode_tok_s_fp16" in p and "decode_tok_s_kvarn" in p:
             bars["goal_b16_32k_decode_kvarn_ge_1.5x_fp16"] = p["decode_tok_s_kvarn"] >= 1.5 * p["decode_tok_s_fp16"]
     for g in results["granted_context"]:
-        bars[f"goal_granted_{g['budget_gib']}gib_ge_4.5x"] = g["ratio"] >= 4.5
+        if g.get("ratio") is not None:
+            bars[f"goal_granted_{g['budget_gib']}gib_ge_4.5x"] = g["ratio"] >= 4.5
     return bars
 
 
-def run(opts: BenchOptions) -> dict[str, Any]:
+def _plan(opts: BenchOptions) -> Plan:
+    """FULL (QUICK with ``opts.quick``), with the layer count of ``KVARN_E2E_LAYERS`` if set."""
     plan = QUICK if opts.quick else FULL
     layers = os.environ.get("KVARN_E2E_LAYERS")
     if layers:
         if not layers.isdigit() or int(layers) < 1:
             raise ValueError(f"KVARN_E2E_LAYERS must be a positive int, got {layers!r}")
         plan = Plan(**{**asdict(plan), "layers": int(layers)})
-    return {**run_plan(plan), "quick": opts.quick}
+    return plan
 
 
-register_section("e2e", run, "Qwen3-8B-shaped model end to end: TTFT, decode tok/s, granted context, KVarN vs fp16")
+def run(opts: BenchOptions) -> dict[str, Any]:
+    plan = _plan(opts)
+    parts = list(opts.parts) or None
+    if parts:
+        parts_plan(plan, parts)  # an unknown part fails here, before the GPU is touched
+    return {**run_plan(plan, parts, log=sys.stderr), "quick": opts.quick}
+
+
+def parts_of(opts: BenchOptions) -> PartsPlan:
+    """The section's parts under ``opts`` (``kvarn-cutlass bench --section e2e --list-parts``)."""
+    return parts_plan(_plan(opts))
+
+
+register_section("e2e", run, "Qwen3-8B-shaped model end to end: TTFT, decode tok/s, granted context, KVarN vs fp16",
+                 parts=parts_of, merge=merge_results)
 
 
 # --- the README's headline table and the plot (no GPU) ------------------------------------------------------------------
@@ -468,14 +806,15 @@ def headline_markdown(doc: dict[str, Any], plot: str | None = None) -> str:
     table with the ratios computed from the stored values, the granted context, the run's provenance and the
     command that reproduces it; a placeholder saying how to produce it when the record has no e2e section.
     ``plot``: path of the decode plot to link, as the README sees it."""
-    command = ("kvarn-cutlass bench --section e2e          # on an H200 (--quick: a 4-layer smoke run);\n"
-               "                                           # merges into docs/benchmarks/h200.json\n"
-               "python3 -m kvarn_cutlass.bench.e2e         # rewrites this block and the plot from that record")
+    command = ("kvarn-cutlass bench --section e2e --list-parts  # the parts, their estimates, the commands to run\n"
+               "kvarn-cutlass bench --section e2e --part ...   # each on an H200 (--quick: a 4-layer smoke run);\n"
+               "                                               # merges into docs/benchmarks/h200.json\n"
+               "python3 -m kvarn_cutlass.bench.e2e             # rewrites this block and the plot from that record")
     entry = (doc.get("sections") or {}).get("e2e")
     if not entry:
         return ("Not measured yet. On an H200 run\n\n```bash\n" + command + "\n```\n\nto fill this section with "
                 "time to first token, decode tokens/s, peak memory\nand granted context for a Qwen3-8B-shaped model "
-                "(36 layers, 16k prompt, 300 new tokens), KVarN k4v2_g128\nagainst an fp16 cache, in one run.")
+                "(36 layers, 16k prompt, 300 new tokens), KVarN k4v2_g128\nagainst an fp16 cache on the same model.")
     res, prov = entry["results"], entry.get("provenance", {})
     shape = res.get("shape", {})
     lines = []
@@ -486,20 +825,26 @@ def headline_markdown(doc: dict[str, Any], plot: str | None = None) -> str:
                  f"{shape.get('num_attention_heads')} q / {shape.get('num_key_value_heads')} KV heads, head_dim "
                  f"{shape.get('head_dim')}, random weights, fp16) on an {prov.get('gpu', 'unknown GPU')}, "
                  f"{str(prov.get('date', ''))[:10]}, commit {prov.get('git_commit')}. KVarN {shape.get('preset')} "
-                 f"(window {shape.get('window')}) against transformers' StaticCache with SDPA (fp16); both decode from "
-                 "one CUDA graph per step. TTFT: the whole chunked prefill; decode: graph-replayed steps.\n")
+                 f"(window {shape.get('window')}) against an fp16 cache; both decode from one CUDA graph per step. "
+                 "TTFT: the whole chunked prefill; fp16 TTFT: the faster of SDPA flash (causal_lower_right) over the "
+                 "filled prefix of a static fp16 cache and transformers' StaticCache with SDPA, named beside it; "
+                 "decode: graph-replayed steps, fp16 on transformers' StaticCache with SDPA.\n")
     lines.append("| batch | prompt + new | chunk | TTFT KVarN (ms) | TTFT fp16 (ms) | fp16 / KVarN | decode KVarN (tok/s) "
                  "| decode fp16 (tok/s) | KVarN / fp16 | peak KVarN / fp16 (GiB) |")
     lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res.get("rows", []):
         lines.append(
             f"| {r['batch']} | {r['prompt']} + {r.get('new_tokens', '-')} | {r['chunk']} | "
-            f"{_num(r.get('ttft_ms_kvarn'), '.1f')} | {_num(r.get('ttft_ms_fp16'), '.1f')} | "
+            f"{_num(r.get('ttft_ms_kvarn'), '.1f')} | {_num(r.get('ttft_ms_fp16'), '.1f')}"
+            f"{' (' + r['ttft_fp16_baseline'] + ')' if r.get('ttft_fp16_baseline') else ''} | "
             f"{_ratio(r.get('ttft_ms_fp16'), r.get('ttft_ms_kvarn'))} | {_num(r.get('decode_tok_s_kvarn'), '.1f')} | "
             f"{_num(r.get('decode_tok_s_fp16'), '.1f')} | {_ratio(r.get('decode_tok_s_kvarn'), r.get('decode_tok_s_fp16'))} | "
             f"{_num(r.get('peak_mem_gib_kvarn'), '.1f')} / {_num(r.get('peak_mem_gib_fp16'), '.1f')} |")
     errors = [f"batch {r['batch']} chunk {r['chunk']} {k}: {r[f'error_{k}']}" for r in res.get("rows", [])
-              for k in KINDS if f"error_{k}" in r]
+              for k in (*KINDS, "fp16_flash") if f"error_{k}" in r]
+    used = sorted({r["ttft_fp16_baseline"] for r in res.get("rows", []) if r.get("ttft_fp16_baseline")})
+    if used:
+        lines.append("\nfp16 TTFT baseline: " + "; ".join(f"{b}: {FP16_TTFT_BASELINES.get(b, b)}" for b in used) + ".")
     if errors:
         lines.append("\nNot measured: " + "; ".join(errors) + ".")
     granted = res.get("granted_context", [])

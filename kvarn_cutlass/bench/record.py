@@ -5,7 +5,8 @@ File layout (JSON, keys sorted)::
     {"sections": {"<section>": {"provenance": {...}, "results": {...}}, ...}}
 
 Writing a section replaces that section's entry whole and keeps the others, so each
-section can be re-run on its own. Provenance says where the numbers came from: GPU
+section can be re-run on its own; a section that runs in parts passes its ``merge``, which
+combines the recorded results with the new ones (the provenance is then the latest run's). Provenance says where the numbers came from: GPU
 name and capability, driver, CUDA, torch, Python, package version, git commit, date.
 """
 
@@ -19,7 +20,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["REPO_ROOT", "gpu_slug", "default_record_path", "provenance", "record_section"]
 
@@ -108,7 +109,8 @@ def provenance() -> dict[str, Any]:
 
 
 def record_section(section: str, results: dict[str, Any], path: str | os.PathLike | None = None,
-                   prov: dict[str, Any] | None = None) -> Path:
+                   prov: dict[str, Any] | None = None,
+                   merge: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None) -> Path:
     """Merge ``results`` of ``section`` into the record file and return its path.
 
     Args:
@@ -116,6 +118,8 @@ def record_section(section: str, results: dict[str, Any], path: str | os.PathLik
         results: JSON-serializable results of that section.
         path: record file; default :func:`default_record_path`.
         prov: provenance to store; default :func:`provenance` (measured now).
+        merge: ``merge(recorded, results)``, the results to store when the record already has the section
+            (default: ``results`` replace it).
 
     The file is rewritten atomically (temporary file beside it, then ``os.replace``).
     """
@@ -125,6 +129,9 @@ def record_section(section: str, results: dict[str, Any], path: str | os.PathLik
         doc = json.loads(target.read_text())
         if not isinstance(doc.get("sections"), dict):
             raise ValueError(f"{target} is not a benchmark record (no 'sections' object)")
+    old = doc["sections"].get(section)
+    if merge is not None and isinstance(old, dict) and isinstance(old.get("results"), dict):
+        results = merge(old["results"], results)
     doc["sections"][section] = {"provenance": prov if prov is not None else provenance(), "results": results}
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,11 @@ into an output folder (``--out``, default ``bench-results/<UTC date-time>``):
 Each section also merges into ``docs/benchmarks/<gpu>.json`` of the checkout (``--record-dir``,
 ``--no-record``). ``--from-json FILE`` re-renders the tables and plots of an existing ``results.json``
 or ``docs/benchmarks/<gpu>.json`` without a GPU.
+
+A section that registers parts (``e2e``) runs in pieces that each fit one device command: ``--list-parts``
+prints them with estimated seconds and groups them into commands under ``--command-limit`` (no GPU);
+``--part NAME`` (repeatable, with one ``--section``) runs only those, and the section's ``merge`` folds
+them into what the record already holds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
+
+from . import argtypes
 
 __all__ = ["add_parser", "run", "default_out_dir"]
 
@@ -51,6 +58,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-record", action="store_true", help="do not merge into the record <gpu>.json")
     p.add_argument("--no-plots", action="store_true", help="write the tables only")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--part", action="append", metavar="NAME",
+                   help="run only this part of the one --section (repeatable; --list-parts names them); the record "
+                   "merges the parts")
+    p.add_argument("--list-parts", action="store_true",
+                   help="print the parts of the sections that have them, with estimated seconds, grouped into "
+                   "commands under --command-limit; no GPU needed")
+    p.add_argument("--command-limit", type=argtypes.positive_int, default=450, metavar="S",
+                   help="seconds one command may take, for --list-parts' grouping (default: 450, three quarters "
+                   "of a 10-minute device command: the estimates are rough)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document instead of the tables")
     return p
 
@@ -182,9 +198,52 @@ def _from_json(args: argparse.Namespace) -> int:
     return 0
 
 
+def group_parts(fixed_s: float, parts: list[tuple[str, float]], limit_s: float) -> list[list[str]]:
+    """``parts`` ((name, estimated seconds)) in commands of at most ``limit_s`` each, every command paying
+    ``fixed_s`` first: first fit over the parts in decreasing estimate, each command listing its parts in run
+    order. A part too long for any command gets one of its own. Raises ValueError for a limit <= ``fixed_s``."""
+    if limit_s <= fixed_s:
+        raise ValueError(f"--command-limit {limit_s:g} s leaves no time after the {fixed_s:g} s every command "
+                         "pays first")
+    order = {name: i for i, (name, _) in enumerate(parts)}
+    bins: list[tuple[float, list[str]]] = []
+    for name, est in sorted(parts, key=lambda p: -p[1]):
+        for i, (used, names) in enumerate(bins):
+            if used + est <= limit_s:
+                bins[i] = (used + est, names + [name])
+                break
+        else:
+            bins.append((fixed_s + est, [name]))
+    return [sorted(names, key=order.get) for _, names in bins]
+
+
+def _list_parts(registered: dict, names: list[str], args: argparse.Namespace) -> int:
+    from ..bench import BenchOptions
+
+    with_parts = [n for n in names if registered[n].parts is not None]
+    if not with_parts:
+        raise ValueError(f"--list-parts: none of {names} runs in parts")
+    for name in with_parts:
+        plan = registered[name].parts(BenchOptions(quick=args.quick))
+        est = dict(plan.parts)
+        print(f"{name}: {len(plan.parts)} parts, estimated on an H200; every command first pays ~{plan.fixed_s:.0f} s "
+              "(imports, model build, first kernel compiles)")
+        for part, s in plan.parts:
+            print(f"  {part:18s} ~{s:.0f} s")
+        quick = " --quick" if args.quick else ""
+        print(f"commands of at most {args.command_limit:.0f} s:")
+        for group in group_parts(plan.fixed_s, list(plan.parts), args.command_limit):
+            total = plan.fixed_s + sum(est[g] for g in group)
+            print(f"  kvarn-cutlass bench --section {name}{quick} " + " ".join(f"--part {g}" for g in group)
+                  + f"    # ~{total:.0f} s")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return _from_json(args)
+    if args.part and (not args.section or len(set(args.section)) != 1):
+        raise ValueError(f"--part needs exactly one --section, got {args.section or 'none'}")
 
     from ..bench import BenchOptions, sections
     from ..bench.report import ordered_sections
@@ -198,6 +257,17 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--section: unknown bench section {unknown}; registered: {ordered_sections(registered)}")
     names = list(dict.fromkeys(args.section)) if args.section else ordered_sections(registered)
+    if args.list_parts:
+        return _list_parts(registered, names, args)
+    opts = BenchOptions(quick=args.quick, parts=tuple(dict.fromkeys(args.part or ())))
+    if opts.parts:
+        section = registered[names[0]]
+        if section.parts is None:
+            raise ValueError(f"--part: section {names[0]!r} does not run in parts")
+        known = [n for n, _ in section.parts(opts).parts]
+        unknown = [p for p in opts.parts if p not in known]
+        if unknown:
+            raise ValueError(f"--part: {unknown} not among the parts of {names[0]!r}: {', '.join(known)}")
     out = _out_dir(args)
 
     import torch
@@ -217,8 +287,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     prov = provenance()
-    doc: dict[str, Any] = {"sections": {}, "failed": [], "options": {"quick": bool(args.quick)}}
-    opts = BenchOptions(quick=args.quick)
+    doc: dict[str, Any] = {"sections": {}, "failed": [],
+                           "options": {"quick": bool(args.quick), "parts": list(opts.parts)}}
     progress = _Progress(len(names))
     for i, name in enumerate(names, 1):
         t_section = progress.start(i, name)
@@ -233,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
             doc["sections"][name] = {"provenance": prov, "results": res}
             if record is not None:
                 try:
-                    record_section(name, res, record, prov)
+                    record_section(name, res, record, prov, merge=registered[name].merge)
                 except Exception as e:  # likewise: the numbers stay in results.json, the next sections run
                     traceback.print_exc()
                     doc["failed"].append(f"{name}: merging into {record}: {type(e).__name__}: {e}")
