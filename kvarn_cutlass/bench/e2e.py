@@ -828,7 +828,9 @@ def headline_markdown(doc: dict[str, Any], plot: str | None = None) -> str:
                  f"(window {shape.get('window')}) against an fp16 cache; both decode from one CUDA graph per step. "
                  "TTFT: the whole chunked prefill; fp16 TTFT: the faster of SDPA flash (causal_lower_right) over the "
                  "filled prefix of a static fp16 cache and transformers' StaticCache with SDPA, named beside it; "
-                 "decode: graph-replayed steps, fp16 on transformers' StaticCache with SDPA.\n")
+                 "decode: graph-replayed steps, fp16 on transformers' StaticCache with SDPA, which attends over the "
+                 "whole static buffer with a mask (the issue's baseline; a decode kernel reading only the filled "
+                 "prefix would be faster, and the decode ratios against it smaller: not measured here).\n")
     lines.append("| batch | prompt + new | chunk | TTFT KVarN (ms) | TTFT fp16 (ms) | fp16 / KVarN | decode KVarN (tok/s) "
                  "| decode fp16 (tok/s) | KVarN / fp16 | peak KVarN / fp16 (GiB) |")
     lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
