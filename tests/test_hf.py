@@ -357,6 +357,14 @@ def test_cpu_dequantized_tiles_path_matches_reference():
         assert (attend(q, k, v, b, 0).double() - ref).abs().max().item() < 1e-6
         assert torch.equal(a.tile_bytes(0), b.tile_bytes(0)) and a.seq_len(0) == b.seq_len(0)
     assert a.num_tiles(0) == 5
+    # a bad scale is rejected by name on both CPU paths, before the decode step's append
+    q, k, v = torch.randn(1, 8, 1, 128, generator=g), torch.randn(1, 2, 1, 128, generator=g), torch.randn(1, 2, 1, 128, generator=g)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        for kw in (dict(dequantized=dq), {}):
+            n = a.seq_len(0)
+            with pytest.raises(ValueError, match="scale"):
+                attend(q, k, v, a, 0, scale=bad, **kw)
+            assert a.seq_len(0) == n, (bad, kw)
     with pytest.raises(ValueError, match="cpu_attention"):
         kh.KVarNCache(_qwen3_config(), cpu_attention="fast")
 

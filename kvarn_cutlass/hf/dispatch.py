@@ -31,6 +31,7 @@ import importlib
 import torch
 
 from .. import reference
+from .._validate import resolve_scale
 from ..cache import KVarNCache as _LibCache
 from ..codec import decode_tiles
 
@@ -84,6 +85,7 @@ class DequantizedTiles:
         if k is not None:
             k, v = reference.chunk_kv(cache, k, v)
         reference.check_query(q, cache, layer, chunk=None if k is None else k.shape[2])
+        scale = resolve_scale(scale, q.shape[-1])
         kt, vt = self.get(cache, layer)
         sk, sv = cache.sink_kv(layer)
         wk, wv = cache.window_kv(layer)
@@ -108,6 +110,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: _LibCache, 
 
     ``dequantized``: on CPU, use this :class:`DequantizedTiles` instead of the float64 reference.
     """
+    scale = resolve_scale(scale, q.shape[-1])  # before the decode step's append: a bad scale changes nothing
     device = cache.device
     decode_step = q.shape[2] == 1
     if device.type == "cpu":
