@@ -1291,6 +1291,11 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
 #endif
 // its CTA size (ops/compress.py reads it from the kernel's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
 #define KVC_LAYER_NT (kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::NT)
+// Dynamic shared memory per CTA of each launch form, which the host reads from the CUBIN (one source
+// for Shape's layout): the layer kernel as compiled (a cluster CTA on sm_90, one CTA before), and one
+// CTA of KVC_NT threads (kvarn_compress_cta_... and the append's kvarn_append_compress_...).
+extern "C" __device__ const int kvarn_compress_smem_bytes = kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::kSmemBytes;
+extern "C" __device__ const int kvarn_compress_cta_smem_bytes = kvc::Shape<KVARN_T, KVARN_D, 1>::kSmemBytes;
 #define KVC_LAYER_KERNEL(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                                  \
   extern "C" __global__ void ATTRS NAME(                                                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \

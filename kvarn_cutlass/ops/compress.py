@@ -51,6 +51,7 @@ import torch
 
 from .. import codec
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, codebook, lloyd_max_thresholds
+from ..runtime.compiler import cubin_global
 from ..runtime.registry import register
 from ..runtime.spec import KernelSpec, get_kernel
 
@@ -63,6 +64,8 @@ __all__ = [
     "compress_spec",
     "kernel_name",
     "smem_bytes",
+    "SMEM_SYMBOLS",
+    "kernel_smem_bytes",
     "compress_tiles",
     "compress_layer",
     "check_error_flag",
@@ -207,6 +210,20 @@ def smem_bytes(tile_tokens: int, head_dim: int, ranks: int = 1) -> int:
     xb = (D + 4 + nj + 3) // 4 * 4
     floats = big + W * D + 2 * xb + 3 * D + 4 * W + W * nj + 2 * W + 12 + T + D
     return (floats * 4 + 15) // 16 * 16
+
+
+# The module globals in which compress.cu reports the dynamic shared memory per CTA of each launch
+# form (its Shape<T, D, R>::kSmemBytes): ``compress``, the layer kernel as compiled (a cluster CTA on
+# sm_90, one CTA before); ``compress_cta``, one CTA of THREADS (the one-CTA layer kernel and the
+# append's append_compress).
+SMEM_SYMBOLS = {"compress": "kvarn_compress_smem_bytes", "compress_cta": "kvarn_compress_cta_smem_bytes"}
+
+
+def kernel_smem_bytes(cubin: bytes) -> dict[str, int]:
+    """Launch form (a key of :data:`SMEM_SYMBOLS`) -> dynamic shared memory per CTA, as a compiled
+    compression module reports it (no GPU needed)."""
+    return {form: int.from_bytes(cubin_global(cubin, symbol)[:4], "little", signed=True)
+            for form, symbol in SMEM_SYMBOLS.items()}
 
 
 def _inv_sqrt(d: int) -> float:
