@@ -175,7 +175,8 @@ class DeviceAppender:
         self.cache = cache
         self.spec = spec
         self.device = cache.device
-        self.smem = C.smem_bytes(spec.tile_tokens, spec.head_dim)
+        # stand-in kernels have no module to report their shared memory, and launch nothing
+        self.smem = 0
         if kernels is None:
             kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
                                     spec.quantizer)
@@ -185,6 +186,7 @@ class DeviceAppender:
             kernels = (get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx),
                        get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx),
                        get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
+            self.smem = C._module_smem_bytes(kspec, idx)["compress_cta"]  # append_compress is one-CTA compression
             limit = C._smem_limit(idx)
             if self.smem > limit:
                 raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "

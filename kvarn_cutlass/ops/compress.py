@@ -5,7 +5,8 @@ thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange t
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
 in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), and for launches of more halves than
 fit as clusters (over ~4 cluster CTAs per SM: ~33 records on an H200), on one 512-thread CTA. The
-launch reads the cluster width and CTA size from the compiled kernel. Entry points:
+launch reads the cluster width and CTA size from the compiled kernel, and each form's shared memory
+from the module (:data:`SMEM_SYMBOLS`). Entry points:
 
 * :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
 * :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
@@ -51,9 +52,10 @@ import torch
 
 from .. import codec
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, codebook, lloyd_max_thresholds
+from ..runtime.arch import arch_target, device_arch
 from ..runtime.compiler import cubin_global
 from ..runtime.registry import register
-from ..runtime.spec import KernelSpec, get_kernel
+from ..runtime.spec import KernelSpec, build, get_kernel
 
 __all__ = [
     "COMPRESS_SIGNATURE",
@@ -63,7 +65,6 @@ __all__ = [
     "ERROR_BITS_LLOYD_MAX",
     "compress_spec",
     "kernel_name",
-    "smem_bytes",
     "SMEM_SYMBOLS",
     "kernel_smem_bytes",
     "compress_tiles",
@@ -73,7 +74,6 @@ __all__ = [
 ]
 
 THREADS = 512
-_WARPS = THREADS // 32
 _IN_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _IN_NAME = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _SC_BITS = {torch.float16: 16, torch.float32: 32}
@@ -198,20 +198,6 @@ def _all_specs() -> list[KernelSpec]:
 register("compress", _all_specs)
 
 
-def smem_bytes(tile_tokens: int, head_dim: int, ranks: int = 1) -> int:
-    """Dynamic shared memory per CTA of a record half spread over ``ranks`` CTAs (1: the append
-    kernels and sm_80; the layer kernel's cluster width on sm_90); mirrors ``Shape::kSmemBytes`` in
-    compress.cu (tests/test_compress.py reads the kernel's own constant)."""
-    T, D, R = tile_tokens, head_dim, ranks
-    W = 4 if R > 1 else _WARPS
-    nj = D // 32
-    y_slots = 0 if R > 1 else (T // W) * nj * 32 * W
-    big = max(y_slots, D // R * (T + 1))
-    xb = (D + 4 + nj + 3) // 4 * 4
-    floats = big + W * D + 2 * xb + 3 * D + 4 * W + W * nj + 2 * W + 12 + T + D
-    return (floats * 4 + 15) // 16 * 16
-
-
 # The module globals in which compress.cu reports the dynamic shared memory per CTA of each launch
 # form (its Shape<T, D, R>::kSmemBytes): ``compress``, the layer kernel as compiled (a cluster CTA on
 # sm_90, one CTA before); ``compress_cta``, one CTA of THREADS (the one-CTA layer kernel and the
@@ -273,6 +259,20 @@ def _stream_flag(device: torch.device) -> torch.Tensor:
 
 def _kernel(device_index: int, spec: KernelSpec, role: str = "compress"):
     return get_kernel(spec, spec.kernel_names[LAYER_ROLES.index(role)], COMPRESS_SIGNATURE, device_index)
+
+
+_smem: dict[tuple[int, str], dict[str, int]] = {}
+
+
+def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
+    """:func:`kernel_smem_bytes` of the CUBIN that ``spec``'s module loads on the device, read once
+    per (device, module)."""
+    key = (device_index, spec.name)
+    smem = _smem.get(key)
+    if smem is None:
+        cubin = build(spec, arch_target(device_arch(device_index), spec.arch_specific)).cubin
+        smem = _smem[key] = kernel_smem_bytes(cubin)
+    return smem
 
 
 _layouts: dict[tuple[int, str], tuple[int, int]] = {}
@@ -393,11 +393,12 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     index = k.device.index
     kernel = _kernel(index, kspec)
     ranks, threads = _layer_layout(kernel, index)
+    form = "compress"
     if ranks > 1 and 2 * n_records * ranks > _CLUSTER_CTAS_PER_SM * _sm_count(index):
-        kernel, ranks, threads = _kernel(index, kspec, "compress_cta"), 1, THREADS
+        kernel, ranks, threads, form = _kernel(index, kspec, "compress_cta"), 1, THREADS, "compress_cta"
     if n_records * ranks > 2**31 - 1:
         raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
-    smem = smem_bytes(T, D, ranks)
+    smem = _module_smem_bytes(kspec, index)[form]
     limit = _smem_limit(k.device.index)
     if smem > limit:
         raise ValueError(f"compression of T={T}, D={D} needs {smem} bytes of shared memory per block, {k.device} has {limit}")
