@@ -3,6 +3,8 @@
 #
 #   tools/gpu_check.sh [SECTION ...]      SECTION: a bench section name, or "all"
 #   from this machine: run(command="bash tools/gpu_check.sh decode", carry=[".whl"])
+#   (the device copy's .git can be stale: on 2026-12-01 it reported b877392 for every tree sent, so put
+#    KVARN_GIT_COMMIT=<git rev-parse --short=12 HEAD here> in front of the command; the bench records it)
 #   (the GPU machine has no network; fetch the wheels it lacks here first, into the ignored .whl/:
 #    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #      --platform manylinux_2_17_x86_64 -d .whl nvidia-cutlass==4.2.0.0 pydot treelib)
