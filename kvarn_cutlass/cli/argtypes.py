@@ -45,6 +45,21 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def checked_by(check: Callable[[str], object], name: str) -> Callable[[str], str]:
+    """Converter that returns the text unchanged when ``check(text)`` accepts it; the ValueError that
+    ``check`` raises (a library parser's own message) becomes argparse's error."""
+
+    def convert(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
 def existing_file(text: str) -> str:
     """A path that names an existing regular file (returned unchanged)."""
     if not os.path.isfile(text):

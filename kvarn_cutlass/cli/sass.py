@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .argtypes import checked_by
 from .tune import bucket_arg
 
 __all__ = ["add_parser", "run", "find_tool", "disassemble", "summarize", "dump_prefill", "dump_module"]
@@ -155,15 +156,14 @@ def dump_module(name: str, arch: str = "sm90", output: str | None = None) -> dic
     return {"family": family, **summary}
 
 
-def config_arg(text: str) -> str:
-    """argparse type of --config: a fused prefill config name such as ``r32c4n64`` (``FusedConfig.from_name``)."""
-    from ..ops.prefill import FusedConfig
+def _parse_config(text: str) -> object:
+    from ..ops.prefill import FusedConfig  # imported when the option is given, not at CLI start-up
 
-    try:
-        FusedConfig.from_name(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return FusedConfig.from_name(text)
+
+
+# argparse type of --config: a fused prefill config name such as ``r32c4n64`` (``FusedConfig.from_name``)
+config_arg = checked_by(_parse_config, "config")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from .argtypes import positive_int
+from .argtypes import checked_by, positive_int
 
 __all__ = ["add_parser", "run", "bucket_arg", "require_gpu"]
 
@@ -21,16 +21,15 @@ DEFAULT_RUNS = 10
 DEFAULT_CONTEXT, DEFAULT_CHUNK = 16384, 512
 
 
-def bucket_arg(text: str) -> str:
-    """argparse type of --buckets: a fused-prefill bucket key such as ``D128_T128_V2`` or ``D128_T128_V2_lm``
-    (head_dim, tile tokens, V bits, Lloyd-Max quantizer)."""
-    from ..ops.prefill_tune import parse_bucket
+def _parse_bucket(text: str) -> object:
+    from ..ops.prefill_tune import parse_bucket  # imported when the option is given, not at CLI start-up
 
-    try:
-        parse_bucket(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return parse_bucket(text)
+
+
+# argparse type of --buckets: a fused-prefill bucket key such as ``D128_T128_V2`` or ``D128_T128_V2_lm``
+# (head_dim, tile tokens, V bits, Lloyd-Max quantizer)
+bucket_arg = checked_by(_parse_bucket, "bucket")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

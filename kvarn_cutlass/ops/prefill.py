@@ -15,7 +15,7 @@ import json
 import math
 import struct
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -292,7 +292,6 @@ class FusedPrefillKernel:
         B, Hq, n, D = q.shape
         G = Hq // num_kv_heads
         grid = (math.ceil(G * n / self.config.rows), num_kv_heads, B)
-        tensors = (q, out, pool, tile_table, sink_k, sink_v, win_k, win_v, chunk_k, chunk_v)
         if self._prepared is None:
             args = (
                 q, *q.stride()[:3], out, *out.stride()[:3],
@@ -305,7 +304,7 @@ class FusedPrefillKernel:
             self._prepared = self._kernel.prepare(grid, self.config.threads, args, shared_mem=self.smem)
             self._write_args = self._prepared.writer(0, len(_SIG))
         else:
-            for t in tensors:
+            for t in (q, out, pool, tile_table, sink_k, sink_v, win_k, win_v, chunk_k, chunk_v):
                 if not t.is_cuda or t.device.index != self._device_index:
                     raise ValueError(f"{self._kernel.name}: a tensor is on {t.device}, the kernel on "
                                      f"cuda:{self._device_index}")
