@@ -267,12 +267,7 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
   }
 }
-// Split form, for the last exchange: a rank must not exit while another may still read its shared
-// memory, so it arrives once its own reads are done and waits just before it returns.
-template <int R>
-__device__ __forceinline__ void cluster_arrive() {
-  if constexpr (R > 1) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
+// Waits for the cluster barrier's phase (R = 1: nothing): the exit guard after cluster_arrive_relaxed.
 template <int R>
 __device__ __forceinline__ void cluster_wait() {
   if constexpr (R > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -574,11 +569,12 @@ struct Shape {
   // exchange slot of one rank per iteration: column partials [D], row RMS max / min, max r, input
   // error bits, the V half's nonzero-channel masks [NJ] (16-byte aligned: the extras are one v4 push)
   static constexpr int XB = (D + 4 + NJ + 3) / 4 * 4;
-  // dynamic shared memory (floats): mbar (R > 1: two 8-byte mbarriers, one per iteration parity) |
+  // dynamic shared memory (floats): mbar (R > 1: 8-byte mbarriers, one per iteration parity and the
+  // K transposition's, padded to 32 bytes) |
   // big (the y slots when R == 1, then the transposed K values, [DR][kPitch]) | part [W][D] |
   // xbuf [2][R][XB] (per iteration parity, every rank's slot; R == 1: this CTA's own) | bc [3][D] |
   // red [4W + W * NJ] | red2 [2W + 12] | best [T + D]
-  static constexpr int kMbar = R > 1 ? 4 : 0;
+  static constexpr int kMbar = R > 1 ? 8 : 0;
   static constexpr int kYSlots = kYInRegs ? 0 : N * NT;
   static constexpr int kBig = kYSlots > DR * kPitch ? kYSlots : DR * kPitch;
   static constexpr int kRed = 4 * W + W * NJ;
@@ -653,7 +649,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = S::NT, W = S::W, XB = S::XB, CM = S::CM, CW = S::CW;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  unsigned long long* mbar = reinterpret_cast<unsigned long long*>(smem);  // [2] (R > 1) per parity
+  unsigned long long* mbar = reinterpret_cast<unsigned long long*>(smem);  // [3] (R > 1) parity 0, 1, K transposition
   float* big = smem + S::kMbar;   // y slots (R == 1) [N][NT]; then the transposed K values [DR][kPitch]
   float* part = big + S::kBig;    // [W][D]  per-warp column partials
   float* xbuf = part + W * D;     // [2][R][XB] receive slots, by iteration parity and sending rank
@@ -674,6 +670,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     if (tid == 0) {
       mbar_init(smem_u32(mbar));
       mbar_init(smem_u32(mbar + 1));
+      mbar_init(smem_u32(mbar + 2));  // the K half's transposition
       mbar_init_fence();
     }
     cluster_arrive_relaxed();
@@ -966,9 +963,12 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     }
     r_ok = __all_sync(KVC_FULL, divisor_ok(rn));
   }
-  // this rank has passed its last wait (no push to it is left); it exits only after every rank has
-  // (the K half synchronizes below)
-  if (is_v) cluster_arrive<R>();
+  // V: this rank has passed its last wait (no push to it is left); it exits only after every rank
+  // has (cluster_wait at the end), so no push to or from it is in flight at its exit. Relaxed: no
+  // data passes through this barrier. (The K half arrives after its transposition's wait.)
+  if constexpr (R > 1) {
+    if (is_v) cluster_arrive_relaxed();
+  }
 
   // ---- power-of-two balance ----------------------------------------------------------------------
   __syncthreads();  // the best factors visible
@@ -1024,10 +1024,28 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int c = lane + 32 * j;
-        st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
+        if constexpr (R > 1) {
+          // pushed like the iteration exchange, counted on mbar[2] (one phase, parity 0); this
+          // rank's own tokens by plain stores
+          float* p = tb + (c % DR) * P + token(k);
+          const int q = c / DR;
+          if (q == rank) *p = u[k * NJ + j];
+          else st_async(mapa_u32(smem_u32(p), q), __float_as_uint(u[k * NJ + j]), mapa_u32(smem_u32(mbar + 2), q));
+        } else {
+          st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
+        }
       }
     }
-    cluster_sync<R>();
+    if constexpr (R > 1) {
+      // the other ranks' T - T / R tokens of this rank's DR channels; the arrival may come after some
+      // of them (the phase cannot complete before it)
+      if (tid == 0) mbar_arrive_expect_tx(smem_u32(mbar + 2), (T - T / R) * DR * 4);
+      mbar_wait(smem_u32(mbar + 2), 0u);
+      __syncthreads();               // this rank's own tokens, stored by its other warps
+      cluster_arrive_relaxed();      // exit guard: see the V half's
+    } else {
+      cluster_sync<R>();
+    }
     // ---- K: per channel over the tile's tokens: warp w, channels q*DR + w + W*m --------------------
     for (int cl = w; cl < DR; cl += W) {
       const int c = rank * DR + cl;
@@ -1129,8 +1147,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         if (lane < VB) reinterpret_cast<unsigned*>(dst + sec.v_codes + t * (D * VB / 8))[VB * j + lane] = word;
       }
     }
-    cluster_wait<R>();
   }
+  cluster_wait<R>();  // both halves: the exit guard
   errbits = __reduce_or_sync(KVC_FULL, errbits);
   if (lane == 0 && errbits) atomicOr(err, errbits);
 }

@@ -205,7 +205,7 @@ def smem_bytes(tile_tokens: int, head_dim: int, ranks: int = 1) -> int:
     y_slots = 0 if R > 1 else (T // W) * nj * 32 * W
     big = max(y_slots, D // R * (T + 1))
     xb = (D + 4 + nj + 3) // 4 * 4
-    mbar = 4 if R > 1 else 0  # two mbarriers (8 bytes each) of the cluster exchange
+    mbar = 8 if R > 1 else 0  # three mbarriers (8 bytes each, padded to 32) of the cluster exchanges
     floats = mbar + big + W * D + 2 * R * xb + 3 * D + 4 * W + W * nj + 2 * W + 12 + T + D
     return (floats * 4 + 15) // 16 * 16
 
