@@ -356,6 +356,31 @@ __device__ __forceinline__ void push_all4(float* p, int rank, uint4 v, unsigned 
     st_async4(mapa_u32(a, q), v, mapa_u32(bar, q));
   }
 }
+// A warp's 32 consecutive columns c (lane l: column c0 + l, value v), pushed in 16-byte pieces: the
+// four lanes 4g .. 4g + 3 gather columns c0 + 4g .. c0 + 4g + 3 (shuffles) and share the R - 1
+// destinations (lane 4g + i: ranks rank + i + 1, rank + i + 5, ...), so a CTA sends D / 4 pushes per
+// destination instead of D (fewer messages through the SM-to-SM network and fewer complete_tx on each
+// destination's mbarrier; the bytes are the same). Every lane of the warp calls it.
+template <int R>
+__device__ __forceinline__ void push_columns(float* p, int rank, float v, unsigned bar) {
+  static_assert((R & (R - 1)) == 0, "ranks: a power of two");
+  const int lane = threadIdx.x & 31, g0 = lane & ~3, i = lane & 3;
+  *p = v;  // own slot
+  uint4 x;
+  x.x = __float_as_uint(__shfl_sync(KVC_FULL, v, g0));
+  x.y = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 1));
+  x.z = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 2));
+  x.w = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 3));
+  const unsigned a = smem_u32(p - i);  // the group's first column: 16-byte aligned
+#pragma unroll
+  for (int k = 0; k < (R + 2) / 4; ++k) {
+    const int d = i + 1 + 4 * k;
+    if (d < R) {
+      const int q = (rank + d) & (R - 1);
+      st_async4(mapa_u32(a, q), x, mapa_u32(bar, q));
+    }
+  }
+}
 
 // ---- division --------------------------------------------------------------------------------
 // Every per-element division of the codec, u = a / b, divides many elements by one b (a row or
@@ -636,7 +661,8 @@ struct StridedTile {
 //   same chain one iteration shorter keeps A's pushes of it + 1 out of Y's slots 1 - b until Y has
 //   read them at it - 1. Two parities are needed: with one barrier, A's pushes of it + 1 could be
 //   counted in Y's phase of it while a third rank's bytes of it are still in flight to Y;
-// * a rank's own slot is a plain store (read by the same thread, or by its warp after __syncwarp);
+// * the column partials go in 16-byte pushes (push_columns: D / 4 per destination), the extras in
+//   one; a rank's own slot is a plain store (read by the same thread, or by its warp after __syncwarp);
 // * exit: after its last wait no more bytes come to a rank; the cluster barrier after the loop (the
 //   K transposition's, the V half's arrive / wait around its quantization) keeps every rank alive
 //   until every rank has passed its last wait, so no push is in flight at any exit. A rejected
@@ -826,7 +852,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
         for (int q = 0; q < W; ++q) p[q] = part[q * D + c];
         tree<W>(p);
-        if constexpr (R > 1) push_all<R>(xb + c, rank, p[0], bar); else xb[c] = p[0];
+        if constexpr (R > 1) push_columns<R>(xb + c, rank, p[0], bar); else xb[c] = p[0];  // c < D: whole warps
       }
     }
     if (w == S::XW) {
