@@ -638,8 +638,8 @@ struct StridedTile {
 // go to every rank's receive slot of this rank, every rank finishes every column from the R slots
 // in rank order 0 .. R - 1 (the same tree<R> as before, so all ranks hold the same column RMS, new s
 // and score, and the bytes stay the codec's), __syncthreads. The update of r is rank-local. The K
-// half then transposes u through the ranks' shared memory (one cluster barrier); a V half waits
-// for its cluster only before it exits.
+// half then transposes u through the ranks' shared memory (on a cluster: pushed the same way, onto
+// a third mbarrier, one phase); both halves wait for their cluster only before they exit.
 //
 // The exchange on a cluster (R > 1) has no cluster barrier: each rank pushes its slot into every
 // other rank with st.async (shared::cluster, complete_tx on the destination's mbarrier; no
@@ -663,10 +663,11 @@ struct StridedTile {
 //   counted in Y's phase of it while a third rank's bytes of it are still in flight to Y;
 // * the column partials go in 16-byte pushes (push_columns: D / 4 per destination), the extras in
 //   one; a rank's own slot is a plain store (read by the same thread, or by its warp after __syncwarp);
-// * exit: after its last wait no more bytes come to a rank; the cluster barrier after the loop (the
-//   K transposition's, the V half's arrive / wait around its quantization) keeps every rank alive
-//   until every rank has passed its last wait, so no push is in flight at any exit. A rejected
-//   input exits at iteration 0 through one cluster barrier.
+// * exit: after its last wait no more bytes come to a rank; a relaxed cluster arrive after that
+//   wait (the V half's after the loop, the K half's after its transposition's) and a cluster wait
+//   before the exit keep every rank alive until every rank has passed its last wait, so no push
+//   to or from a rank is in flight when it exits. A rejected input exits at iteration 0 through
+//   one cluster barrier (every rank decides the same).
 // With R = 1 the slots are this CTA's own (xbuf[b][0]) and the exchange is two __syncthreads.
 template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, typename Tile>
 __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
