@@ -182,11 +182,12 @@ fi
 [ -z "${GPU_PREFILL_HOST:-}" ] || step prefill_host timeout 180 python3 tools/prefill_host.py
 
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
-#     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt
+#     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt; GPU_SANITIZE_TOOLS="TOOL ..." picks the
+#     tools instead (e.g. "racecheck synccheck" for the compression cluster's mbarrier exchange)
 if [ -n "${GPU_SANITIZE:-}" ]; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for t in $GPU_SANITIZE; do
-    for tool in memcheck racecheck; do
+    for tool in ${GPU_SANITIZE_TOOLS:-memcheck racecheck}; do
       step "sanitize_${tool}_$t" timeout "${GPU_SANITIZE_LIMIT:-150}" "$SAN" --tool "$tool" --error-exitcode 3 \
         --report-api-errors no \
         --kernel-name kns=kvarn_ python3 tools/ncu_targets.py "$t"

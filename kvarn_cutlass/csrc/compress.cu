@@ -267,29 +267,12 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
   }
 }
-// Split form, for the last exchange: a rank must not exit while another may still read its shared
-// memory, so it arrives once its own reads are done and waits just before it returns.
-template <int R>
-__device__ __forceinline__ void cluster_arrive() {
-  if constexpr (R > 1) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
+// Waits for the cluster barrier's phase (R = 1: nothing): the exit guard after cluster_arrive_relaxed.
 template <int R>
 __device__ __forceinline__ void cluster_wait() {
   if constexpr (R > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// p (in this CTA's shared memory) read from / written to rank q's copy of the same buffer.
-template <int R>
-__device__ __forceinline__ float ld_rank(const float* p, int q) {
-  if constexpr (R == 1) {
-    return *p;
-  } else {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(q));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-    return v;
-  }
-}
+// p (in this CTA's shared memory) written to rank q's copy of the same buffer.
 template <int R>
 __device__ __forceinline__ void st_rank(float* p, int q, float v) {
   if constexpr (R == 1) {
@@ -298,6 +281,104 @@ __device__ __forceinline__ void st_rank(float* p, int q, float v) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(q));
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+  }
+}
+
+// ---- the iteration exchange of a cluster: st.async pushes counted on mbarriers (sm_90) -----------
+// Used with R > 1 only (compress_impl's comment gives the protocol). Addresses are 32-bit shared
+// ones; mapa turns this CTA's address of a buffer or mbarrier into rank q's copy of it.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned mapa_u32(unsigned a, int q) {
+  unsigned ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(q));
+  return ra;
+}
+// one thread, before any rank may push: count 1 (the local expect_tx arrival of each phase)
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// every thread of every rank, after the init (the init's release is the fence above)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// the phase's one arrival, announcing the bytes the other ranks will push into this rank in it
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// until the phase of this parity has completed (its arrival made and all its bytes landed); acquire
+// at cluster scope: the pushes' data (their complete_tx releases at cluster scope) is visible after
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void st_async(unsigned ra, unsigned v, unsigned rbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(ra), "r"(v), "r"(rbar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async4(unsigned ra, uint4 v, unsigned rbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(ra),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(rbar)
+               : "memory");
+}
+// v to this rank's slot p of the receive buffer and, by st.async, to the same slot of every other
+// rank, each push counted on that rank's copy of the mbarrier bar (destinations from rank + 1 on,
+// so the ranks do not all start on rank 0). The own copy is a plain store (read by this thread, or
+// after a __syncwarp by its warp).
+template <int R>
+__device__ __forceinline__ void push_all(float* p, int rank, float v, unsigned bar) {
+  static_assert((R & (R - 1)) == 0, "ranks: a power of two");
+  *p = v;
+  const unsigned a = smem_u32(p);
+#pragma unroll
+  for (int d = 1; d < R; ++d) {
+    const int q = (rank + d) & (R - 1);
+    st_async(mapa_u32(a, q), __float_as_uint(v), mapa_u32(bar, q));
+  }
+}
+template <int R>
+__device__ __forceinline__ void push_all4(float* p, int rank, uint4 v, unsigned bar) {
+  *reinterpret_cast<uint4*>(p) = v;
+  const unsigned a = smem_u32(p);
+#pragma unroll
+  for (int d = 1; d < R; ++d) {
+    const int q = (rank + d) & (R - 1);
+    st_async4(mapa_u32(a, q), v, mapa_u32(bar, q));
+  }
+}
+// A warp's 32 consecutive columns c (lane l: column c0 + l, value v), pushed in 16-byte pieces: the
+// four lanes 4g .. 4g + 3 gather columns c0 + 4g .. c0 + 4g + 3 (shuffles) and share the R - 1
+// destinations (lane 4g + i: ranks rank + i + 1, rank + i + 5, ...), so a CTA sends D / 4 pushes per
+// destination instead of D (fewer messages through the SM-to-SM network and fewer complete_tx on each
+// destination's mbarrier; the bytes are the same). Every lane of the warp calls it.
+template <int R>
+__device__ __forceinline__ void push_columns(float* p, int rank, float v, unsigned bar) {
+  static_assert((R & (R - 1)) == 0, "ranks: a power of two");
+  const int lane = threadIdx.x & 31, g0 = lane & ~3, i = lane & 3;
+  *p = v;  // own slot
+  uint4 x;
+  x.x = __float_as_uint(__shfl_sync(KVC_FULL, v, g0));
+  x.y = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 1));
+  x.z = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 2));
+  x.w = __float_as_uint(__shfl_sync(KVC_FULL, v, g0 + 3));
+  const unsigned a = smem_u32(p - i);  // the group's first column: 16-byte aligned
+#pragma unroll
+  for (int k = 0; k < (R + 2) / 4; ++k) {
+    const int d = i + 1 + 4 * k;
+    if (d < R) {
+      const int q = (rank + d) & (R - 1);
+      st_async4(mapa_u32(a, q), x, mapa_u32(bar, q));
+    }
   }
 }
 
@@ -510,16 +591,20 @@ struct Shape {
   static constexpr int DR = D / R;      // K channels a rank quantizes (the transposed phase)
   static constexpr int NI = T / 32;     // tokens per lane there: t = lane + 32 * i
   static constexpr int kPitch = T + 1;  // floats per transposed channel row (conflict-free)
-  // exchange buffer per iteration: column partials [D], row RMS max / min, max r, input error bits,
-  // the V half's nonzero-channel masks [NJ]
+  // exchange slot of one rank per iteration: column partials [D], row RMS max / min, max r, input
+  // error bits, the V half's nonzero-channel masks [NJ] (16-byte aligned: the extras are one v4 push)
   static constexpr int XB = (D + 4 + NJ + 3) / 4 * 4;
-  // dynamic shared memory (floats): big (the y slots when R == 1, then the transposed K values,
-  // [DR][kPitch]) | part [W][D] | xbuf [2][XB] | bc [3][D] | red [4W + W * NJ] | red2 [2W + 12] |
-  // best [T + D]
+  // dynamic shared memory (floats): mbar (R > 1: 8-byte mbarriers, one per iteration parity and the
+  // K transposition's, padded to 32 bytes) |
+  // big (the y slots when R == 1, then the transposed K values, [DR][kPitch]) | part [W][D] |
+  // xbuf [2][R][XB] (per iteration parity, every rank's slot; R == 1: this CTA's own) | bc [3][D] |
+  // red [4W + W * NJ] | red2 [2W + 12] | best [T + D]
+  static constexpr int kMbar = R > 1 ? 8 : 0;
   static constexpr int kYSlots = kYInRegs ? 0 : N * NT;
   static constexpr int kBig = kYSlots > DR * kPitch ? kYSlots : DR * kPitch;
   static constexpr int kRed = 4 * W + W * NJ;
-  static constexpr int kSmemFloats = kBig + W * D + 2 * XB + 3 * D + kRed + 2 * W + 12 + T + D;
+  static_assert((kMbar + kBig + W * D) % 4 == 0, "xbuf 16-byte aligned");
+  static constexpr int kSmemFloats = kMbar + kBig + W * D + 2 * R * XB + 3 * D + kRed + 2 * W + 12 + T + D;
   static constexpr int kSmemBytes = (kSmemFloats * 4 + 15) / 16 * 16;
 };
 
@@ -550,13 +635,40 @@ struct StridedTile {
 // One exchange per normalization iteration: the candidate's column partials and row RMS are
 // written, __syncthreads, each rank's partial of every column (the tree over its warps) and its
 // extras (row RMS max / min, max r; at iteration 0 the input error bits and nonzero-channel masks)
-// go to its exchange buffer, cluster barrier, every rank finishes every column from all ranks'
-// buffers (so all ranks hold the same column RMS, new s and score), __syncthreads. The update of r
-// is rank-local. The buffers alternate between iterations: a rank writes buffer p again two
-// iterations later, after the next barrier, which no rank passes before every rank has read buffer
-// p. The K half then transposes u through the ranks' shared memory (one more barrier); a V half
-// only has to keep its buffers alive until every rank has read them (arrive after the loop, wait
-// before exit).
+// go to every rank's receive slot of this rank, every rank finishes every column from the R slots
+// in rank order 0 .. R - 1 (the same tree<R> as before, so all ranks hold the same column RMS, new s
+// and score, and the bytes stay the codec's), __syncthreads. The update of r is rank-local. The K
+// half then transposes u through the ranks' shared memory (on a cluster: pushed the same way, onto
+// a third mbarrier, one phase); both halves wait for their cluster only before they exit.
+//
+// The exchange on a cluster (R > 1) has no cluster barrier: each rank pushes its slot into every
+// other rank with st.async (shared::cluster, complete_tx on the destination's mbarrier; no
+// GPU-scope fence, one local mbarrier wait per iteration instead of barrier.cluster + DSMEM loads).
+// Protocol (b = it & 1, the iteration's parity):
+// * receive slots xbuf[b][q] (rank q's data of the iterations of parity b) and an mbarrier mbar[b]
+//   per parity, initialized with arrival count 1 before the loop (fence.mbarrier_init, then a
+//   cluster arrive; each rank waits on it before its first push, so no push meets an
+//   uninitialized barrier);
+// * iteration it uses phase it >> 1 of mbar[b]: thread 0 makes the phase's one arrival with
+//   expect_tx = the bytes the other R - 1 ranks push (4 (D + 4) each, + 4 NJ masks at it 0);
+//   every thread waits for the phase with parity (it >> 1) & 1 (try_wait.parity, acquire at cluster
+//   scope). Pushes may land before the expect_tx (the tx-count goes negative); the phase cannot
+//   complete early then, its arrival is still pending;
+// * no push lands in a slot or phase still in use: rank A pushes iteration it + 2 (slot and barrier
+//   b again) only after its wait of iteration it + 1, which needs rank Y's pushes of it + 1, which
+//   Y issues after its __syncthreads that follow every read of its slots b at it and its wait of
+//   it (so Y's phase it >> 1 of mbar[b] has completed, and Y's next phase counts A's bytes). The
+//   same chain one iteration shorter keeps A's pushes of it + 1 out of Y's slots 1 - b until Y has
+//   read them at it - 1. Two parities are needed: with one barrier, A's pushes of it + 1 could be
+//   counted in Y's phase of it while a third rank's bytes of it are still in flight to Y;
+// * the column partials go in 16-byte pushes (push_columns: D / 4 per destination), the extras in
+//   one; a rank's own slot is a plain store (read by the same thread, or by its warp after __syncwarp);
+// * exit: after its last wait no more bytes come to a rank; a relaxed cluster arrive after that
+//   wait (the V half's after the loop, the K half's after its transposition's) and a cluster wait
+//   before the exit keep every rank alive until every rank has passed its last wait, so no push
+//   to or from a rank is in flight when it exits. A rejected input exits at iteration 0 through
+//   one cluster barrier (every rank decides the same).
+// With R = 1 the slots are this CTA's own (xbuf[b][0]) and the exchange is two __syncthreads.
 template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, typename Tile>
 __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
                                               Sections sec, float inv_sqrt_d, int* __restrict__ err) {
@@ -564,10 +676,11 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = S::NT, W = S::W, XB = S::XB, CM = S::CM, CW = S::CW;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
-  float* big = smem;              // y slots (R == 1) [N][NT]; then the transposed K values [DR][kPitch]
+  unsigned long long* mbar = reinterpret_cast<unsigned long long*>(smem);  // [3] (R > 1) parity 0, 1, K transposition
+  float* big = smem + S::kMbar;   // y slots (R == 1) [N][NT]; then the transposed K values [DR][kPitch]
   float* part = big + S::kBig;    // [W][D]  per-warp column partials
-  float* xbuf = part + W * D;     // [2][XB] this rank's exchange buffers (read by every rank)
-  float* bc = xbuf + 2 * XB;      // [3][D]  column RMS, new s, RN(1 / new s)
+  float* xbuf = part + W * D;     // [2][R][XB] receive slots, by iteration parity and sending rank
+  float* bc = xbuf + 2 * R * XB;  // [3][D]  column RMS, new s, RN(1 / new s)
   float* red = bc + 3 * D;        // [4W + W*NJ] per-warp row RMS max / min, max r, error bits, masks
   float* red2 = red + S::kRed;    // [2W + 12] per-warp column RMS max / min; the cluster's extras
   float* best = red2 + 2 * W + 12;  // [T + D] the best candidate's r (by token) and s (by channel)
@@ -577,6 +690,18 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int rank = cluster_rank<R>();
   auto token = [&](int k) { return rank + R * (w + W * k); };
+  if constexpr (R > 1) {
+    // the exchange's mbarriers, before any rank may push into this one: every rank waits for this
+    // arrival (its cluster_wait at iteration 0) before its first push; the load, the WHT and the
+    // first candidate run in between
+    if (tid == 0) {
+      mbar_init(smem_u32(mbar));
+      mbar_init(smem_u32(mbar + 1));
+      mbar_init(smem_u32(mbar + 2));  // the K half's transposition
+      mbar_init_fence();
+    }
+    cluster_arrive_relaxed();
+  }
 
   // ---- load, check, WHT ------------------------------------------------------------------------
   float y[N];
@@ -664,7 +789,9 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   bool r_ok = true, s_ok = true;
 
   for (int it = 0;; ++it) {
-    float* xb = xbuf + (it & 1) * XB;
+    float* rb = xbuf + (it & 1) * R * XB;  // this iteration's receive slots, rb[q * XB + i] from rank q
+    float* xb = rb + rank * XB;            // this rank's own slot
+    const unsigned bar = R > 1 ? smem_u32(mbar + (it & 1)) : 0u;
     // candidate z = (y / s) / r (it 0: y), squared: each token's RMS, and the column partials over
     // this thread's tokens (the tree over k, its first level as the rows are made: pairs k, k + NK/2)
     // this lane's token k = lane % NK: its sum over c of z^2 (every lane has every token's; keep one)
@@ -713,6 +840,11 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       if (lane == 0) redi[3 * W + w] = wbits;
     }
     __syncthreads();
+    if constexpr (R > 1) {
+      if (it == 0) cluster_wait<R>();  // every rank's mbarriers are initialized
+      // this phase's one arrival: the bytes the other R - 1 ranks push into this rank's slots
+      if (tid == 0) mbar_arrive_expect_tx(bar, (R - 1) * 4 * (D + 4 + (it == 0 ? NJ : 0)));
+    }
 #pragma unroll
     for (int m = 0; m < CM; ++m) {
       const int c = tid + NT * m;
@@ -721,30 +853,43 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
         for (int q = 0; q < W; ++q) p[q] = part[q * D + c];
         tree<W>(p);
-        xb[c] = p[0];
+        if constexpr (R > 1) push_columns<R>(xb + c, rank, p[0], bar); else xb[c] = p[0];  // c < D: whole warps
       }
     }
     if (w == S::XW) {
       // this rank's extras: row RMS max / min and max r over its warps; (it 0) error bits, masks
       const int q = lane < W ? lane : 0;
       const float a = warp_max_pos(red[q]), b = warp_min_pos(red[W + q]), c = warp_max_pos(red[2 * W + q]);
-      if (lane == 0) {
-        xb[D] = a;
-        xb[D + 1] = b;
-        xb[D + 2] = c;
-      }
-      if (it == 0) {
-        const int e = __reduce_or_sync(KVC_FULL, lane < W ? redi[3 * W + lane] : 0);
-        if (lane == 0) reinterpret_cast<int*>(xb)[D + 3] = e;
-        if (lane < NJ) {
+      if constexpr (R > 1) {
+        const int e = it == 0 ? __reduce_or_sync(KVC_FULL, lane < W ? redi[3 * W + lane] : 0) : 0;
+        if (lane == 0) push_all4<R>(xb + D, rank, make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), (unsigned)e), bar);
+        if (it == 0 && lane < NJ) {
           int mk = 0;
 #pragma unroll
           for (int qq = 0; qq < W; ++qq) mk |= redi[4 * W + qq * NJ + lane];
-          reinterpret_cast<int*>(xb)[D + 4 + lane] = mk;
+          push_all<R>(xb + D + 4 + lane, rank, __int_as_float(mk), bar);
+        }
+        __syncwarp();  // lane 0's own slot to the lane that reads it below
+      } else {
+        if (lane == 0) {
+          xb[D] = a;
+          xb[D + 1] = b;
+          xb[D + 2] = c;
+        }
+        if (it == 0) {
+          const int e = __reduce_or_sync(KVC_FULL, lane < W ? redi[3 * W + lane] : 0);
+          if (lane == 0) reinterpret_cast<int*>(xb)[D + 3] = e;
+          if (lane < NJ) {
+            int mk = 0;
+#pragma unroll
+            for (int qq = 0; qq < W; ++qq) mk |= redi[4 * W + qq * NJ + lane];
+            reinterpret_cast<int*>(xb)[D + 4 + lane] = mk;
+          }
         }
       }
     }
-    cluster_sync<R>();
+    if constexpr (R > 1) mbar_wait(bar, (unsigned)(it >> 1) & 1u);  // every rank's slots landed
+    else __syncthreads();
     if (w < CW) {
       float mx = 0.0f, mn = 0.0f;
 #pragma unroll
@@ -752,7 +897,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         const int c = tid + NT * m;
         float p[R];
 #pragma unroll
-        for (int q = 0; q < R; ++q) p[q] = ld_rank<R>(xb + c, q);
+        for (int q = 0; q < R; ++q) p[q] = rb[q * XB + c];
         tree<R>(p);
         const float cr = rms_of(__fmul_rn(p[0], 1.0f / T));
         const float s_c = it == 0 ? 1.0f : bc[D + c];  // column c's s: this thread's new s of the last iteration
@@ -772,20 +917,20 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     }
     if (w == S::XW) {
       const int q = lane < R ? lane : 0;
-      const float a = warp_max_pos(ld_rank<R>(xb + D, q)), b = warp_min_pos(ld_rank<R>(xb + D + 1, q));
-      const float c = warp_max_pos(ld_rank<R>(xb + D + 2, q));
+      const float a = warp_max_pos(rb[q * XB + D]), b = warp_min_pos(rb[q * XB + D + 1]);
+      const float c = warp_max_pos(rb[q * XB + D + 2]);
       if (lane == 0) {
         red2[2 * W] = a;
         red2[2 * W + 1] = b;
         red2[2 * W + 2] = c;
       }
       if (it == 0) {
-        const int e = __reduce_or_sync(KVC_FULL, __float_as_int(ld_rank<R>(xb + D + 3, q)));
+        const int e = __reduce_or_sync(KVC_FULL, __float_as_int(rb[q * XB + D + 3]));
         if (lane == 0) red2i[2 * W + 3] = e;
         if (is_v && lane < NJ) {
           int mk = 0;
 #pragma unroll
-          for (int qq = 0; qq < R; ++qq) mk |= __float_as_int(ld_rank<R>(xb + D + 4 + lane, qq));
+          for (int qq = 0; qq < R; ++qq) mk |= __float_as_int(rb[qq * XB + D + 4 + lane]);
           red2i[2 * W + 4 + lane] = mk;
         }
       }
@@ -795,7 +940,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       const int e = red2i[2 * W + 3];
       if (e) {  // rejected input: nothing is written (the same decision on every rank)
         if (rank == 0 && tid == 0) atomicOr(err, e);
-        cluster_sync<R>();  // no rank leaves while another may read its exchange buffer
+        cluster_sync<R>();  // no rank leaves while a push to it or from it may be in flight
         return;
       }
     }
@@ -845,8 +990,12 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     }
     r_ok = __all_sync(KVC_FULL, divisor_ok(rn));
   }
-  // every remote read of this rank's exchange buffers is done (the K half synchronizes again below)
-  if (is_v) cluster_arrive<R>();
+  // V: this rank has passed its last wait (no push to it is left); it exits only after every rank
+  // has (cluster_wait at the end), so no push to or from it is in flight at its exit. Relaxed: no
+  // data passes through this barrier. (The K half arrives after its transposition's wait.)
+  if constexpr (R > 1) {
+    if (is_v) cluster_arrive_relaxed();
+  }
 
   // ---- power-of-two balance ----------------------------------------------------------------------
   __syncthreads();  // the best factors visible
@@ -902,10 +1051,28 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int c = lane + 32 * j;
-        st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
+        if constexpr (R > 1) {
+          // pushed like the iteration exchange, counted on mbar[2] (one phase, parity 0); this
+          // rank's own tokens by plain stores
+          float* p = tb + (c % DR) * P + token(k);
+          const int q = c / DR;
+          if (q == rank) *p = u[k * NJ + j];
+          else st_async(mapa_u32(smem_u32(p), q), __float_as_uint(u[k * NJ + j]), mapa_u32(smem_u32(mbar + 2), q));
+        } else {
+          st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
+        }
       }
     }
-    cluster_sync<R>();
+    if constexpr (R > 1) {
+      // the other ranks' T - T / R tokens of this rank's DR channels; the arrival may come after some
+      // of them (the phase cannot complete before it)
+      if (tid == 0) mbar_arrive_expect_tx(smem_u32(mbar + 2), (T - T / R) * DR * 4);
+      mbar_wait(smem_u32(mbar + 2), 0u);
+      __syncthreads();               // this rank's own tokens, stored by its other warps
+      cluster_arrive_relaxed();      // exit guard: see the V half's
+    } else {
+      cluster_sync<R>();
+    }
     // ---- K: per channel over the tile's tokens: warp w, channels q*DR + w + W*m --------------------
     for (int cl = w; cl < DR; cl += W) {
       const int c = rank * DR + cl;
@@ -1007,8 +1174,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         if (lane < VB) reinterpret_cast<unsigned*>(dst + sec.v_codes + t * (D * VB / 8))[VB * j + lane] = word;
       }
     }
-    cluster_wait<R>();
   }
+  cluster_wait<R>();  // both halves: the exit guard
   errbits = __reduce_or_sync(KVC_FULL, errbits);
   if (lane == 0 && errbits) atomicOr(err, errbits);
 }
