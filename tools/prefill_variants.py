@@ -21,16 +21,16 @@ DQV = "dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);"
 PARAMS = "tile_params(rec, f, P, gtid);"
 FACTORS = "const TileFactors f = tile_factors(P.red);"
 # wgmma consumers: a tile block's turn, softmax and pending P.V, and the P.V flushed after the last tile
-WG_TILE = """            if (pending() == 1) turn(K1{}, K1{}, stg);
-            else turn(K1{}, K0{}, stg);
+WG_TILE = """            if (pending() == 1) turn(K1{}, K1{}, bi);
+            else turn(K1{}, K0{}, bi);
             online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
 """
-WG_FLUSH = "                turn(K0{}, K1{}, nullptr);\n"
+WG_FLUSH = "                turn(K0{}, K1{}, 0);\n"
 NO_MATH = [(ATTEND, "if (kf < -1.f) " + ATTEND),  # mma.sync
-           (WG_TILE, "            turn(K0{}, K0{}, nullptr);\n            release(bi);\n"),  # wgmma
-           (WG_FLUSH, "                turn(K0{}, K0{}, nullptr);\n")]
+           (WG_TILE, "            turn(K0{}, K0{}, 0);\n            release(bi);\n"),  # wgmma
+           (WG_FLUSH, "                turn(K0{}, K0{}, 0);\n")]
 NO_DEQUANT = [(DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)]
 VARIANTS = {
     "shipped": [],

@@ -249,9 +249,9 @@ __device__ __forceinline__ void fence_operands_for_wgmma() {
 #if WGMMA
 namespace gmma = cute::SM90::GMMA;
 // No-swizzle matrix descriptor: start address, LBO (K direction) and SBO (M/N direction) in bytes.
-__device__ __forceinline__ uint64_t wgmma_desc(const void* p, u32 lbo, u32 sbo) {
+__device__ __forceinline__ uint64_t wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
     cute::GmmaDescriptor d;
-    d.bitfield.start_address_ = (uint16_t)(smem_addr(p) >> 4);
+    d.bitfield.start_address_ = (uint16_t)(addr >> 4);
     d.bitfield.leading_byte_offset_ = (uint16_t)(lbo >> 4);
     d.bitfield.stride_byte_offset_ = (uint16_t)(sbo >> 4);
     d.bitfield.base_offset_ = 0;
@@ -495,7 +495,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, 
 #if WGMMA
 // The warpgroup's S = Q . K^T for one 64-token block (D / 16 k-steps), issued, not waited for.
 template <bool TILE>
-__device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float (&s)[SN][4]) {
+__device__ __forceinline__ void issue_scores(u32 sQw, u32 sK, float (&s)[SN][4]) {
     using Op = typename ScoreMMA<TILE ? false : (bool)CACHE_BF16, TILE>::Op;
     // one descriptor per operand, advanced per k-step (desc_plus): building each k-step's descriptor from
     // its pointer put a dozen dependent instructions between consecutive wgmmas
@@ -507,7 +507,7 @@ __device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float 
 }
 // acc += P . V for one block, P the packed A fragments (k16 step kt: score n8 tiles 2kt, 2kt + 1), issued.
 template <bool TILE>
-__device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], const u8* sV, float (&acc)[ON][4]) {
+__device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], u32 sV, float (&acc)[ON][4]) {
     using Op = typename ValueMMA<TILE ? false : (bool)CACHE_BF16>::Op;
     const uint64_t dv = wgmma_desc(sV, D * 16, 128);  // advanced per k-step as in issue_scores
 #pragma unroll
@@ -1228,16 +1228,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     // SCORES: 0 none, 1 a tile block's, 2 an exact block's (K at sK); PV: 0 none, 1 a tile block's, 2 an
     // exact block's pending P . V. Each combination is one straight-line MMA sequence (a branch between
     // warpgroup_arrive and the MMAs would make ptxas serialize every wgmma).
-    auto turn = [&](auto scores_kind, auto pv_kind, const u8* sK) {
+    auto turn = [&](auto scores_kind, auto pv_kind, int kbi) {
         constexpr int SC = decltype(scores_kind)::value, PV = decltype(pv_kind)::value;
         if (PINGPONG) bar_sync(BAR_TURN + wg, 256);
         if (SC != 0 || PV != 0) {
-            const u8* pst = sStage + (pv_bi % NSTAGE) * ST_BYTES;
+            // the operands' shared-memory addresses from the dynamic buffer's symbol, read afresh per turn (a
+            // volatile read): ptxas then builds the wgmma descriptors in uniform registers and advances them
+            // by UIADD3; from the base it keeps in a vector register (the one stage_q and the row loads use)
+            // it built each k-step's descriptor in vector registers and moved it over (4 R2UR per wgmma)
+            u32 smem_base;
+            asm volatile("mov.u32 %0, smem;\n" : "=r"(smem_base));
+            const u32 aQw = smem_base + q_off(mma_row0, 0), aStage = smem_base + OFF_SM_STAGE;
+            const u32 sK = aStage + (kbi % NSTAGE) * ST_BYTES;
+            const u32 pst = aStage + (pv_bi % NSTAGE) * ST_BYTES;
             fence_acc(s[0]);
             fence_acc(acc[0]);
             cute::warpgroup_arrive();
-            if constexpr (SC == 1) issue_scores<true>(sQw, sK, s[0]);
-            if constexpr (SC == 2) issue_scores<false>(sQw, sK, s[0]);
+            if constexpr (SC == 1) issue_scores<true>(aQw, sK, s[0]);
+            if constexpr (SC == 2) issue_scores<false>(aQw, sK, s[0]);
             if constexpr (PV == 1) issue_pv<true>(pa, pst + ST_KD, acc[0]);
             if constexpr (PV == 2) issue_pv<false>(pa, pst + ST_EK, acc[0]);
             cute::warpgroup_commit_batch();
@@ -1259,34 +1267,34 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
-            if (pending() == 1) turn(K1{}, K1{}, stg);
-            else turn(K1{}, K0{}, stg);
+            if (pending() == 1) turn(K1{}, K1{}, bi);
+            else turn(K1{}, K0{}, bi);
             online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
             if (bi == sc.nba - 1) {
-                turn(K0{}, K1{}, nullptr);
+                turn(K0{}, K1{}, 0);
                 end_of_tiles();
             }
         } else {
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warpgroup sees a key of the block
                 const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
-                if (pending() == 2) turn(K2{}, K2{}, stg);
-                else turn(K2{}, K0{}, stg);
+                if (pending() == 2) turn(K2{}, K2{}, bi);
+                else turn(K2{}, K0{}, bi);
                 online_softmax<false>(s, 1.f, 0.f, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0, need_mask);
                 pack_p<(bool)CACHE_BF16>(s[0], pa);
                 pv_bi = bi;
             } else {  // no scores, but a turn all the same: the turns stay paired across the warpgroups
-                if (pending() == 2) turn(K0{}, K2{}, nullptr);
-                else turn(K0{}, K0{}, nullptr);
+                if (pending() == 2) turn(K0{}, K2{}, 0);
+                else turn(K0{}, K0{}, 0);
                 release(bi);
             }
         }
     }
     // the last P . V (an exact block's: a tile block's was flushed at the end of the tiles)
-    if (pending() == 2) turn(K0{}, K2{}, nullptr);
-    else turn(K0{}, K0{}, nullptr);
+    if (pending() == 2) turn(K0{}, K2{}, 0);
+    else turn(K0{}, K0{}, 0);
     if (PINGPONG && wg == 0) bar_sync(BAR_TURN, 256);  // warpgroup 1's last arrival
 #else
     for (int bi = 0; bi < sc.nb; ++bi) {
