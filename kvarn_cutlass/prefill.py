@@ -155,13 +155,23 @@ def _scaled_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return (x * _pow2(p)[..., None]).to(dtype), _pow2(-p)
 
 
+def _unit_exponent(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The kernel's unit_exponent: e with x * 2^-e in [1/2, 1) (an f32-subnormal x counts as 2^-126; 0 for
+    x = 0), clamped to [lo, hi]."""
+    _, e = torch.frexp(x.clamp_min(torch.finfo(torch.float32).smallest_normal))
+    return torch.where(x > 0, e.clamp(lo, hi), torch.zeros_like(e))
+
+
 def _tile_operands(rec: torch.Tensor, spec):
     """Records [N, nbytes] -> the kernel's phase A operands and factors (see csrc/prefill_fused.cu):
-    kd [N, D, T] and vd [N, T, D] (f16), tokf [N, T] and fv [N] (f32)."""
+    kd [N, D, T] and vd [N, T, D] (f16, the row scales in kd), fk [N] (f32, the scores' tile factor
+    2^(ek + er)) and e_v [N] (int32: the values' tile factor is 2^e_v)."""
     f = codec.unpack_fields(rec, spec)
     kb, vb = f.k_codebook.abs().max(), f.v_codebook.abs().max()
     ek = _range_exponent(f.chan_min.abs().amax(-1) + kb * f.chan_step.abs().amax(-1))
     ev = _range_exponent(f.tok_min.abs().amax(-1) + vb * f.tok_step.abs().amax(-1))
+    er = _unit_exponent(f.row_scale.amax(-1), -100, 100)
+    ec = _unit_exponent(f.col_scale.amax(-1), -125, 126)
     kmul, vmul = _pow2(-ek)[:, None], _pow2(-ev)[:, None]
     # f16 scales: the kernel's f16x2 arithmetic (each fma rounded once to f16; the scales times a power
     # of two are exact in f16); f32 scales: f32 arithmetic, one final rounding (see prefill_fused.cu)
@@ -169,15 +179,14 @@ def _tile_operands(rec: torch.Tensor, spec):
         r16 = lambda x: x.to(torch.float16).to(torch.float32)  # noqa: E731
     else:
         r16 = lambda x: x  # noqa: E731
-    kd = torch.addcmul(r16(f.chan_min * kmul)[..., None], r16(f.chan_step * kmul)[..., None],
-                       f.k_values).to(torch.float16)  # [N, D, T]
-    cmax = f.col_scale.amax(-1)
-    cr = r16(f.col_scale / cmax[:, None])
+    rs = r16(f.row_scale * _pow2(-er)[:, None])  # [N, T], <= 1
+    kd = (r16(torch.addcmul(r16(f.chan_min * kmul)[..., None], r16(f.chan_step * kmul)[..., None], f.k_values))
+          * rs[:, None, :]).to(torch.float16)  # [N, D, T]
+    cr = r16(f.col_scale * _pow2(-ec)[:, None])
     vd = (r16(torch.addcmul(r16(f.tok_min * vmul)[..., None], r16(f.tok_step * vmul)[..., None], f.v_values))
           * cr[:, None, :]).to(torch.float16)  # [N, T, D]
-    tokf = f.row_scale * _pow2(ek)[:, None]
-    fv = cmax * _pow2(ev)
-    return kd, vd, tokf, fv
+    fk = _pow2(ek) * _pow2(er)
+    return kd, vd, fk, (ec + ev).to(torch.int32)
 
 
 def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tensor:
@@ -200,14 +209,16 @@ def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tens
     nt = cache.num_tiles(layer)
     if nt:
         rec = cache.tile_bytes(layer).permute(0, 2, 1, 3).reshape(HH * nt, spec.tile_nbytes)
-        kd, vd, tokf, fv = _tile_operands(rec, spec)
+        kd, vd, fk, e_v = _tile_operands(rec, spec)
         T = spec.tile_tokens
         kd = kd.float().view(HH, nt, D, T).permute(0, 2, 1, 3).reshape(HH, D, nt * T)
         vd = vd.view(HH, nt, T, D)
-        tokf = tokf.view(HH, nt * T)
-        fv = fv.view(HH, nt)
-        fv_run = fv.amax(-1)  # [HH]
-        ratio = (fv / fv_run[:, None]).repeat_interleave(T, -1)  # [HH, nt*T]
+        fk = fk.view(HH, nt).repeat_interleave(T, -1)  # [HH, nt*T]
+        e_v = e_v.view(HH, nt)
+        e_run = e_v.amax(-1)  # [HH]
+        fv_run = _pow2(e_run)
+        # P' = p * 2^-k, k = e_run - e_v clamped to the kernel's KF_MAX (P' is 0 in f16 either way)
+        ratio = _pow2(-(e_run[:, None] - e_v).clamp_max(64)).repeat_interleave(T, -1)  # [HH, nt*T]
         qa, qa_f = _scaled_rows(codec.wht(qrows), torch.float16)
 
     out = torch.empty(HH, M, D, dtype=torch.float32, device=q.device)
@@ -219,7 +230,7 @@ def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tens
                                 float("-inf"))
         m = lg_e.amax(-1)
         if nt:
-            lg_t = (qa[:, r0:r1].float() @ kd) * tokf[:, None, :] * (qa_f[:, r0:r1] * scale_log2)[..., None]
+            lg_t = (qa[:, r0:r1].float() @ kd) * ((qa_f[:, r0:r1] * scale_log2)[..., None] * fk[:, None, :])
             m = torch.maximum(m, lg_t.amax(-1))
         p_e = torch.exp2(lg_e - m[..., None])
         l = p_e.sum(-1)

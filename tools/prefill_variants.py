@@ -15,29 +15,29 @@ import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
 
 SRC = (root / "kvarn_cutlass/csrc/prefill_fused.cu").read_text()
-ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);"
+ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
 DQK = "dequant_k(rec, P, sLut, st, t0, gtid);"
-DQV = "dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);"
+DQV = "dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);"
 PARAMS = "tile_params(rec, f, P, gtid);"
 FACTORS = "const TileFactors f = tile_factors(P.red);"
 # wgmma consumers: a tile block's turn, softmax and pending P.V, and the P.V flushed after the last tile
-WG_TILE = """            if (pending() == 1) turn(K1{}, K1{}, stg);
-            else turn(K1{}, K0{}, stg);
-            online_softmax<true>(s, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+WG_TILE = """            if (pending() == 1) turn(K1{}, K1{}, bi);
+            else turn(K1{}, K0{}, bi);
+            online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
 """
-WG_FLUSH = "                turn(K0{}, K1{}, nullptr);\n"
-NO_MATH = [(ATTEND, "if (ratio < -1.f) " + ATTEND),  # mma.sync
-           (WG_TILE, "            turn(K0{}, K0{}, nullptr);\n            release(bi);\n"),  # wgmma
-           (WG_FLUSH, "                turn(K0{}, K0{}, nullptr);\n")]
+WG_FLUSH = "                turn(K0{}, K1{}, 0);\n"
+NO_MATH = [(ATTEND, "if (kf < -1.f) " + ATTEND),  # mma.sync
+           (WG_TILE, "            turn(K0{}, K0{}, 0);\n            release(bi);\n"),  # wgmma
+           (WG_FLUSH, "                turn(K0{}, K0{}, 0);\n")]
 NO_DEQUANT = [(DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)]
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": NO_MATH,
     "no_dequant": NO_DEQUANT,
     "neither": NO_MATH + NO_DEQUANT,
-    "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 1.f, 1.f};")],
+    "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 0, 0, 1.f, 0};")],
 }
 CONFIGS = [OP.FusedConfig.from_name(n) for n in sys.argv[1:]] or [None]
 orig = OP.fused_spec

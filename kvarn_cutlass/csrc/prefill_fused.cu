@@ -19,17 +19,21 @@
 // Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
 // max|q_rot| lies in [2^7, 2^8), rounded to f16. The producers copy each record into a ring of RSLOTS
 // slots (cp.async, each group one of its tiles ahead) and dequantize it block by block into f16 operands:
-//   K: kd[c][t] = f16(chan_min' + chan_step' * kbook[code])     (one fma rounding, channel-major)
-//      with chan_*' = f16(chan_* * 2^-ek); score[r][t] = (q_rot[r] . kd[:, t]) * row_scale[t] * 2^ek *
-//      scale * log2(e) / s_r
-//   V: vd[t][c] = f16(f16(tok_min' + tok_step' * vbook[code]) * f16(col_scale[c] / cmax))   (f16 scales;
-//      f32 scales: f32 math, one rounding) with tok_*' = tok_* * 2^-ev; V[t][c] = fV * vd[t][c], tile factor fV = cmax * 2^ev
-// ek, ev chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands never
-// overflow whatever the magnitudes (the tile factors stay in f32). The accumulator is kept in units
-// of fV_run, the largest tile factor so far: P' = p * fV / fV_run <= 1 is the f16 MMA operand, and
-// when a tile raises fV_run the accumulator is rescaled by old/new (<= 1; nothing can overflow). After
-// the tiles the consumers multiply the accumulator by fV_run and rotate it back (inverse WHT in
-// registers). kvarn_cutlass.prefill._emulate does the same arithmetic in torch.
+//   K: kd[c][t] = f16(f16(chan_min' + chan_step' * kbook[code]) * f16(rs'[t]))   (f16 scales; f32 scales:
+//      f32 math, one rounding), channel-major, with chan_*' = chan_* * 2^-ek and rs'[t] = row_scale[t] *
+//      2^-er <= 1 (the row scale is in the operand: the consumers multiply nothing per token);
+//      score[r][t] = (q_rot[r] . kd[:, t]) * fK * scale * log2(e) / s_r, tile factor fK = 2^(ek + er)
+//   V: vd[t][c] = f16(f16(tok_min' + tok_step' * vbook[code]) * f16(col_scale[c] * 2^-ec))   (f16 scales;
+//      f32 scales: f32 math, one rounding) with tok_*' = tok_* * 2^-ev; V[t][c] = fV * vd[t][c], tile
+//      factor fV = 2^eV, eV = ec + ev (a power of two: 2^ec > max_c col_scale)
+// ek, ev, er, ec chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands
+// never overflow whatever the magnitudes (the tile factors stay in f32 / as exponents). The accumulator
+// is kept in units of fV_run = 2^eV_run, the largest tile factor so far: P' = p * 2^-(eV_run - eV) <= 1
+// is the f16 MMA operand (the power of two is folded into the exponential's argument, and the row sum
+// gets the p back by one multiply per row), and when a tile raises eV_run the accumulator is rescaled by
+// 2^(old - new) (<= 1; nothing can overflow). After the tiles the consumers multiply the accumulator by
+// fV_run and rotate it back (inverse WHT in registers). kvarn_cutlass.prefill._emulate does the same
+// arithmetic in torch.
 //
 // Phase B, exact tokens (original domain): q scaled per row by a power of two (|q| < 2^8) in the cache
 // dtype; the producers copy K and V blocks (cp.async) from the sink, window and chunk buffers, token by
@@ -109,7 +113,7 @@ static_assert(!WGMMA || (RPW == 16 && BN == 64 && D <= 128),
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and the stages. A stage holds a tile block (kd [D][KS] f16,
-// vd [BN][QS] f16, tokf [BN] f32, the tile factor) or an exact block (K and V [BN][QS], cache dtype);
+// vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V [BN][QS], cache dtype);
 // NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
@@ -118,7 +122,7 @@ constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
 constexpr int ST_KD = D * KS * 2;
 constexpr int ST_VD = BN * QS * 2;
-constexpr int ST_TILE = ST_KD + ST_VD + BN * 4 + 16;  // + the tile factor fV (first block of a tile)
+constexpr int ST_TILE = ST_KD + ST_VD + 16;  // + the tile factors (fK f32, eV int)
 constexpr int ST_EK = BN * QS * 2;  // the exact block's K; its V follows
 constexpr int ST_EXACT = 2 * ST_EK;
 // 128-byte aligned stages (wgmma descriptors address whole core matrices)
@@ -245,9 +249,9 @@ __device__ __forceinline__ void fence_operands_for_wgmma() {
 #if WGMMA
 namespace gmma = cute::SM90::GMMA;
 // No-swizzle matrix descriptor: start address, LBO (K direction) and SBO (M/N direction) in bytes.
-__device__ __forceinline__ uint64_t wgmma_desc(const void* p, u32 lbo, u32 sbo) {
+__device__ __forceinline__ uint64_t wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
     cute::GmmaDescriptor d;
-    d.bitfield.start_address_ = (uint16_t)(smem_addr(p) >> 4);
+    d.bitfield.start_address_ = (uint16_t)(addr >> 4);
     d.bitfield.leading_byte_offset_ = (uint16_t)(lbo >> 4);
     d.bitfield.stride_byte_offset_ = (uint16_t)(sbo >> 4);
     d.bitfield.base_offset_ = 0;
@@ -325,6 +329,12 @@ __device__ __forceinline__ int frexp_exponent(float x) {
 }
 // 2^e, exactly, for an int e in [-126, 127]
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+// 2^e for any int e, as f32 rounds it (0 below -252, inf above 254: the range of two exp2i factors)
+__device__ __forceinline__ float pow2f(int e) {
+    if (e < -252) return 0.f;
+    if (e > 254) return __int_as_float(0x7f800000);
+    return exp2i(e >> 1) * exp2i(e - (e >> 1));
+}
 
 // Exponent that brings a bound into [2^14, 2^15): bound * 2^-e in that range (bound = 0 -> 0).
 __device__ __forceinline__ int f16_range_exponent(float bound) {
@@ -411,24 +421,16 @@ struct RowState {
     int qi[MT][2];     // query index i of the row (causal mask)
 };
 
-// Online softmax of one block's scores s (in place: s becomes P, times `ratio` for tiles), and the
-// accumulator rescale. TILE: scores times tokf[t], no mask; else the causal/end mask.
+// Online softmax of one block's scores s (in place: s becomes P), and the accumulator rescale. TILE: the
+// scores' tile factor fk (a power of two; the row scales are in the K operand), no mask, and P' = p * 2^-kf
+// (kf an integer >= 0 as a float, folded into the exponential's argument; lsc = 2^kf gives the row sum
+// its p back); else the causal/end mask.
 template <bool TILE>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], const float* tokf, float ratio, float acc_rescale,
+__device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, float kf, float lsc, float acc_rescale,
                                                RowState& st, float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
                                                bool need_mask) {
     const int tq = lane & 3;
-    if (TILE) {
-#pragma unroll
-        for (int nt = 0; nt < SN; ++nt) {
-            const float2 f = *reinterpret_cast<const float2*>(tokf + nt * 8 + 2 * tq);
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
-                s[mi][nt][0] *= f.x; s[mi][nt][1] *= f.y;
-                s[mi][nt][2] *= f.x; s[mi][nt][3] *= f.y;
-            }
-        }
-    } else if (need_mask) {
+    if (!TILE && need_mask) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -453,21 +455,22 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], const floa
             for (int nt = 0; nt < SN; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * hr], s[mi][nt][2 * hr + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float rf = st.rowf[mi][hr];
+            const float rf = TILE ? st.rowf[mi][hr] * fk : st.rowf[mi][hr];  // exact: powers of two
             const float m_new = fmaxf(st.m[mi][hr], mx * rf);
             const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen only masked keys
             const float alpha = fast_exp2(st.m[mi][hr] - m_use);     // 0 for the first block (m = -inf)
             st.m[mi][hr] = m_new;
+            const float m_exp = TILE ? m_use + kf : m_use;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const float p = fast_exp2(fmaf(s[mi][nt][2 * hr + c], rf, -m_use));
+                    const float p = fast_exp2(fmaf(s[mi][nt][2 * hr + c], rf, -m_exp));
                     sum += p;
-                    s[mi][nt][2 * hr + c] = TILE ? p * ratio : p;
+                    s[mi][nt][2 * hr + c] = p;
                 }
-            st.l[mi][hr] = fmaf(st.l[mi][hr], alpha, sum);
+            st.l[mi][hr] = fmaf(st.l[mi][hr], alpha, TILE ? sum * lsc : sum);
             a_acc[mi][hr] = alpha * acc_rescale;
         }
     }
@@ -492,7 +495,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], const floa
 #if WGMMA
 // The warpgroup's S = Q . K^T for one 64-token block (D / 16 k-steps), issued, not waited for.
 template <bool TILE>
-__device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float (&s)[SN][4]) {
+__device__ __forceinline__ void issue_scores(u32 sQw, u32 sK, float (&s)[SN][4]) {
     using Op = typename ScoreMMA<TILE ? false : (bool)CACHE_BF16, TILE>::Op;
     // one descriptor per operand, advanced per k-step (desc_plus): building each k-step's descriptor from
     // its pointer put a dozen dependent instructions between consecutive wgmmas
@@ -504,7 +507,7 @@ __device__ __forceinline__ void issue_scores(const u8* sQw, const u8* sK, float 
 }
 // acc += P . V for one block, P the packed A fragments (k16 step kt: score n8 tiles 2kt, 2kt + 1), issued.
 template <bool TILE>
-__device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], const u8* sV, float (&acc)[ON][4]) {
+__device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], u32 sV, float (&acc)[ON][4]) {
     using Op = typename ValueMMA<TILE ? false : (bool)CACHE_BF16>::Op;
     const uint64_t dv = wgmma_desc(sV, D * 16, 128);  // advanced per k-step as in issue_scores
 #pragma unroll
@@ -525,8 +528,8 @@ __device__ __forceinline__ void pack_p(const float (&s)[SN][4], u32 (&pa)[BN / 1
 //   TILE: K channel-major f16 [D][KS] (ldmatrix.trans), V f16 [BN][QS]; else K and V token-major in the
 //   cache dtype.
 template <bool TILE>
-__device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const u8* sV, const float* tokf,
-                                             float ratio, float acc_rescale, RowState& st,
+__device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const u8* sV, float fk, float kf,
+                                             float lsc, float acc_rescale, RowState& st,
                                              float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
                                              bool need_mask) {
     constexpr bool BF = TILE ? false : (bool)CACHE_BF16;
@@ -565,7 +568,7 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
             }
         }
     }
-    online_softmax<TILE>(s, tokf, ratio, acc_rescale, st, acc, lane, e0, E, E0, need_mask);
+    online_softmax<TILE>(s, fk, kf, lsc, acc_rescale, st, acc, lane, e0, E, E0, need_mask);
 
     // acc += P . V: the score fragments of n8 tiles (2k, 2k+1) are the A fragment of k16 step k
 #pragma unroll
@@ -626,8 +629,10 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
 // few channels and tokens, each warp reduces its lanes into Params::red, every thread combines the warps).
 struct TileFactors {
     int ek, ev;
-    float cmax;   // max_c col_scale
-    float fv;     // cmax * 2^ev
+    int er;       // max_t row_scale * 2^-er in [1/2, 1)
+    int ec;       // max_c col_scale * 2^-ec in [1/2, 1)
+    float fk;     // 2^(ek + er), the scores' tile factor
+    int e_v;      // ec + ev: fV = 2^e_v, the values' tile factor
 };
 
 // max |code value| of each codebook (the bound that picks ek, ev)
@@ -636,7 +641,7 @@ constexpr float V_CB_ABSMAX = V_CB_LIMIT;
 
 // this thread's channels and tokens, reduced over its warp into red[warp][0..4]; then a group barrier
 __device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
-    float m[5] = {0.f, 0.f, 0.f, 0.f, 0.f};  // |chan_min|, |chan_step|, col_scale, |tok_min|, |tok_step|
+    float m[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // |chan_min|, |chan_step|, col_scale, |tok_min|, |tok_step|, row_scale
     for (int c = gtid; c < D; c += GT) {
         m[0] = fmaxf(m[0], fabsf(scale_at(rec + OFF_CHAN_MIN, c)));
         m[1] = fmaxf(m[1], fabsf(scale_at(rec + OFF_CHAN_STEP, c)));
@@ -645,24 +650,33 @@ __device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int 
     for (int t = gtid; t < T; t += GT) {
         m[3] = fmaxf(m[3], fabsf(scale_at(rec + OFF_TOK_MIN, t)));
         m[4] = fmaxf(m[4], fabsf(scale_at(rec + OFF_TOK_STEP, t)));
+        m[5] = fmaxf(m[5], scale_at(rec + OFF_ROW_SCALE, t));
     }
 #pragma unroll
-    for (int k = 0; k < 5; ++k) m[k] = warp_max(m[k]);
+    for (int k = 0; k < 6; ++k) m[k] = warp_max(m[k]);
     if ((gtid & 31) == 0)
 #pragma unroll
-        for (int k = 0; k < 5; ++k) red[(gtid >> 5) * 8 + k] = m[k];
+        for (int k = 0; k < 6; ++k) red[(gtid >> 5) * 8 + k] = m[k];
+}
+// The exponent e with x * 2^-e in [1/2, 1) (frexp's; 0 for x = 0), clamped to [lo, hi].
+__device__ __forceinline__ int unit_exponent(float x, int lo, int hi) {
+    return x > 0.f ? max(lo, min(hi, frexp_exponent(x))) : 0;
 }
 __device__ __forceinline__ TileFactors tile_factors(const float* red) {
-    float m[5] = {0.f, 0.f, 0.f, 0.f, 0.f};
+    float m[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < GT / 32; ++w)
 #pragma unroll
-        for (int k = 0; k < 5; ++k) m[k] = fmaxf(m[k], red[w * 8 + k]);
+        for (int k = 0; k < 6; ++k) m[k] = fmaxf(m[k], red[w * 8 + k]);
     TileFactors f;
     f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, m[1], m[0]));
     f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, m[4], m[3]));
-    f.cmax = m[2];
-    f.fv = f.cmax * exp2i(f.ev);
+    // the scales are positive (the codec clamps them); a subnormal f32 maximum counts as 2^-126, so the
+    // normalized scales stay <= 1 down to the smallest f32
+    f.er = unit_exponent(m[5], -100, 100);
+    f.ec = unit_exponent(m[2], -125, 126);
+    f.fk = exp2i(f.ek) * exp2i(f.er);
+    f.e_v = f.ec + f.ev;
     return f;
 }
 
@@ -671,8 +685,9 @@ __device__ __forceinline__ __half2 u2h(u32 u) { return *reinterpret_cast<__half2
 __device__ __forceinline__ __half2 bcast(float x) { return __float2half2_rn(x); }
 
 // Producer-side parameter arrays of one tile (written by the producers after the record arrived):
-//   kp[c] = (step', min') with chan_*' = chan_* * 2^-ek; cr[c] = col_scale[c] / cmax;
-//   vp[t] = (tok_step', tok_min') with tok_*' = tok_* * 2^-ev; rs[t] = row_scale[t] * 2^ek.
+//   kp[c] = (step', min') with chan_*' = chan_* * 2^-ek; cr[c] = col_scale[c] * 2^-ec;
+//   vp[t] = (tok_step', tok_min') with tok_*' = tok_* * 2^-ev; rs[t] = row_scale[t] * 2^-er (f16 for f16
+//   scales, exact unless f16-subnormal; f32 for f32 scales).
 // f16 scales: kp, vp hold (half2 step', half2 min') broadcasts and cr is f16 (step', min' are then exact:
 // the f16 scales times a power of two), and the dequantization runs in f16x2 (one fma rounding).
 // f32 scales: kp, vp hold float2 (step', min') and cr f32, and it runs in f32 (one final rounding), so
@@ -681,14 +696,13 @@ struct Params {
     uint2* kp;
     void* cr;
     uint2* vp;
-    float* rs;
+    void* rs;    // ratio_t's element type: f16 for f16 scales, f32 for f32 scales
     float* red;  // [GT / 32][8]: per-warp scale maxima (tile_partial_max)
 };
 __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 
 __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
-    const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), kinv = exp2i(f.ek);
-    const float cinv = 1.f / f.cmax;
+    const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), rmul = exp2i(-f.er), cinv = exp2i(-f.ec);
     for (int c = ptid; c < D; c += GT) {
         const float step = scale_at(rec + OFF_CHAN_STEP, c) * kmul, mn = scale_at(rec + OFF_CHAN_MIN, c) * kmul;
         const float ratio = scale_at(rec + OFF_COL_SCALE, c) * cinv;
@@ -707,7 +721,12 @@ __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f,
 #else
         P.vp[t] = make_uint2(h2u(bcast(step)), h2u(bcast(mn)));
 #endif
-        P.rs[t] = scale_at(rec + OFF_ROW_SCALE, t) * kinv;
+        const float rs = scale_at(rec + OFF_ROW_SCALE, t) * rmul;
+#if SCALE_F32
+        reinterpret_cast<float*>(P.rs)[t] = rs;
+#else
+        reinterpret_cast<__half*>(P.rs)[t] = __float2half_rn(rs);
+#endif
     }
 }
 
@@ -768,17 +787,8 @@ __device__ __forceinline__ void values16(u32 w, __half2 (&v)[8], const u8* lut) 
 #endif
 }
 
-// step * v + min for a pair of code values, as packed f16 (see Params for the two precisions).
-__device__ __forceinline__ u32 affine(__half2 v, uint2 p) {
-#if SCALE_F32
-    const float2 f = __half22float2(v);
-    return pack_f16(fmaf(__uint_as_float(p.x), f.x, __uint_as_float(p.y)),
-                    fmaf(__uint_as_float(p.x), f.y, __uint_as_float(p.y)));
-#else
-    return h2u(__hfma2(v, u2h(p.x), u2h(p.y)));
-#endif
-}
-// ... times the col_scale ratios of the pair's channels
+// (step * v + min) * r for a pair of code values, as packed f16 (see Params for the two precisions): r the
+// col_scale ratios of the pair's channels (V) or the row scales of the pair's tokens (K)
 #if SCALE_F32
 typedef float2 ratio_t;
 #else
@@ -794,8 +804,9 @@ __device__ __forceinline__ u32 affine_scaled(__half2 v, uint2 p, ratio_t r) {
 #endif
 }
 
-// K codes of tokens [t0, t0 + BN) -> kd [D][KS] f16, channel-major: item = (channel, 8-token word).
-// Consecutive producer threads read consecutive words of one channel and write 16 contiguous bytes each.
+// K codes of tokens [t0, t0 + BN) -> kd [D][KS] f16, channel-major: item = (channel, 8-token word), times
+// the tokens' normalized row scales rs (see Params). Consecutive producer threads read consecutive words of
+// one channel and write 16 contiguous bytes each.
 __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const u8* lut, u8* sKd, int t0, int ptid) {
     constexpr int WPC = BN / 8;  // words per channel in a block
     constexpr int ITEMS = D * WPC;
@@ -819,6 +830,11 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
         wi = item - c * WPC;
 #endif
     };
+    // a thread's items all fall on the same 8 tokens (the word index repeats with a period dividing GT)
+    static_assert(GT % (WGMMA ? 64 : WPC) == 0, "a producer thread keeps its tokens");
+    int c_, wi0;
+    where(0, c_, wi0);
+    const ratio_t* rs2 = reinterpret_cast<const ratio_t*>(P.rs) + (t0 + wi0 * 8) / 2;
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
         u32 w[NB];
@@ -830,6 +846,16 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
             w[i] = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
             kp[i] = P.kp[c];
         }
+        // the tokens' row scales, loaded with the batch's codes
+        ratio_t rsv[4];
+#if SCALE_F32
+        const float4 ra = reinterpret_cast<const float4*>(rs2)[0], rb = reinterpret_cast<const float4*>(rs2)[1];
+        rsv[0] = make_float2(ra.x, ra.y); rsv[1] = make_float2(ra.z, ra.w);
+        rsv[2] = make_float2(rb.x, rb.y); rsv[3] = make_float2(rb.z, rb.w);
+#else
+        const uint4 r = *reinterpret_cast<const uint4*>(rs2);
+        rsv[0] = u2h(r.x); rsv[1] = u2h(r.y); rsv[2] = u2h(r.z); rsv[3] = u2h(r.w);
+#endif
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             int c, wi;
@@ -838,14 +864,14 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
             values8(w[i], v, lut);
             u32 out[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = affine(v[j], kp[i]);
+            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kp[i], rsv[j]);  // tokens 2j, 2j + 1
             *reinterpret_cast<uint4*>(sKd + kd_off(c, wi * 8)) = make_uint4(out[0], out[1], out[2], out[3]);
         }
     }
 }
 
 // V codes of tokens [t0, t0 + BN) -> vd [BN][QS] f16, token-major: item = (token, 32-bit word of codes);
-// a producer thread always handles the same channels, so their col_scale ratios stay in registers.
+// a producer thread always handles the same channels, so it loads their col_scale ratios once per block.
 constexpr int CPW = 32 / VB;        // channels per V word
 constexpr int WPT = D / CPW;        // V words per token
 // Item -> (token, word): mma.sync, consecutive threads take consecutive words of a token; wgmma,
@@ -860,8 +886,11 @@ __device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[C
 #pragma unroll
     for (int k = 0; k < CPW / 2; ++k) cr[k] = reinterpret_cast<const ratio_t*>(P.cr)[c0 / 2 + k];
 }
-__device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const ratio_t (&cr)[CPW / 2],
-                                          const u8* lut, u8* sVd, int t0, int ptid) {
+__device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const u8* lut, u8* sVd, int t0, int ptid) {
+    // the thread's col_scale ratios, loaded per block (kept in registers across the blocks they made the
+    // producers spill once the K operand took the row scales)
+    ratio_t cr[CPW / 2];
+    load_col_ratios(P, cr, ptid);
     constexpr int ROWB = D * VB / 8;  // bytes per token of codes
     constexpr int ITEMS = BN * WPT;
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
@@ -1044,8 +1073,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         P.kp = reinterpret_cast<uint2*>(smem + OFF_SM_PAR + pg * SM_PAR1);
         P.cr = P.kp + D;
         P.vp = reinterpret_cast<uint2*>(reinterpret_cast<float*>(P.cr) + D);
-        P.rs = reinterpret_cast<float*>(P.vp + T);
-        P.red = P.rs + T;
+        P.rs = P.vp + T;
+        P.red = reinterpret_cast<float*>(P.vp + T) + T;
         const ExactSource src{sink_k, sink_v, sink_cap, sink_len, win_k, win_v, win_cap, win_len, chunk_k, chunk_v,
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
         // records through a ring of RSLOTS slots (tile g in slot g % RSLOTS): a group fetches tile g + RSLOTS
@@ -1063,8 +1092,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 if (g % NG == pg) fetch(g);
             bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
-        ratio_t cr[CPW / 2];
-        float fv_tile = 0.f;
         const u8* rec = sRec;
         for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
             if (NG > 1 && s / BPT != pg) continue;  // another group's stage
@@ -1082,15 +1109,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     const TileFactors f = tile_factors(P.red);
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
-                    load_col_ratios(P, cr, gtid);
-                    fv_tile = f.fv;
+                    if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);  // the consumers are done with this stage
+                    if (gtid == 0)  // the tile factors, read by the consumers at the tile's first block
+                        *reinterpret_cast<float2*>(st + ST_KD + ST_VD) = make_float2(f.fk, __int_as_float(f.e_v));
+                } else if (bi >= NSTAGE) {
+                    bar_sync(BAR_EMPTY + s, HANDOFF);
                 }
-                if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);  // the consumers are done with this stage
                 dequant_k(rec, P, sLut, st, t0, gtid);
-                dequant_v(rec, P, cr, sLut, st + ST_KD, t0, gtid);
-                float* tokf = reinterpret_cast<float*>(st + ST_KD + ST_VD);
-                if (gtid < BN) tokf[gtid] = P.rs[t0 + gtid];
-                if (gtid == 0) tokf[BN] = fv_tile;  // the consumers keep the running max of the tile factors
+                dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);
                 fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
                     bar_sync(BAR_GROUP + pg, GT);
@@ -1151,20 +1177,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     else stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
-    float fv_run = 0.f, ratio = 1.f;
-    // the per-tile factor of the block's tile against the running max (see the header)
-    auto tile_factor = [&](int bi, const float* tokf) {
+    // the tile factors: fK of the block's tile, and its eV against the running max eV_run (see the header):
+    // P' = p * 2^-kf, kf = min(eV_run - eV, KF_MAX) (a clamped kf makes P' 0 in f16 all the same: p <= 1)
+    constexpr int KF_MAX = 64;
+    int ev_run = -(1 << 20);  // no tile yet
+    float fk = 1.f, kf = 0.f, lsc = 1.f;
+    auto tile_factor = [&](int bi, const u8* stg) {
         float rescale = 1.f;
         if (bi % BPT == 0) {
-            const float fv_g = tokf[BN], fv_new = fmaxf(fv_run, fv_g);
-            rescale = fv_run / fv_new;  // 0 on the first tile (the accumulator is still 0)
-            ratio = fv_g / fv_new;
-            fv_run = fv_new;
+            const float2 fac = *reinterpret_cast<const float2*>(stg + ST_KD + ST_VD);
+            const int ev_g = __float_as_int(fac.y), ev_new = max(ev_run, ev_g);
+            rescale = pow2f(ev_run - ev_new);  // exact; 0 on the first tile (the accumulator is still 0)
+            const int k = min(ev_new - ev_g, KF_MAX);
+            fk = fac.x;
+            kf = (float)k;
+            lsc = exp2i(k);
+            ev_run = ev_new;
         }
         return rescale;
     };
     // the tiles are done: back to the original domain, q unrotated
     auto end_of_tiles = [&]() {
+        const float fv_run = pow2f(ev_run);
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -1194,16 +1228,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     // SCORES: 0 none, 1 a tile block's, 2 an exact block's (K at sK); PV: 0 none, 1 a tile block's, 2 an
     // exact block's pending P . V. Each combination is one straight-line MMA sequence (a branch between
     // warpgroup_arrive and the MMAs would make ptxas serialize every wgmma).
-    auto turn = [&](auto scores_kind, auto pv_kind, const u8* sK) {
+    auto turn = [&](auto scores_kind, auto pv_kind, int kbi) {
         constexpr int SC = decltype(scores_kind)::value, PV = decltype(pv_kind)::value;
         if (PINGPONG) bar_sync(BAR_TURN + wg, 256);
         if (SC != 0 || PV != 0) {
-            const u8* pst = sStage + (pv_bi % NSTAGE) * ST_BYTES;
+            // the operands' shared-memory addresses from the dynamic buffer's symbol, read afresh per turn (a
+            // volatile read): ptxas then builds the wgmma descriptors in uniform registers and advances them
+            // by UIADD3; from the base it keeps in a vector register (the one stage_q and the row loads use)
+            // it built each k-step's descriptor in vector registers and moved it over (4 R2UR per wgmma)
+            u32 smem_base;
+            asm volatile("mov.u32 %0, smem;\n" : "=r"(smem_base));
+            const u32 aQw = smem_base + q_off(mma_row0, 0), aStage = smem_base + OFF_SM_STAGE;
+            const u32 sK = aStage + (kbi % NSTAGE) * ST_BYTES;
+            const u32 pst = aStage + (pv_bi % NSTAGE) * ST_BYTES;
             fence_acc(s[0]);
             fence_acc(acc[0]);
             cute::warpgroup_arrive();
-            if constexpr (SC == 1) issue_scores<true>(sQw, sK, s[0]);
-            if constexpr (SC == 2) issue_scores<false>(sQw, sK, s[0]);
+            if constexpr (SC == 1) issue_scores<true>(aQw, sK, s[0]);
+            if constexpr (SC == 2) issue_scores<false>(aQw, sK, s[0]);
             if constexpr (PV == 1) issue_pv<true>(pa, pst + ST_KD, acc[0]);
             if constexpr (PV == 2) issue_pv<false>(pa, pst + ST_EK, acc[0]);
             cute::warpgroup_commit_batch();
@@ -1224,52 +1266,50 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
         bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
         if (bi < sc.nba) {
-            const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
-            const float rescale = tile_factor(bi, tokf);
-            if (pending() == 1) turn(K1{}, K1{}, stg);
-            else turn(K1{}, K0{}, stg);
-            online_softmax<true>(s, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+            const float rescale = tile_factor(bi, stg);
+            if (pending() == 1) turn(K1{}, K1{}, bi);
+            else turn(K1{}, K0{}, bi);
+            online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
             if (bi == sc.nba - 1) {
-                turn(K0{}, K1{}, nullptr);
+                turn(K0{}, K1{}, 0);
                 end_of_tiles();
             }
         } else {
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warpgroup sees a key of the block
                 const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
-                if (pending() == 2) turn(K2{}, K2{}, stg);
-                else turn(K2{}, K0{}, stg);
-                online_softmax<false>(s, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0, need_mask);
+                if (pending() == 2) turn(K2{}, K2{}, bi);
+                else turn(K2{}, K0{}, bi);
+                online_softmax<false>(s, 1.f, 0.f, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0, need_mask);
                 pack_p<(bool)CACHE_BF16>(s[0], pa);
                 pv_bi = bi;
             } else {  // no scores, but a turn all the same: the turns stay paired across the warpgroups
-                if (pending() == 2) turn(K0{}, K2{}, nullptr);
-                else turn(K0{}, K0{}, nullptr);
+                if (pending() == 2) turn(K0{}, K2{}, 0);
+                else turn(K0{}, K0{}, 0);
                 release(bi);
             }
         }
     }
     // the last P . V (an exact block's: a tile block's was flushed at the end of the tiles)
-    if (pending() == 2) turn(K0{}, K2{}, nullptr);
-    else turn(K0{}, K0{}, nullptr);
+    if (pending() == 2) turn(K0{}, K2{}, 0);
+    else turn(K0{}, K0{}, 0);
     if (PINGPONG && wg == 0) bar_sync(BAR_TURN, 256);  // warpgroup 1's last arrival
 #else
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
         bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
         if (bi < sc.nba) {
-            const float* tokf = reinterpret_cast<const float*>(stg + ST_KD + ST_VD);
-            const float rescale = tile_factor(bi, tokf);
-            attend_block<true>(sQw, stg, stg + ST_KD, tokf, ratio, rescale, st, acc, lane, 0, 0, 0, false);
+            const float rescale = tile_factor(bi, stg);
+            attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
             release(bi);
             if (bi == sc.nba - 1) end_of_tiles();
         } else {
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warp sees a key of the block
                 const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
-                attend_block<false>(sQw, stg, stg + ST_EK, nullptr, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
+                attend_block<false>(sQw, stg, stg + ST_EK, 1.f, 0.f, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0,
                                     need_mask);
             }
             release(bi);
