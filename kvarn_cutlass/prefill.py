@@ -204,7 +204,7 @@ def _int8_tile_logits(qa: torch.Tensor, kc, cs, mid, rs, rowf) -> torch.Tensor:
     nt tiles per head: kc [HH, nt, D, T], cs, mid [HH, nt, D], rs [HH, nt, T], rowf [HH, R]. Per (row, tile):
     a = q_rot * chan_step (f32), x = a * (127 / max|a|), hi = rint(x), lo = rint(254 (x - hi)) (both int8),
     acc_* = sum_c level * 16 (code - 8) (exact integers), bias = q_rot . (chan_min + 8 chan_step) (f32),
-    s = fA acc_hi + (fA / 254) acc_lo + bias with fA = max|a| / (127 * 16); logit = s * row_scale[t] * rowf."""
+    s = fA (acc_hi + acc_lo / 254) + bias with fA = max|a| / (127 * 16); logit = s * row_scale[t] * rowf."""
     qf = qa.float()[:, :, None, :]
     a = qf * cs[:, None]                                        # [HH, R, nt, D]
     amax = a.abs().amax(-1)
@@ -217,7 +217,7 @@ def _int8_tile_logits(qa: torch.Tensor, kc, cs, mid, rs, rowf) -> torch.Tensor:
     acc_lo = torch.einsum("hrgd,hgdt->hrgt", lo, kcd).float()
     fa = amax * (1.0 / (127 * CODE_MUL))
     bias = (qf * mid[:, None]).sum(-1)
-    s = fa[..., None] * acc_hi + ((fa * (1.0 / LFOLD))[..., None] * acc_lo + bias[..., None])
+    s = fa[..., None] * (acc_lo * (1.0 / LFOLD) + acc_hi) + bias[..., None]
     s = s * rs[:, None]
     HH, R = qa.shape[:2]
     return s.reshape(HH, R, -1) * rowf[..., None]

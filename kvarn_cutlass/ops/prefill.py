@@ -66,8 +66,8 @@ class FusedConfig:
     k_operand: ``"f16"`` (default: the producers dequantize the K codes to f16 in shared memory, f16 MMA)
         or ``"int8"`` (``csrc/prefill_int8.cuh``: the producers write the K codes as centered int8 in the s8
         MMA's B-fragment order, the consumers fold their rotated query rows per tile into two int8 levels and
-        run mma.sync m16n8k32 s8 x s8 -> s32, no dequantization; mma.sync with 16 rows per warp, uniform
-        quantizer only; selectable, not in the tuned table). Name suffix ``i8``.
+        run mma.sync m16n8k32 s8 x s8 -> s32, no dequantization; mma.sync with 16 rows per warp and 4 consumer
+        warps, uniform quantizer only; selectable, not in the tuned table). Name suffix ``i8``.
     producer_warps: 4, or 8 with wgmma (two producer warpgroups: twice the warps to hide the
         dequantization's latency, sharing every tile or, with two groups, taking alternate tiles; with 8
         consumer warps the warpgroups trade registers by setmaxnreg).
@@ -126,8 +126,10 @@ class FusedConfig:
         4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
-        if self.k_operand == "int8":  # mma.sync, one m16 tile per warp (the folded query levels stay in registers)
-            if self.mma != "sync" or self.rows_per_warp != 16:
+        if self.k_operand == "int8":
+            # mma.sync, one m16 tile per warp, 4 consumer warps: the folded query levels (D / 2 registers) stay
+            # in registers; with 8 consumer warps (168 registers each) ptxas spills a few words
+            if self.mma != "sync" or self.rows_per_warp != 16 or self.consumer_warps != 4:
                 return False
         if self.mma == "wgmma":  # two producer groups: one warpgroup each
             return (self.rows_per_warp == 16 and self.block_n == 64 and head_dim in (64, 128)
