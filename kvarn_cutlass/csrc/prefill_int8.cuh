@@ -68,12 +68,14 @@ __device__ __forceinline__ int kint8_slot(int nt, int l) { return l ^ (((nt & 1)
 // r(m, k)); lane (g, q) then holds channels 4q + [0, 4) (x0 / y0) and 16 + 4q + [0, 4) (x1 / y1) of tokens
 // 4g, 4g + 1 (x) and 4g + 2, 4g + 3 (y), which are exactly the b0 / b1 words of those four tokens.
 __device__ __forceinline__ void kint8_stage_k(const u8* rec, u8* st, int t0, int gtid) {
-    constexpr int UNITS = KI8_KST * KI8_CH, GW = GT / 32;
+    constexpr int UNITS = KI8_KST * KI8_CH, GW = GT / 32, UPW = (UNITS + GW - 1) / GW;
     const int w = gtid >> 5, lane = gtid & 31, g = lane >> 2, q = lane & 3;
     const int lrow = kint8_ldsm_row(lane);
     constexpr u32 HM = 0xF0F0F0F0u, SX = 0x80808080u;
 #pragma unroll
-    for (int u = w; u < UNITS; u += GW) {
+    for (int ui = 0; ui < UPW; ++ui) {
+        const int u = w + ui * GW;
+        if (UNITS % GW != 0 && u >= UNITS) break;  // D = 64 with 32-token blocks: 2 units for 4 warps
         const int s = u / KI8_CH, tc = u - s * KI8_CH;
         const int chunk = (32 * s + lrow) * KI8_CPR + (t0 >> 5) + tc;
         u32 r[4];
@@ -93,6 +95,7 @@ __device__ __forceinline__ void kint8_stage_k(const u8* rec, u8* st, int t0, int
     }
     float* cs = reinterpret_cast<float*>(st + KI8_CS);
     float* mid = reinterpret_cast<float*>(st + KI8_MID);
+#pragma unroll
     for (int c = gtid; c < D; c += GT) {
         const float step = scale_at(rec + OFF_CHAN_STEP, c);
         cs[c] = step;
@@ -115,6 +118,9 @@ constexpr float KI8_MAGIC = 12582912.f;  // 1.5 * 2^23: x + MAGIC holds rint(x) 
 
 // The fold of the warp's 16 rows against one tile (factors from any block of it). Thread (g, q) takes rows
 // g, g + 8 and channels 32 s + 16 h + 4 q + [0, 4) (the A fragment slots); rows reduce over the quad.
+// head_dim <= 128: the products a stay in registers between the max and the quantization (2 D / 4 of them);
+// D = 256 computes them twice (the registers would spill).
+constexpr bool KI8_ONE_PASS = D <= 128;
 __device__ __forceinline__ void kint8_fold(KFold& f, const u8* sQw, const u8* stg, int lane) {
     const float* cs = reinterpret_cast<const float*>(stg + KI8_CS);
     const float* mid = reinterpret_cast<const float*>(stg + KI8_MID);
@@ -126,6 +132,7 @@ __device__ __forceinline__ void kint8_fold(KFold& f, const u8* sQw, const u8* st
         x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
     };
     float amax[2] = {0.f, 0.f}, bias[2] = {0.f, 0.f};
+    float av[KI8_ONE_PASS ? KI8_KST : 1][2][2][4];  // [s][hh][hr][i]: a = q_rot * chan_step
 #pragma unroll
     for (int s = 0; s < KI8_KST; ++s)
 #pragma unroll
@@ -137,9 +144,12 @@ __device__ __forceinline__ void kint8_fold(KFold& f, const u8* sQw, const u8* st
             for (int hr = 0; hr < 2; ++hr) {
                 float x[4];
                 qrow(s, hr, hh, x);
-                amax[hr] = fmaxf(amax[hr], fmaxf(fmaxf(fabsf(x[0] * sv.x), fabsf(x[1] * sv.y)),
-                                                 fmaxf(fabsf(x[2] * sv.z), fabsf(x[3] * sv.w))));
+                const float a[4] = {x[0] * sv.x, x[1] * sv.y, x[2] * sv.z, x[3] * sv.w};
+                amax[hr] = fmaxf(amax[hr], fmaxf(fmaxf(fabsf(a[0]), fabsf(a[1])), fmaxf(fabsf(a[2]), fabsf(a[3]))));
                 bias[hr] = fmaf(x[0], mv.x, fmaf(x[1], mv.y, fmaf(x[2], mv.z, fmaf(x[3], mv.w, bias[hr]))));
+                if constexpr (KI8_ONE_PASS)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) av[KI8_ONE_PASS ? s : 0][hh][hr][i] = a[i];
             }
         }
     float inv[2];
@@ -153,23 +163,35 @@ __device__ __forceinline__ void kint8_fold(KFold& f, const u8* sQw, const u8* st
         f.fa[hr] = amax[hr] * (1.f / (127.f * 16.f));
         f.bias[hr] = bias[hr];
     }
-    // second pass (the products again: keeping 2 D / 4 of them live costs more registers than 2 D / 4 FMULs)
 #pragma unroll
     for (int s = 0; s < KI8_KST; ++s)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const float4 sv = *reinterpret_cast<const float4*>(cs + 32 * s + 16 * hh + 4 * q);
-            const float sva[4] = {sv.x, sv.y, sv.z, sv.w};
+            float sva[4];
+            if constexpr (!KI8_ONE_PASS) {
+                const float4 sv = *reinterpret_cast<const float4*>(cs + 32 * s + 16 * hh + 4 * q);
+                sva[0] = sv.x; sva[1] = sv.y; sva[2] = sv.z; sva[3] = sv.w;
+            }
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-                float x[4];
-                qrow(s, hr, hh, x);
+                float a[4];
+                if constexpr (KI8_ONE_PASS) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[i] = av[KI8_ONE_PASS ? s : 0][hh][hr][i];
+                } else {
+                    float x[4];
+                    qrow(s, hr, hh, x);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[i] = x[i] * sva[i];
+                }
                 u32 hb[4], lb[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const float xv = (x[i] * sva[i]) * inv[hr];
+                    // h = MAGIC + rint(x); t = MAGIC - 254 rint(x) (exact: 255 MAGIC is an f32, the FMA rounds an
+                    // exact integer); lo = rint(254 x + t - MAGIC) in the low byte of MAGIC + ...
+                    const float xv = a[i] * inv[hr];
                     const float h = __fadd_rn(xv, KI8_MAGIC);
-                    const float t = __fmaf_rn(__fsub_rn(h, KI8_MAGIC), -(float)KI8_LFOLD, KI8_MAGIC);
+                    const float t = __fmaf_rn(h, -(float)KI8_LFOLD, 255.f * KI8_MAGIC);
                     hb[i] = __float_as_uint(h);
                     lb[i] = __float_as_uint(__fmaf_rn(xv, (float)KI8_LFOLD, t));
                 }
