@@ -45,7 +45,8 @@ def test_config_name_and_validity():
         FusedConfig(k_operand="int4")
     assert not FusedConfig(32, 64, k_operand="int8").fits(128, 128)       # one m16 tile per warp
     assert not FusedConfig(16, 64, 8, k_operand="int8").fits(128, 128)    # 168 registers: spills
-    assert I8_D256.fits(256, 128) and not I8.fits(256, 128) and I8.fits(64, 64) and FusedConfig(16, 32, 4, 2, k_operand="int8").fits(128, 64)
+    assert I8_D256.fits(256, 128) and not I8.fits(256, 128) and I8.fits(64, 64)
+    assert FusedConfig(16, 32, 4, 2, k_operand="int8").fits(128, 64)
     assert not FusedConfig(16, 64, mma="wgmma", k_operand="int8").fits(128, 128)
     assert I8.supports(kc.TileSpec("k4v2_g128", 128))
     assert not I8.supports(kc.TileSpec("k4v2_g128", 128, quantizer="lloyd_max"))

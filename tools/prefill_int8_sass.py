@@ -2,7 +2,7 @@
 cost model in docs/perf-notes.md). Builds the f16 and int8 variants (NVRTC, no GPU), disassembles with
 ``nvdisasm -gi`` and attributes every instruction to the kernel line it is inlined into.
 
-    python tools/prefill_int8_sass.py [--arch sm_90] [--D 128] [--nvdisasm PATH]
+    python tools/prefill_int8_sass.py [--arch sm_90] [--D 128] [--preset k4v2_g128] [--nvdisasm PATH]
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--preset", default="k4v2_g128")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     args = ap.parse_args()
-    spec = kc.TileSpec("k4v2_g128" if args.D != 256 else "k4v2_g64", args.D)
+    spec = kc.TileSpec(args.preset, args.D)
     bn = 32 if args.D == 256 else 64
     lines = site_lines()
     for cfg in (FusedConfig(16, bn), FusedConfig(16, bn, k_operand="int8")):
