@@ -309,3 +309,27 @@ def test_int8_fragment_plumbing(T, D, BN):
             want = A.astype(np.int64) @ (16 * (codes[:, t0 + 8 * nt:t0 + 8 * nt + 8] - 8))  # [16, 8]
             for lane in range(32):
                 assert acc[lane] == c_frag(want, lane), (t0, nt, lane)
+
+
+def test_two_level_bit_trick_matches_the_mirror():
+    """The kernel's two levels from float bits (prefill_int8.cuh kint8_fold): h = x + MAGIC, t = fma(h, -254,
+    255 MAGIC) = MAGIC - 254 rint(x) (exact), lo = fma(x, 254, t): the low bytes are rint(x) and
+    rint(254 (x - rint(x))) as the mirror computes them, for |x| <= 127 (1 + 2^-23) (ties included)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-127, 127, 200000), np.arange(-127, 127.5, 0.5),
+                        np.arange(-127, 127, 1 / 508), [127 * (1 + 2.0 ** -23), -127 * (1 + 2.0 ** -23)]])
+    x = x.astype(np.float32)
+    M = np.float32(12582912.0)
+    f32 = lambda v: np.asarray(v, np.float64).astype(np.float32)  # noqa: E731  (one rounding of an exact f64)
+    h = f32(x.astype(np.float64) + M)
+    t = f32(h.astype(np.float64) * -254 + 255 * np.float64(M))
+    lo = f32(x.astype(np.float64) * 254 + t.astype(np.float64))
+    byte = lambda v: (v.view(np.uint32) & 0xFF).astype(np.int64)  # noqa: E731
+    sb = lambda b: np.where(b > 127, b - 256, b)  # noqa: E731
+    hi_ref = torch.round(torch.from_numpy(x)).double()
+    lo_ref = torch.round((torch.from_numpy(x).double() - hi_ref) * 254)
+    assert np.array_equal(sb(byte(h)), hi_ref.numpy().astype(np.int64))
+    assert np.array_equal(sb(byte(lo)), lo_ref.numpy().astype(np.int64))
+    assert np.abs(lo_ref.numpy()).max() <= 127
