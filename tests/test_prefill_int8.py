@@ -136,6 +136,7 @@ I8_BUILDS = [
     (kc.TileSpec("k4v2_g128", 128), torch.bfloat16, FusedConfig(16, 32, k_operand="int8")),
     (kc.TileSpec("k4v2_g128", 128), torch.float16, FusedConfig(16, 64, 4, 2, k_operand="int8")),
     (kc.TileSpec("k4v4_g64", 64, torch.float32), torch.float16, I8),
+    (kc.TileSpec("k4v2_g128", 64), torch.bfloat16, FusedConfig(16, 32, k_operand="int8")),  # 2 units, 4 warps
     (kc.TileSpec("k4v4_g64", 128, torch.float32), torch.bfloat16, FusedConfig(16, 32, 4, 2, k_operand="int8")),
     (kc.TileSpec("k4v2_g64", 256), torch.float16, I8_D256),
     (kc.TileSpec("k4v4_g128", 256, torch.float32), torch.bfloat16, I8_D256),
