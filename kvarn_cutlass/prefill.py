@@ -204,7 +204,7 @@ def _int8_tile_logits(qa: torch.Tensor, kc, cs, mid, rs, rowf) -> torch.Tensor:
     nt tiles per head: kc [HH, nt, D, T], cs, mid [HH, nt, D], rs [HH, nt, T], rowf [HH, R]. Per (row, tile):
     a = q_rot * chan_step (f32), x = a * (127 / max|a|), hi = rint(x), lo = rint(254 (x - hi)) (both int8),
     acc_* = sum_c level * 16 (code - 8) (exact integers), bias = q_rot . (chan_min + 8 chan_step) (f32),
-    s = fA (acc_hi + acc_lo / 254) + bias with fA = max|a| / (127 * 16); logit = s * row_scale[t] * rowf."""
+    s = fA f32(254 acc_hi + acc_lo) + bias with fA = max|a| / (127 * 16 * 254); logit = s * row_scale[t] * rowf."""
     qf = qa.float()[:, :, None, :]
     a = qf * cs[:, None]                                        # [HH, R, nt, D]
     amax = a.abs().amax(-1)
@@ -213,11 +213,12 @@ def _int8_tile_logits(qa: torch.Tensor, kc, cs, mid, rs, rowf) -> torch.Tensor:
     hi = torch.round(x)
     lo = torch.round((x.double() - hi.double()) * LFOLD)        # the kernel's FMA: one rounding of the exact value
     kcd = kc.double()
-    acc_hi = torch.einsum("hrgd,hgdt->hrgt", hi.double(), kcd).float()  # exact integers (|acc| < 2^24)
-    acc_lo = torch.einsum("hrgd,hgdt->hrgt", lo, kcd).float()
-    fa = amax * (1.0 / (127 * CODE_MUL))
+    acc_hi = torch.einsum("hrgd,hgdt->hrgt", hi.double(), kcd)  # exact integers (|acc| < 2^24)
+    acc_lo = torch.einsum("hrgd,hgdt->hrgt", lo, kcd)
+    acc = (acc_hi * LFOLD + acc_lo).float()  # the kernel's int32 254 acc_hi + acc_lo, one rounding to f32
+    fa = amax * (1.0 / (127 * CODE_MUL * LFOLD))
     bias = (qf * mid[:, None]).sum(-1)
-    s = fa[..., None] * (acc_lo * (1.0 / LFOLD) + acc_hi) + bias[..., None]
+    s = fa[..., None] * acc + bias[..., None]
     s = s * rs[:, None]
     HH, R = qa.shape[:2]
     return s.reshape(HH, R, -1) * rowf[..., None]

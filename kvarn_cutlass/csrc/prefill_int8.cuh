@@ -12,7 +12,8 @@
 // one LOP3 for the odd token of a byte, a shift more for the even one), so
 //   acc_hi = sum_c hi[c] 16 (code - 8), acc_lo likewise       (mma.sync m16n8k32 s8 x s8 -> s32, exact;
 //                                                             |acc| <= 256 * 127 * 128 < 2^24, exact in f32)
-//   score  = fa (acc_hi + acc_lo / 254) + bias,  fa = max|a| / (127 * 16)   (two FMAs, 1/254 an immediate)
+//   score  = fa f32(254 acc_hi + acc_lo) + bias,  fa = max|a| / (127 * 16 * 254)
+//   (one IMAD, one I2F, one FMA per score: |254 acc_hi + acc_lo| < 255 * 2^22 < 2^31, exact in int32)
 // and online_softmax multiplies by tokf[t] = row_scale[t] and rowf (scale log2(e) / s_r), as for f16 scores.
 // kvarn_cutlass.prefill._int8_tile_logits is the same arithmetic in torch.
 //
@@ -108,7 +109,7 @@ __device__ __forceinline__ void kint8_stage_k(const u8* rec, u8* st, int t0, int
 // --- consumers: the per-tile fold and one tile block ------------------------------------------------------
 struct KFold {
     u32 hi[KI8_KST][4], lo[KI8_KST][4];  // A fragments of the two levels per k-step
-    float fa[2], bias[2];                // rows g, g + 8: max|a| / (127 * 16), the centering bias
+    float fa[2], bias[2];                // rows g, g + 8: max|a| / (127 * 16 * 254), the centering bias
 };
 
 __device__ __forceinline__ u32 kint8_pack4(u32 a, u32 b, u32 c, u32 d) {
@@ -160,7 +161,7 @@ __device__ __forceinline__ void kint8_fold(KFold& f, const u8* sQw, const u8* st
         bias[hr] += __shfl_xor_sync(0xffffffffu, bias[hr], 1);
         bias[hr] += __shfl_xor_sync(0xffffffffu, bias[hr], 2);
         inv[hr] = amax[hr] > 0.f ? __frcp_rn(amax[hr]) * 127.f : 0.f;  // |x| <= 127 (1 + 2^-23) < 127.5
-        f.fa[hr] = amax[hr] * (1.f / (127.f * 16.f));
+        f.fa[hr] = amax[hr] * (1.f / (127.f * 16.f * (float)KI8_LFOLD));
         f.bias[hr] = bias[hr];
     }
 #pragma unroll
@@ -227,7 +228,7 @@ __device__ __forceinline__ void attend_block_i8(const KFold& f, const u8* sK, co
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int hr = k >> 1;
-            s[0][nt][k] = fmaf(f.fa[hr], fmaf((float)al[k], 1.f / (float)KI8_LFOLD, (float)ah[k]), f.bias[hr]);
+            s[0][nt][k] = fmaf(f.fa[hr], (float)(ah[k] * KI8_LFOLD + al[k]), f.bias[hr]);
         }
     }
     online_softmax<true>(s, tokf, ratio, acc_rescale, st, acc, lane, 0, 0, 0, false);
