@@ -79,7 +79,8 @@ def prefill_attention(
             changed (the caller appends the same k, v before the next chunk).
         impl: ``"auto"`` | ``"gpu"`` | ``"torch"`` (module docstring).
         config: a :class:`kvarn_cutlass.ops.prefill.FusedConfig` for the GPU kernel (default: the tuned
-            table, else the documented default).
+            table, else the documented default). With ``impl="torch"`` only its ``k_operand`` matters
+            (``"int8"``: the int8 K-operand variant's arithmetic; uniform quantizer only).
 
     Returns:
         [batch, num_q_heads, n, head_dim] in q's dtype. On bad input nothing is changed and the error
