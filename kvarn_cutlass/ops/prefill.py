@@ -128,7 +128,7 @@ class FusedConfig:
             return False
         if self.k_operand == "int8":
             # mma.sync, one m16 tile per warp, 4 consumer warps: the folded query levels (D / 2 registers) stay
-            # in registers; with 8 consumer warps (168 registers each) ptxas spills a few words
+            # in registers; with 8 consumer warps (168 registers each) ptxas spills 10 words
             if self.mma != "sync" or self.rows_per_warp != 16 or self.consumer_warps != 4:
                 return False
         if self.mma == "wgmma":  # two producer groups: one warpgroup each
