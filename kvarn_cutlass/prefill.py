@@ -17,7 +17,9 @@ Backends (``impl``):
   cache dtype. Configs: :mod:`kvarn_cutlass.ops.prefill`.
 * ``"torch"``: the same arithmetic in torch (f16 operands rounded where the kernel rounds them, f32
   accumulation; one softmax over all keys instead of the kernel's online one), on any device: the
-  CPU path, and an independent check of the kernel's numerics.
+  CPU path, and an independent check of the kernel's numerics. With a ``config`` whose ``k_operand`` is
+  ``"int8"`` it mirrors that variant's K-scores instead (centered int8 codes, the query folded per tile
+  into two int8 levels, exact integer dot products; see :func:`_int8_tile_logits`).
 * ``"auto"``: ``"gpu"`` on CUDA, ``"torch"`` elsewhere.
 """
 
@@ -77,7 +79,8 @@ def prefill_attention(
             changed (the caller appends the same k, v before the next chunk).
         impl: ``"auto"`` | ``"gpu"`` | ``"torch"`` (module docstring).
         config: a :class:`kvarn_cutlass.ops.prefill.FusedConfig` for the GPU kernel (default: the tuned
-            table, else the documented default).
+            table, else the documented default). With ``impl="torch"`` only its ``k_operand`` matters
+            (``"int8"``: the int8 K-operand variant's arithmetic; uniform quantizer only).
 
     Returns:
         [batch, num_q_heads, n, head_dim] in q's dtype. On bad input nothing is changed and the error
@@ -94,7 +97,10 @@ def prefill_attention(
     if impl == "gpu":
         res = _launch(q, k, v, cache, layer, scale, out, config)
     else:
-        res = _emulate(q, k, v, cache, layer, scale)
+        k_operand = getattr(config, "k_operand", "f16")
+        if k_operand == "int8" and cache.spec.quantizer != "uniform":
+            raise ValueError(f"the int8 K operand needs the uniform quantizer, not {cache.spec.quantizer!r}")
+        res = _emulate(q, k, v, cache, layer, scale, k_operand)
         if out is not None:
             res = out.copy_(res)
     if append:
@@ -189,7 +195,46 @@ def _tile_operands(rec: torch.Tensor, spec):
     return kd, vd, fk, (ec + ev).to(torch.int32)
 
 
-def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tensor:
+# The int8 K operand (csrc/prefill_int8.cuh): weight of the second query level, and the factor 16 the
+# producers put on every centered code (16 (code - 8) is the nibble's high-half position, one LOP3).
+LFOLD = 254
+CODE_MUL = 16
+
+
+def _int8_tile_fields(rec: torch.Tensor, spec):
+    """Records [N, nbytes] -> what the int8 variant's producers stage per tile: kc = 16 (code - 8) [N, D, T]
+    (exact integers in [-128, 112]), chan_step and mid = chan_min + 8 chan_step [N, D] (f32), row_scale [N, T]."""
+    f = codec.unpack_fields(rec, spec)
+    kc = (f.k_codes.float() - 8) * CODE_MUL
+    return kc, f.chan_step.float(), (f.chan_min.float() + 8 * f.chan_step.float()), f.row_scale.float()
+
+
+def _int8_tile_logits(qa: torch.Tensor, kc, cs, mid, rs, rowf) -> torch.Tensor:
+    """The int8 variant's tile logits (log2 units) for rows qa [HH, R, D] (f16: q_rot scaled per row) against
+    nt tiles per head: kc [HH, nt, D, T], cs, mid [HH, nt, D], rs [HH, nt, T], rowf [HH, R]. Per (row, tile):
+    a = q_rot * chan_step (f32), x = a * (127 / max|a|), hi = rint(x), lo = rint(254 (x - hi)) (both int8),
+    acc_* = sum_c level * 16 (code - 8) (exact integers), bias = q_rot . (chan_min + 8 chan_step) (f32),
+    s = fA f32(254 acc_hi + acc_lo) + bias with fA = max|a| / (127 * 16 * 254); logit = s * row_scale[t] * rowf."""
+    qf = qa.float()[:, :, None, :]
+    a = qf * cs[:, None]                                        # [HH, R, nt, D]
+    amax = a.abs().amax(-1)
+    inv = torch.where(amax > 0, (1.0 / amax) * 127.0, torch.zeros_like(amax))
+    x = a * inv[..., None]
+    hi = torch.round(x)
+    lo = torch.round((x.double() - hi.double()) * LFOLD)        # the kernel's FMA: one rounding of the exact value
+    kcd = kc.double()
+    acc_hi = torch.einsum("hrgd,hgdt->hrgt", hi.double(), kcd)  # exact integers (|acc| < 2^24)
+    acc_lo = torch.einsum("hrgd,hgdt->hrgt", lo, kcd)
+    acc = (acc_hi * LFOLD + acc_lo).float()  # the kernel's int32 254 acc_hi + acc_lo, one rounding to f32
+    fa = amax * (1.0 / (127 * CODE_MUL * LFOLD))
+    bias = (qf * mid[:, None]).sum(-1)
+    s = fa[..., None] * acc + bias[..., None]
+    s = s * rs[:, None]
+    HH, R = qa.shape[:2]
+    return s.reshape(HH, R, -1) * rowf[..., None]
+
+
+def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float, k_operand: str = "f16") -> torch.Tensor:
     B, Hq, n, D = q.shape
     Hkv = cache.num_kv_heads
     G, HH, M = Hq // Hkv, B * Hkv, Hq // Hkv * n
@@ -211,6 +256,10 @@ def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tens
         rec = cache.tile_bytes(layer).permute(0, 2, 1, 3).reshape(HH * nt, spec.tile_nbytes)
         kd, vd, fk, e_v = _tile_operands(rec, spec)
         T = spec.tile_tokens
+        if k_operand == "int8":
+            kc, cs, mid, rs = _int8_tile_fields(rec, spec)
+            kc = kc.view(HH, nt, D, T)
+            cs, mid, rs = cs.view(HH, nt, D), mid.view(HH, nt, D), rs.view(HH, nt, T)
         kd = kd.float().view(HH, nt, D, T).permute(0, 2, 1, 3).reshape(HH, D, nt * T)
         vd = vd.view(HH, nt, T, D)
         fk = fk.view(HH, nt).repeat_interleave(T, -1)  # [HH, nt*T]
@@ -230,7 +279,10 @@ def _emulate(q, k, v, cache: KVarNCache, layer: int, scale: float) -> torch.Tens
                                 float("-inf"))
         m = lg_e.amax(-1)
         if nt:
-            lg_t = (qa[:, r0:r1].float() @ kd) * ((qa_f[:, r0:r1] * scale_log2)[..., None] * fk[:, None, :])
+            if k_operand == "int8":
+                lg_t = _int8_tile_logits(qa[:, r0:r1], kc, cs, mid, rs, qa_f[:, r0:r1] * scale_log2)
+            else:
+                lg_t = (qa[:, r0:r1].float() @ kd) * ((qa_f[:, r0:r1] * scale_log2)[..., None] * fk[:, None, :])
             m = torch.maximum(m, lg_t.amax(-1))
         p_e = torch.exp2(lg_e - m[..., None])
         l = p_e.sum(-1)

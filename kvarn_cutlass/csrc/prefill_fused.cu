@@ -52,12 +52,16 @@
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
 // K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_WARPS,
 // PRODUCER_GROUPS, BLOCK_N, WGMMA, OFF_* and RECORD_BYTES,
-// KERNEL_NAME.
+// KERNEL_NAME; K_INT8 (default 0): the int8 K operand of prefill_int8.cuh instead of f16 tile K (mma.sync).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #include "record_scales.cuh"
 #include "wht_lanes.cuh"
+
+#ifndef K_INT8
+#define K_INT8 0
+#endif
 
 #if WGMMA
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -1034,6 +1038,10 @@ __device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_
     return sc;
 }
 
+#if K_INT8
+#include "prefill_int8.cuh"
+#endif
+
 // --- the kernel ---------------------------------------------------------------------------------------
 // grid (ceil(G * n / BM), Hkv, B), NT threads, kvarn_prefill_smem_bytes of dynamic shared memory.
 //   q, out: [B, G * Hkv, n, D] with element strides (D contiguous, rows 16-byte aligned)
@@ -1083,7 +1091,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const long long slot = tile_table[(long long)b * table_stride + g];
             const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
             u8* dst = sRec + (g % RSLOTS) * REC;
+#if K_INT8
+            for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + kint8_rec_chunk(i) * 16, srcp + i * 16, true);
+#else
             for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+#endif
             cp_async_commit();
         };
         if (n_tiles > 0) {
@@ -1110,12 +1122,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
                     if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);  // the consumers are done with this stage
-                    if (gtid == 0)  // the tile factors, read by the consumers at the tile's first block
-                        *reinterpret_cast<float2*>(st + ST_KD + ST_VD) = make_float2(f.fk, __int_as_float(f.e_v));
+                    if (gtid == 0)  // the tile factors, read by the consumers at the tile's first block (the int8
+                                    // K operand's scores carry no power of two: fK = 1)
+                        *reinterpret_cast<float2*>(st + ST_KD + ST_VD) =
+                            make_float2(K_INT8 ? 1.f : f.fk, __int_as_float(f.e_v));
                 } else if (bi >= NSTAGE) {
                     bar_sync(BAR_EMPTY + s, HANDOFF);
                 }
+#if K_INT8
+                kint8_stage_k(rec, st, t0, gtid);  // also the block's row scales
+#else
                 dequant_k(rec, P, sLut, st, t0, gtid);
+#endif
                 dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);
                 fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
@@ -1189,7 +1207,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const int ev_g = __float_as_int(fac.y), ev_new = max(ev_run, ev_g);
             rescale = pow2f(ev_run - ev_new);  // exact; 0 on the first tile (the accumulator is still 0)
             const int k = min(ev_new - ev_g, KF_MAX);
-            fk = fac.x;
+            fk = K_INT8 ? 1.f : fac.x;  // (the int8 scores carry no power of two)
             kf = (float)k;
             lsc = exp2i(k);
             ev_run = ev_new;
@@ -1297,12 +1315,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     else turn(K0{}, K0{}, 0);
     if (PINGPONG && wg == 0) bar_sync(BAR_TURN, 256);  // warpgroup 1's last arrival
 #else
+#if K_INT8
+    KFold fold;
+#endif
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
         bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
+#if K_INT8
+            if (bi % BPT == 0) kint8_fold(fold, sQw, stg, lane);
+            attend_block_i8(fold, stg, stg + ST_KD, kf, rescale, st, acc, lane);
+#else
             attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
+#endif
             release(bi);
             if (bi == sc.nba - 1) end_of_tiles();
         } else {

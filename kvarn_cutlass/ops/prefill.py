@@ -33,6 +33,7 @@ SMEM_SYMBOL = "kvarn_prefill_smem_bytes"
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 / sm_80 opt-in limit per block
 LOG2E = 1.4426950408889634
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+K_OPERANDS = ("f16", "int8")
 
 _SIG = (
     "ptr q", "i64 q_sb", "i64 q_sh", "i64 q_sn",
@@ -62,6 +63,11 @@ class FusedConfig:
     mma: ``"sync"`` (mma.sync m16n8k16 per consumer warp, sm_80+) or ``"wgmma"`` (sm_90a only: wgmma per
         consumer warpgroup of 64 rows on CuTe's SM90 GMMA atoms; 16 rows per warp, 64-token blocks, head_dim
         64 or 128; two producer groups only as two warpgroups).
+    k_operand: ``"f16"`` (default: the producers dequantize the K codes to f16 in shared memory, f16 MMA)
+        or ``"int8"`` (``csrc/prefill_int8.cuh``: the producers write the K codes as centered int8 in the s8
+        MMA's B-fragment order, the consumers fold their rotated query rows per tile into two int8 levels and
+        run mma.sync m16n8k32 s8 x s8 -> s32, no dequantization; mma.sync with 16 rows per warp and 4 consumer
+        warps, uniform quantizer only; selectable, not in the tuned table). Name suffix ``i8``.
     producer_warps: 4, or 8 with wgmma (two producer warpgroups: twice the warps to hide the
         dequantization's latency, sharing every tile or, with two groups, taking alternate tiles; with 8
         consumer warps the warpgroups trade registers by setmaxnreg).
@@ -73,10 +79,12 @@ class FusedConfig:
     producer_groups: int = 1
     mma: str = "sync"
     producer_warps: int = 4
+    k_operand: str = "f16"
 
     def __post_init__(self) -> None:
         for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
-                              ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma")), ("producer_warps", (4, 8))):
+                              ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma")), ("producer_warps", (4, 8)),
+                              ("k_operand", K_OPERANDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
@@ -92,20 +100,21 @@ class FusedConfig:
     @property
     def name(self) -> str:
         return (f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
-                + ("p8" if self.producer_warps == 8 else "") + ("wg" if self.mma == "wgmma" else ""))
+                + ("p8" if self.producer_warps == 8 else "") + ("wg" if self.mma == "wgmma" else "")
+                + ("i8" if self.k_operand == "int8" else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "FusedConfig":
-        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2`` or ``r16c8n64p8wg``; ValueError
-        otherwise."""
+        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2``, ``r16c8n64p8wg`` or ``r16c4n64i8``;
+        ValueError otherwise."""
         import re
 
-        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(p8)?(wg)?", name) if isinstance(name, str) else None
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(p8)?(wg)?(i8)?", name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][p8][wg], "
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][p8][wg][i8], "
                              "e.g. r32c4n64)")
         return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1,
-                   "wgmma" if m.group(6) else "sync", 8 if m.group(5) else 4)
+                   "wgmma" if m.group(6) else "sync", 8 if m.group(5) else 4, "int8" if m.group(7) else "f16")
 
     def supported_on(self, arch: int) -> bool:
         """Whether the config runs on a device of compute capability ``arch`` (e.g. 90): wgmma is sm_90a code."""
@@ -117,6 +126,11 @@ class FusedConfig:
         4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
+        if self.k_operand == "int8":
+            # mma.sync, one m16 tile per warp, 4 consumer warps: the folded query levels (D / 2 registers) stay
+            # in registers; with 8 consumer warps (168 registers each) ptxas spills 10 words
+            if self.mma != "sync" or self.rows_per_warp != 16 or self.consumer_warps != 4:
+                return False
         if self.mma == "wgmma":  # two producer groups: one warpgroup each
             return (self.rows_per_warp == 16 and self.block_n == 64 and head_dim in (64, 128)
                     and (self.producer_groups == 1 or self.producer_warps == 8))
@@ -127,6 +141,12 @@ class FusedConfig:
         if self.producer_groups == 2 and (tile_tokens // self.block_n > 2 or head_dim == 256):
             return False
         return head_dim != 256 or (self.rows_per_warp == 16 and self.block_n == 32 and self.consumer_warps == 4)
+
+
+    def supports(self, spec: TileSpec) -> bool:
+        """Whether the config runs ``spec``'s records: :meth:`fits`, and the int8 K operand needs integer K code
+        values (the uniform quantizer)."""
+        return self.fits(spec.head_dim, spec.tile_tokens) and (self.k_operand == "f16" or spec.quantizer == "uniform")
 
 
 # Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
@@ -157,6 +177,8 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         raise TypeError(f"cache and query dtypes must be float16 or bfloat16, got {cache_dtype} and {q_dtype}")
     if not config.fits(spec.head_dim, spec.tile_tokens):
         raise ValueError(f"config {config.name} does not fit head_dim={spec.head_dim}, tile_tokens={spec.tile_tokens}")
+    if not config.supports(spec):
+        raise ValueError(f"config {config.name} (int8 K operand) needs the uniform quantizer, not {spec.quantizer!r}")
     kb, vb = spec.k_codebook, spec.v_codebook
     defines = {
         "KERNEL_NAME": KERNEL_SYMBOL,
@@ -179,6 +201,8 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
         "BLOCK_N": config.block_n,
         "WGMMA": int(config.mma == "wgmma"),
     }
+    if config.k_operand == "int8":
+        defines["K_INT8"] = 1
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
     wgmma = config.mma == "wgmma"
