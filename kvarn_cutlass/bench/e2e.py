@@ -501,15 +501,17 @@ def _decode_attn(kind: str) -> str | None:
 
 
 # --- the GPU run ------------------------------------------------------------------------------------------------------
-def _build_model(layers: int):
+def _build_model(layers: int, device: str = "cuda", shape: dict[str, Any] = QWEN3_8B):
+    """A float16 Qwen3 causal LM of ``shape`` with ``layers`` layers and seeded random weights on ``device``, in eval
+    mode, attention ``kvarn``."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     import kvarn_cutlass.hf  # noqa: F401  (registers the 'kvarn' attention)
 
-    config = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": layers})
+    config = Qwen3Config(**{**shape, "num_hidden_layers": layers})
     torch.manual_seed(0)
-    with torch.device("cuda"):  # the weights are created (and initialized) on the GPU, in float16
+    with torch.device(device):  # the weights are created (and initialized) on the device, in float16
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float16, attn_implementation="kvarn")
     return model.eval()
 
