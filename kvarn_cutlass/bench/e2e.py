@@ -789,7 +789,7 @@ def _warm_up(model, chunks: tuple[int, ...]) -> None:
 
     from ..hf.static_step import static_greedy
 
-    ids = torch.randint(0, QWEN3_8B["vocab_size"], (1, 2 * max(chunks) + 8), device="cuda",
+    ids = torch.randint(0, model.config.vocab_size, (1, 2 * max(chunks) + 8), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
     for chunk in chunks:
         for kind in KINDS:
