@@ -42,6 +42,7 @@ def test_busy_time_is_the_union_of_the_kernels_and_the_gaps_are_what_lies_betwee
 @pytest.mark.parametrize("name,group", [
     ("kvarn_prefill_fused_r32c4n64", "kvarn prefill"), ("kvarn_compress_layer", "kvarn append/compress"),
     ("kvarn_append_commit", "kvarn append/compress"), ("kvarn_decode_n_d128", "kvarn decode"),
+    ("kvarn_wht_d128_f16_f16", "kvarn rotation"), ("kvarn_dequant_tiles", "kvarn other"),
     ("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "flash attention"),
     ("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "gemm"), ("void gemv2T_kernel_val<int, int, __half>", "gemm"),
     ("void at::native::reduce_kernel<512, 1>", "norm/reduce"),

@@ -14,7 +14,7 @@ for each cache times, once unprofiled (CUDA events) and once under ``torch.profi
 
 Per phase it prints the wall time, the GPU-busy time (the union of the kernels' intervals) and the idle gaps (the
 GPU waiting for the host that launches it), and per kernel group (GEMM, KVarN prefill / append / decode, flash
-attention, elementwise, norms and reductions, copies and indexing, other) the GPU time and launch count, then the
+attention, the query rotation, elementwise, norms and reductions, copies and indexing, other) the GPU time and launch count, then the
 top kernels. ``--json PATH`` writes the numbers.
 
 GPU (one device command; the kernels are built first by tools/gpu_check.sh):
@@ -45,7 +45,7 @@ TINY = {**e2e.QWEN3_8B, "vocab_size": 512, "hidden_size": 256, "intermediate_siz
         "num_key_value_heads": 2, "head_dim": 128}
 # kernel (or CPU op) name -> group, first match wins
 GROUPS = (("kvarn prefill", r"kvarn_prefill"), ("kvarn append/compress", r"kvarn_(append|compress|commit)"),
-          ("kvarn decode", r"kvarn_decode"), ("kvarn other", r"kvarn"),
+          ("kvarn decode", r"kvarn_decode"), ("kvarn rotation", r"kvarn_wht"), ("kvarn other", r"kvarn"),
           ("flash attention", r"flash_fwd|pytorch_flash|flash::"), ("other attention", r"fmha|attention|cudnn"),
           ("gemm", r"gemm|gemv|nvjet|xmma|cutlass|cublas|aten::(mm|addmm|bmm|matmul|linear)\b"),
           ("norm/reduce", r"reduce|norm|softmax|aten::(mean|sum|pow|rsqrt)\b"),
