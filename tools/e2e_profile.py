@@ -13,9 +13,9 @@ for each cache times, once unprofiled (CUDA events) and once under ``torch.profi
   FlashAttention-2 decode baseline, ``e2e.fp16_decode_attention``).
 
 Per phase it prints the wall time, the GPU-busy time (the union of the kernels' intervals) and the idle gaps (the
-GPU waiting for the host that launches it), and per kernel group (GEMM, KVarN prefill / append / decode, flash
-attention, the query rotation, elementwise, norms and reductions, copies and indexing, other) the GPU time and launch count, then the
-top kernels. ``--json PATH`` writes the numbers.
+GPU waiting for the host that launches it), and per kernel group (GEMM, KVarN prefill / append / decode / query
+rotation, flash attention, elementwise, norms and reductions, copies and indexing, other) the GPU time and launch
+count, then the top kernels. ``--json PATH`` writes the numbers.
 
 GPU (one device command; the kernels are built first by tools/gpu_check.sh):
     GPU_TEST_GROUPS=none GPU_E2E_PROFILE=1 bash tools/gpu_check.sh
