@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["check_device", "check_scale", "resolve_scale"]
+__all__ = ["check_device", "check_query", "check_scale", "resolve_scale"]
 
 
 def check_scale(scale, name: str = "scale") -> float:
@@ -29,6 +29,38 @@ def check_scale(scale, name: str = "scale") -> float:
 def resolve_scale(scale, head_dim: int, name: str = "scale") -> float:
     """The softmax scale of an attention entry point: ``head_dim ** -0.5`` for None, else :func:`check_scale`."""
     return head_dim**-0.5 if scale is None else check_scale(scale, name)
+
+
+def check_query(q, *, batch: int, num_kv_heads: int, head_dim: int, n_q: int | tuple[int, int],
+                dtypes: tuple[torch.dtype, ...] | None = None, max_group: int | None = None,
+                n_q_why: str = "", name: str = "q") -> None:
+    """Validate the queries of an attention entry point: q [batch, num_kv_heads * group, n_q, head_dim].
+
+    ``n_q``: the exact count of queries per sequence (part of the shape), or an inclusive ``(lo, hi)``
+    range; ``n_q_why`` says in the error where that count comes from (e.g. "a chunk of 512 tokens").
+    ``dtypes``: the accepted dtypes (None: any floating-point dtype). ``max_group``: the most query
+    heads per KV head the caller serves (None: any multiple). Raises TypeError naming ``name`` for a
+    non-tensor or a dtype outside ``dtypes``, ValueError naming it for a wrong shape or query count.
+    Devices are the caller's to check (each entry point knows where its data lives).
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
+    if dtypes is None:
+        if not q.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {q.dtype}")
+    elif q.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {q.dtype}; this entry point takes {list(dtypes)}")
+    exact = isinstance(n_q, int)
+    why = f" ({n_q_why})" if n_q_why else ""
+    if (q.dim() != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[1] < num_kv_heads
+            or q.shape[1] % num_kv_heads or (max_group is not None and q.shape[1] // num_kv_heads > max_group)
+            or (exact and q.shape[2] != n_q)):
+        groups = "a multiple of" if max_group is None else f"1..{max_group} x"
+        rows = f"n_q={n_q}{why}" if exact else "n_q"
+        raise ValueError(f"{name} must have shape [batch={batch}, num_q_heads ({groups} num_kv_heads={num_kv_heads}), "
+                         f"{rows}, head_dim={head_dim}], got {list(q.shape)}")
+    if not exact and not n_q[0] <= q.shape[2] <= n_q[1]:
+        raise ValueError(f"{name} has n_q={q.shape[2]} queries; it must have {n_q[0]} <= n_q <= {n_q[1]}{why}")
 
 
 def check_device(device, name: str = "device") -> torch.device:

@@ -44,7 +44,7 @@ import torch
 
 from .cache import KVarNCache
 from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
-from ._validate import resolve_scale
+from ._validate import check_query, resolve_scale
 from .runtime import KernelSpec, build, cubin_global, get_module, register
 from .runtime.arch import arch_target, device_arch
 
@@ -190,23 +190,8 @@ def min_tiles_per_split() -> int:
 
 # --- validation --------------------------------------------------------------------------------
 def _check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, device: torch.device | None) -> None:
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dtype not in Q_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; decode supports {list(Q_DTYPES)}")
-    if (
-        q.dim() != 4
-        or q.shape[0] != batch
-        or q.shape[2] != 1
-        or q.shape[3] != head_dim
-        or q.shape[1] < num_kv_heads
-        or q.shape[1] % num_kv_heads
-        or q.shape[1] // num_kv_heads > MAX_GROUP
-    ):
-        raise ValueError(
-            f"q must have shape [batch={batch}, num_q_heads (num_kv_heads={num_kv_heads} x group 1..{MAX_GROUP}), "
-            f"1, head_dim={head_dim}], got {list(q.shape)}"
-        )
+    check_query(q, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, n_q=1, dtypes=Q_DTYPES,
+                max_group=MAX_GROUP, n_q_why="one query per sequence")
     if q.device.type != "cuda":
         raise ValueError(f"q must be on a CUDA device, got {q.device}")
     if device is not None and q.device != device:

@@ -41,8 +41,6 @@ _EMULATION_ROWS = 1024  # rows per slab of the torch path (bounds its score tens
 
 
 def _check_args(q, cache, layer, scale, impl, out):
-    if q.dtype not in Q_DTYPES:
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
     if q.device != cache.device:
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
     if impl not in IMPLS:
@@ -87,7 +85,7 @@ def prefill_attention(
         names the argument; an error raised by the append leaves the cache as it was.
     """
     k, v = chunk_kv(cache, k, v)
-    check_query(q, cache, layer, chunk=k.shape[2])
+    check_query(q, cache, layer, chunk=k.shape[2], dtypes=Q_DTYPES)
     _check_args(q, cache, layer, scale, impl, out)
     if impl == "auto":
         impl = "gpu" if q.is_cuda else "torch"

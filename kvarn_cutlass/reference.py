@@ -30,41 +30,28 @@ from __future__ import annotations
 import torch
 
 from . import codec
-from ._validate import resolve_scale
+from ._validate import check_query as _check_query, resolve_scale
 from .cache import KVarNCache
 
 FORMULATIONS = ("dequant_free", "dense")
 
 
-def check_query(q, cache: KVarNCache, layer: int, name: str = "q", chunk: int | None = None) -> None:
-    """Validate q [batch, num_q_heads, n_q, head_dim] against ``cache``'s layer.
+def check_query(q, cache: KVarNCache, layer: int, name: str = "q", chunk: int | None = None,
+                dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """Validate q [batch, num_q_heads, n_q, head_dim] against ``cache``'s layer
+    (:func:`kvarn_cutlass._validate.check_query`).
 
     ``chunk``: the number of chunk tokens passed beside the cache (prefill form): then n_q must equal
-    it; otherwise 1 <= n_q <= seq_len(layer).
+    it; otherwise 1 <= n_q <= seq_len(layer). ``dtypes``: the accepted dtypes (None: any floating).
     """
     if not isinstance(cache, KVarNCache):
         raise TypeError(f"cache must be a KVarNCache, got {type(cache).__name__}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(q).__name__}")
-    if not q.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {q.dtype}")
-    L = cache.seq_len(layer)
-    if (
-        q.dim() != 4
-        or q.shape[0] != cache.batch_size
-        or q.shape[3] != cache.head_dim
-        or q.shape[1] < 1
-        or q.shape[1] % cache.num_kv_heads
-    ):
-        raise ValueError(
-            f"{name} must have shape [batch={cache.batch_size}, num_q_heads (a multiple of "
-            f"num_kv_heads={cache.num_kv_heads}), n_q, head_dim={cache.head_dim}], got {list(q.shape)}"
-        )
-    if chunk is not None:
-        if q.shape[2] != chunk:
-            raise ValueError(f"{name} has n_q={q.shape[2]} queries for a chunk of {chunk} tokens (k, v); they must match")
-    elif not 1 <= q.shape[2] <= L:
-        raise ValueError(f"{name} has n_q={q.shape[2]} queries but layer {layer} holds {L} tokens (need 1 <= n_q <= seq_len)")
+    if chunk is None:
+        n_q, why = (1, cache.seq_len(layer)), f"layer {layer} holds {cache.seq_len(layer)} tokens"
+    else:
+        n_q, why = chunk, f"a chunk of {chunk} tokens (k, v)"
+    _check_query(q, batch=cache.batch_size, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, n_q=n_q,
+                 dtypes=dtypes, n_q_why=why, name=name)
 
 
 def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import json
 import random
+import os
 import shutil
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from kvarn_cutlass.bench import Section
+from kvarn_cutlass.bench.record import record_section, write_json_atomic
 from kvarn_cutlass.bench.report import docs_page_markdown, load_record, render_markdown, write_report
 from kvarn_cutlass.cli import main
 
@@ -479,3 +482,32 @@ def test_bench_copy_section_end_to_end_on_the_gpu(tmp_path, capsys):
     assert doc["sections"]["copy"]["provenance"]["gpu"] == torch.cuda.get_device_name()
     rows = _table((out / "results.md").read_text(), ["MiB", "median µs"])
     assert len(rows) == len(doc["sections"]["copy"]["results"]["sizes"]) > 0
+
+
+@pytest.mark.parametrize("mask", [0o002, 0o022, 0o077])
+def test_records_follow_the_umask_and_replace_atomically(tmp_path, mask):
+    """Records and results.json used to be written 0600 (tempfile.mkstemp) whatever the umask."""
+    old = os.umask(mask)
+    try:
+        path = tmp_path / "sub" / "h200.json"
+        record_section("copy", {"a": 1}, path, prov={"gpu": "x"})
+        record_section("launch", {"b": [2.5]}, path, prov={"gpu": "y"})
+        write_json_atomic(tmp_path / "results.json", {"z": 1, "a": [None]})
+    finally:
+        os.umask(old)
+    for p in (path, tmp_path / "results.json"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask
+    doc = json.loads(path.read_text())
+    assert doc == {"sections": {"copy": {"provenance": {"gpu": "x"}, "results": {"a": 1}},
+                                "launch": {"provenance": {"gpu": "y"}, "results": {"b": [2.5]}}}}
+    assert json.loads((tmp_path / "results.json").read_text()) == {"a": [None], "z": 1}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["h200.json"]  # no temporary left
+
+
+def test_a_failed_record_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "h200.json"
+    write_json_atomic(path, {"sections": {}})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"sections": {"x": object()}})  # not JSON-serializable
+    assert json.loads(path.read_text()) == {"sections": {}}
+    assert [p.name for p in tmp_path.iterdir()] == ["h200.json"]

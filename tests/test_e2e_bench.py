@@ -1,6 +1,7 @@
 """``bench --section e2e`` without a GPU: the memory arithmetic against what the library and transformers
-allocate, the granted context at the edge of its budget, the plan against the H200's memory, and the README
-headline block and plot generated from a record."""
+allocate, the granted context at the edge of its budget, the plan against the H200's memory, the README
+headline block and plot generated from a record, the fp16 prefill and decode baselines (the decode attention
+and its FlashAttention-2 varlen problem against float64 attention over the filled prefix)."""
 
 from __future__ import annotations
 
@@ -97,11 +98,12 @@ def test_the_full_plan_fits_an_h200_by_the_estimate():
 
 def _record(quick: bool = False) -> dict:
     rows = [{"batch": 1, "prompt": 16384, "chunk": 512, "new_tokens": 300, "ttft_ms_kvarn": 100.0, "ttft_ms_fp16": 150.0,
-             "decode_tok_s_kvarn": 30.0, "decode_tok_s_fp16": 20.0, "peak_mem_gib_kvarn": 17.2, "peak_mem_gib_fp16": 19.4},
+             "decode_tok_s_kvarn": 30.0, "decode_tok_s_fp16": 20.0, "decode_fp16_baseline": "flash_varlen",
+             "peak_mem_gib_kvarn": 17.2, "peak_mem_gib_fp16": 19.4},
             {"batch": 16, "prompt": 16384, "chunk": 2048, "new_tokens": 300, "ttft_ms_kvarn": 900.0,
              "error_fp16": "OutOfMemoryError: CUDA out of memory"}]
-    sweep = [{"batch": b, "context": c, "decode_tok_s_kvarn": 40.0 * b / (1 + c / 65536), "decode_tok_s_fp16": 35.0 * b / (1 + c / 16384)}
-             for b in (1, 16) for c in (1024, 4096, 16384, 32768)]
+    sweep = [{"batch": b, "context": c, "decode_tok_s_kvarn": 40.0 * b / (1 + c / 65536), "decode_tok_s_fp16": 35.0 * b / (1 + c / 16384),
+              "decode_fp16_baseline": "flash_varlen"} for b in (1, 16) for c in (1024, 4096, 16384, 32768)]
     granted = [{"budget_gib": 8, "layers": 36, "kvarn_tokens": 274944, "fp16_tokens": 58254, "ratio": 4.72, "fits": True}]
     shape = {**e2e.QWEN3_8B, "num_hidden_layers": 4 if quick else 36, "preset": "k4v2_g128", "window": 256}
     res = {"shape": shape, "plan": {"prompt": 4096 if quick else 16384}, "quick": quick, "rows": rows,
@@ -113,13 +115,21 @@ def _record(quick: bool = False) -> dict:
 
 def test_headline_table_shows_the_stored_numbers_and_their_ratios():
     md = e2e.headline_markdown(_record(), plot="docs/benchmarks/h200-e2e_decode.png")
-    assert "| 1 | 16384 + 300 | 512 | 100.0 | 150.0 | 1.50x | 30.0 | 20.0 | 1.50x | 17.2 / 19.4 |" in md
+    assert "| 1 | 16384 + 300 | 512 | 100.0 | 150.0 | 1.50x | 30.0 | 20.0 (flash_varlen) | 1.50x | 17.2 / 19.4 |" in md
+    assert f"fp16 decode baseline: flash_varlen: {e2e.FP16_DECODE_BASELINES['flash_varlen']}." in md
+    assert "static_sdpa" not in md
     assert "| 16 | 16384 + 300 | 2048 | 900.0 | - | - | - | - | - | - / - |" in md
     assert "batch 16 chunk 2048 fp16: OutOfMemoryError" in md
     assert "8 GiB: KVarN 274,944 tokens, fp16 58,254 (4.72x)" in md
     assert "NVIDIA H200, 2026-12-02, commit abc123" in md and "](docs/benchmarks/h200-e2e_decode.png)" in md
     assert "kvarn-cutlass bench --section e2e" in md and "Smoke-test" not in md
     assert "Smoke-test numbers** (a reduced run: 4 layers, 4096-token prompt)" in e2e.headline_markdown(_record(quick=True))
+    # a row recorded before decode_fp16_baseline existed decoded through transformers' masked SDPA: named, and flagged
+    old = _record()
+    del old["sections"]["e2e"]["results"]["rows"][0]["decode_fp16_baseline"]
+    md = e2e.headline_markdown(old)
+    assert "| 30.0 | 20.0 (static_sdpa) | 1.50x |" in md and "static_sdpa is not the strongest fp16 decode" in md
+    assert "flash_varlen: " in md  # the sweep's points still name theirs
     empty = e2e.headline_markdown({"sections": {}})
     assert empty.startswith("Not measured yet") and "kvarn-cutlass bench --section e2e" in empty
 
@@ -332,3 +342,150 @@ def test_cli_lists_the_parts_and_checks_part_before_any_gpu_work(capsys):
                         (["--section", "copy", "--list-parts"], "runs in parts")):
         assert main(["bench", *argv]) == 1
         assert match in capsys.readouterr().err
+
+
+# --- the fp16 decode baseline: attention over the filled prefix of a StaticCache ------------------------------------------
+def _prefix_attention_f64(q, k, v, lengths, scale):
+    """Float64 attention of q [B, Hq, 1, D] over keys [0, lengths[b]) of k/v [B, Hkv, L, D], query head j reading KV
+    head j // (Hq / Hkv): [B, 1, Hq, D]."""
+    B, Hq, _, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, 1, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        for j in range(Hq):
+            kk, vv = k[b, j // G, :n].double(), v[b, j // G, :n].double()
+            out[b, 0, j] = torch.softmax(kk @ q[b, j, 0].double() * scale, 0) @ vv
+    return out
+
+
+def _decode_problem(batch, q_heads, kv_heads, L, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, 1, D, generator=g)
+    k = torch.randn(batch, kv_heads, L, D, generator=g)
+    v = torch.randn(batch, kv_heads, L, D, generator=g)
+    return q, k, v
+
+
+def _poisoned(x, lengths):
+    """x [B, H, L, D] with every slot at or past lengths[b] set to NaN (K) / huge (V): what must never be read."""
+    y = x.clone()
+    for b, n in enumerate(lengths):
+        y[b, :, n:] = float("nan")
+    return y
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (8, 2), (16, 2)])  # GQA groups 1, 4, 8
+@pytest.mark.parametrize("positions", [[0, 1, 2], [5, 37, 63], [63, 63, 63]])
+def test_fp16_decode_attention_is_attention_over_the_filled_prefix(q_heads, kv_heads, positions):
+    """Against float64 attention over keys [0, p + 1) per sequence; an unfilled tail full of NaN changes no bit."""
+    L, D, scale = 64, 32, 0.17
+    q, k, v = _decode_problem(3, q_heads, kv_heads, L, D, seed=sum(positions) + q_heads)
+    pos = torch.tensor(positions)[:, None]
+    lengths = [p + 1 for p in positions]
+    got, weights = e2e.fp16_decode_attention(None, q, k, v, None, scaling=scale, position_ids=pos)
+    assert weights is None and got.shape == (3, 1, q_heads, D) and got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), _prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=2e-6)
+    bad_v = _poisoned(v, lengths)
+    bad_v[torch.isnan(bad_v)] = 1e30
+    poisoned, _ = e2e.fp16_decode_attention(None, q, _poisoned(k, lengths), bad_v, None, scaling=scale, position_ids=pos)
+    assert torch.equal(poisoned, got)
+
+
+def test_fp16_decode_attention_shares_one_position_and_clamps_it_to_the_buffer():
+    L, D = 40, 16
+    q, k, v = _decode_problem(2, 8, 2, L, D, seed=5)
+    one, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[9]]))
+    both, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[9], [9]]))
+    assert torch.equal(one, both)
+    torch.testing.assert_close(one.double(), _prefix_attention_f64(q, k, v, [10, 10], D**-0.5), rtol=0, atol=2e-6)
+    # a position past the buffer reads the whole buffer, never past it
+    past, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[L + 7]]))
+    last, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[L - 1]]))
+    assert torch.equal(past, last)
+
+
+def _varlen_flash_f64(q, k, v, cu_q, cu_k, used, max_q, max_k, scale):
+    """FlashAttention-2's varlen forward as its API documents it, in float64: sequence i's queries q[cu_q[i]:cu_q[i+1]]
+    (total_q, Hq, D) attend, not causally, to keys k[cu_k[i] : cu_k[i] + used[i]] (seqused_k) of (total_k, Hkv, D),
+    query head j reading KV head j // (Hq / Hkv)."""
+    hq, hk = q.shape[1], k.shape[1]
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used[i])
+        assert q1 - q0 <= max_q and n <= max_k and k0 + n <= int(cu_k[i + 1])
+        for j in range(hq):
+            kk, vv = k[k0:k0 + n, j // (hq // hk)].double(), v[k0:k0 + n, j // (hq // hk)].double()
+            out[q0:q1, j] = torch.softmax(q[q0:q1, j].double() @ kk.T * scale, -1) @ vv
+    return out
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (16, 2)])
+def test_the_flash_varlen_problem_is_attention_over_the_filled_prefix(q_heads, kv_heads):
+    """The CUDA path's arguments (one varlen sequence per (sequence, KV head), the buffers viewed in place), solved
+    by the documented varlen semantics, give float64 attention over the filled prefix, the output rows in the
+    query's head order (row b * Hkv + h, head g -> query head h * G + g of sequence b)."""
+    B, L, D, scale = 3, 48, 16, 0.21
+    q, k, v = _decode_problem(B, q_heads, kv_heads, L, D, seed=q_heads)
+    lengths = [1, 20, 48]
+    k, v = _poisoned(k, lengths), _poisoned(v, lengths)
+    used = torch.tensor(lengths, dtype=torch.int32)[:, None].expand(B, kv_heads).contiguous()
+    args = e2e._flash_varlen_args(q, k, v, used)
+    q3, k3, v3, cu_q, cu_k, seqused, max_q, max_k = args
+    assert (q3.shape, k3.shape, cu_q.dtype, cu_k.dtype, seqused.dtype) == (
+        (B * kv_heads, q_heads // kv_heads, D), (B * kv_heads * L, 1, D), torch.int32, torch.int32, torch.int32)
+    assert k3.data_ptr() == k.data_ptr() and v3.data_ptr() == v.data_ptr()  # views: the cache is not copied
+    out = _varlen_flash_f64(*args, scale).reshape(B, 1, q_heads, D)
+    torch.testing.assert_close(out, _prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="contiguous"):
+        e2e._flash_varlen_args(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, used)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"query": torch.randn(2, 8, 3, 16)}, "one position per sequence"),
+    ({"key": torch.randn(2, 3, 40, 16)}, "multiple of Hkv"),
+    ({"value": torch.randn(2, 2, 39, 16)}, "key and value"),
+    ({"key": torch.randn(1, 2, 40, 16), "value": torch.randn(1, 2, 40, 16)}, "B=2"),
+    ({"position_ids": None}, "position_ids"),
+    ({"position_ids": torch.tensor([[3], [4], [5]])}, "position_ids"),
+    ({"position_ids": torch.tensor([[3.0]])}, "position_ids"),
+    ({"position_ids": torch.tensor([3])}, "position_ids"),
+    ({"attention_mask": torch.ones(2, 1, 1, 40, dtype=torch.bool)}, "attention_mask"),
+    ({"dropout": 0.1}, "dropout"),
+    ({"sliding_window": 16}, "sliding_window"),
+])
+def test_fp16_decode_attention_refuses_what_it_does_not_compute(change, match):
+    args = {"query": torch.randn(2, 8, 1, 16), "key": torch.randn(2, 2, 40, 16), "value": torch.randn(2, 2, 40, 16),
+            "attention_mask": None, "position_ids": torch.tensor([[3]]), **change}
+    with pytest.raises(ValueError, match=match):
+        e2e.fp16_decode_attention(None, args.pop("query"), args.pop("key"), args.pop("value"), args.pop("attention_mask"),
+                                  **args)
+
+
+def test_static_greedy_decodes_a_static_cache_through_decode_attn_only():
+    """The fp16 decode baseline in StaticGreedy (eager steps on the CPU): the tokens of transformers' own masked SDPA
+    decode, every decode step's attention through decode_attn (one query each), none of the prefill's, and the
+    model's attention implementation left as it was."""
+    from transformers import AttentionInterface, StaticCache
+
+    from kvarn_cutlass.hf.static_step import StaticGreedy
+
+    model = _tiny_qwen3()
+    ids = torch.randint(0, 320, (2, 37), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    seen = []
+
+    def counting(module, query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return e2e.fp16_decode_attention(module, query, *args, **kwargs)
+
+    AttentionInterface.register("test_counting_decode", counting)
+    for name in (None, e2e._decode_attn("fp16"), "test_counting_decode"):
+        run = StaticGreedy(model, ids, 9, StaticCache(config=model.config, max_cache_len=45), 16, decode_attn=name)
+        run.prefill()
+        for _ in range(8):
+            run.step()
+        runs[name] = run.finish()
+        assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(runs[None], runs[e2e.FP16_DECODE_ATTN]) and torch.equal(runs[None], runs["test_counting_decode"])
+    assert seen == [1] * (8 * model.config.num_hidden_layers)

@@ -182,7 +182,9 @@ def test_bench_e2e_runs_a_tiny_plan_in_parts_that_merge():
         assert "error_fp16_flash" not in r and r["ttft_ms_kvarn"] > 0
         assert r["ttft_ms_fp16"] == min(r["ttft_ms_fp16_flash"], r["ttft_ms_fp16_static_sdpa"])
         assert r["ttft_ms_fp16"] == r[f"ttft_ms_fp16_{r['ttft_fp16_baseline']}"]
+        assert r["decode_fp16_baseline"] == "flash_varlen"  # the fp16 decode through FlashAttention-2
     assert all(p["decode_tok_s_kvarn"] > 0 and p["decode_tok_s_fp16"] > 0 for p in res["decode_sweep"])
+    assert all(p["decode_fp16_baseline"] == "flash_varlen" for p in res["decode_sweep"])
     granted = e2e.run_plan(plan, ["granted"])  # no model: the allocations alone
     assert [g["budget_gib"] for g in granted["granted_context"]] == [0.25, 0.5] and "weights_gib" not in granted
     for g in granted["granted_context"]:

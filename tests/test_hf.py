@@ -299,6 +299,61 @@ def test_padding_and_wrong_attention_raise(model_tok, text_ids):
         cache.reorder_cache(torch.tensor([0]))
 
 
+def _causal(n_q, seq_len, extra=0, dtype=torch.bool):
+    """An independent causal mask [1, 1, n_q, seq_len + extra] (the queries at the last n_q positions)."""
+    k = torch.arange(seq_len + extra)[None, :]
+    q = torch.arange(seq_len - n_q, seq_len)[:, None]
+    m = (k <= q)[None, None]
+    return m if dtype == torch.bool else torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+def test_causal_mask_check(monkeypatch):
+    from kvarn_cutlass.hf import attention as A
+
+    calls = []
+    real = A._mask_is_causal
+    monkeypatch.setattr(A, "_mask_is_causal", lambda *a: calls.append(a[1:]) or real(*a))
+    for dtype in (torch.bool, torch.float32):
+        A._check_causal_mask(_causal(5, 12, extra=4, dtype=dtype), 5, 12)  # a static cache's longer buffer
+    good = _causal(5, 12)
+    for _ in range(3):  # the layers of one forward pass: one device read for the pass
+        A._check_causal_mask(good, 5, 12)
+    assert calls == [(5, 12), (5, 12), (5, 12)]
+    bad = good.clone()
+    bad[0, 0, 2, 3] = False  # a hidden key: same shape, another tensor
+    with pytest.raises(ValueError, match="only the causal mask"):
+        A._check_causal_mask(bad, 5, 12)
+    leak = good.clone()
+    leak[0, 0, 0, 11] = True  # a future key
+    with pytest.raises(ValueError, match="only the causal mask"):
+        A._check_causal_mask(leak, 5, 12)
+    with pytest.raises(ValueError, match="only the causal mask"):  # the checked mask, but other positions
+        A._check_causal_mask(good, 5, 11)
+    with pytest.raises(ValueError, match=r"mask of shape \[1, 1, 5, 12\] for 4 queries"):
+        A._check_causal_mask(good, 4, 12)
+    A._check_causal_mask(None, 5, 12)
+
+
+@needs_model
+def test_chunk_forward_checks_its_mask_once(model_tok, text_ids, monkeypatch):
+    """The first layer's causal check serves the others: one host synchronization per chunk on CUDA, not
+    one per layer (the outputs stay those of the reference attention, checked elsewhere)."""
+    from kvarn_cutlass.hf import attention as A
+
+    model, _ = model_tok
+    cache = kh.KVarNCache(model.config, window=128)
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        model(text_ids[:, :200], use_cache=True, **{kw: cache})
+        calls = []
+        real = A._mask_is_causal
+        monkeypatch.setattr(A, "_mask_is_causal", lambda *a: calls.append(a[1:]) or real(*a))
+        model(text_ids[:, 200:264], use_cache=True, **{kw: cache})
+        model(text_ids[:, 264:300], use_cache=True, **{kw: cache})
+    assert model.config.num_hidden_layers > 1
+    assert calls == [(64, 264), (36, 300)]
+
+
 def test_cuda_dispatch_is_explicit(monkeypatch):
     from kvarn_cutlass.hf import dispatch
 

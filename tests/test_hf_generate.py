@@ -187,6 +187,10 @@ def _static_cache(config, n):
     (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"input_ids": torch.ones(1, 5)}, ValueError, "int64"),
     (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"chunk_size": 0}, ValueError, "chunk_size"),
     (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"sync_every": -1}, ValueError, "sync_every"),
+    (lambda c: kh.KVarNCache(c, preset="k4v2_g64", window=64), {"decode_attn": "sdpa"}, ValueError,
+     "decode_attn='sdpa' is for a StaticCache"),
+    (lambda c: _static_cache(c, 60), {"decode_attn": "no_such_attention"}, ValueError, "AttentionInterface"),
+    (lambda c: _static_cache(c, 60), {"decode_attn": 3}, ValueError, "decode_attn must be None"),
 ])
 def test_static_greedy_refuses_before_the_model_or_the_cache_runs(model, make, kwargs, error, match):
     cache = make(model.config)

@@ -22,6 +22,8 @@
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
 #    reasons too; GPU_NCU_TARGETS picks the kernels)
+# 6b'''. GPU_E2E_PROFILE=1: tools/e2e_profile.py (the e2e bench's time per kernel group, both caches)
+#    -> $OUT/e2e_profile.json (GPU_E2E_PROFILE_ARGS: more arguments)
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
@@ -180,6 +182,12 @@ fi
 # 6b''. GPU_PREFILL_HOST=1: host time of prefill_attention and append against the fused kernel's GPU time,
 #     and a cProfile of the calls (tools/prefill_host.py)
 [ -z "${GPU_PREFILL_HOST:-}" ] || step prefill_host timeout 180 python3 tools/prefill_host.py
+
+# 6b'''. GPU_E2E_PROFILE=1: where the e2e bench's prefill and decode time goes, both caches: GPU time per kernel
+#     group, GPU-busy against wall time (tools/e2e_profile.py; GPU_E2E_PROFILE_ARGS adds arguments, e.g.
+#     "--batch 16") -> $OUT/e2e_profile.json
+[ -z "${GPU_E2E_PROFILE:-}" ] || step e2e_profile timeout "${GPU_E2E_PROFILE_LIMIT:-300}" python3 tools/e2e_profile.py \
+  --json "$OUT/e2e_profile.json" ${GPU_E2E_PROFILE_ARGS:-}
 
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
 #     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt; GPU_SANITIZE_TOOLS="TOOL ..." picks the

@@ -17,12 +17,12 @@ import json
 import os
 import platform
 import re
+import secrets
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["REPO_ROOT", "gpu_slug", "default_record_path", "provenance", "record_section"]
+__all__ = ["REPO_ROOT", "gpu_slug", "default_record_path", "provenance", "record_section", "write_json_atomic"]
 
 # The checkout holding this package, when it is one (docs/ lives beside the package there).
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -133,14 +133,23 @@ def record_section(section: str, results: dict[str, Any], path: str | os.PathLik
     if merge is not None and isinstance(old, dict) and isinstance(old.get("results"), dict):
         results = merge(old["results"], results)
     doc["sections"][section] = {"provenance": prov if prov is not None else provenance(), "results": results}
-    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    write_json_atomic(target, doc)
+    return target
+
+
+def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
+    """``doc`` as indented, key-sorted JSON at ``path`` (parents created), atomically: a temporary file
+    beside it, then ``os.replace``. The file gets mode 0o666 less the umask, as any file the process
+    creates (``tempfile.mkstemp`` would make it 0600: a record written by CI or another user would be
+    unreadable to the team)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return target

@@ -25,7 +25,6 @@ import datetime as _dt
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -127,17 +126,6 @@ class _Progress:
             self.stream.write("\r\033[K")
         print(f"bench [{i}/{self.total}] {name}: {status} in {_elapsed(time.perf_counter() - t_section)} "
               f"(total {_elapsed(time.perf_counter() - self.t0)})", file=self.stream, flush=True)
-
-
-def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -272,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..bench.record import REPO_ROOT, default_record_path, provenance, record_section
+    from ..bench.record import REPO_ROOT, default_record_path, provenance, record_section, write_json_atomic
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -307,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as e:  # likewise: the numbers stay in results.json, the next sections run
                     traceback.print_exc()
                     doc["failed"].append(f"{name}: merging into {record}: {type(e).__name__}: {e}")
-        _write_json_atomic(results_path, doc)
+        write_json_atomic(results_path, doc)
     written = [results_path] + _render(doc, out, plots=not args.no_plots)
     if args.json:
         json.dump({"out": str(out), "record": str(record) if record else None, "files": [str(p) for p in written],

@@ -20,6 +20,8 @@ length for every sequence of the batch.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -41,19 +43,35 @@ def kvarn_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
+# The mask last found causal, as (weak reference, n_q, seq_len): transformers builds one mask per forward pass
+# and hands it to every layer, and reading the comparison back is a host synchronization, so the layers
+# after the first reuse the first one's verdict (36 synchronizations per chunk of a 36-layer model before).
+_causal_checked: tuple[weakref.ref, int, int] | None = None
+
+
+def _mask_is_causal(mask: torch.Tensor, n_q: int, seq_len: int) -> bool:
+    """Whether ``mask`` [..., n_q, >= seq_len] (bool: True = attend; float: 0 = attend) allows exactly the
+    causal pattern of n_q queries at the last positions of seq_len keys (one device read)."""
+    allowed = mask[..., :seq_len] if mask.dtype == torch.bool else mask[..., :seq_len] == 0
+    q_pos = torch.arange(seq_len - n_q, seq_len, device=mask.device)
+    causal = torch.arange(seq_len, device=mask.device)[None, :] <= q_pos[:, None]
+    return bool((allowed == causal).all())
+
+
 def _check_causal_mask(mask: torch.Tensor | None, n_q: int, seq_len: int) -> None:
     """The cache path implements the plain causal mask; anything else must not be silently ignored."""
+    global _causal_checked
     if mask is None:
         return
     if mask.dim() != 4 or mask.shape[-2] != n_q or mask.shape[-1] < seq_len:
         raise ValueError(f"KVarN attention got an attention mask of shape {list(mask.shape)} for {n_q} queries over {seq_len} keys")
-    allowed = mask[..., :seq_len] if mask.dtype == torch.bool else mask[..., :seq_len] == 0
-    q_pos = torch.arange(seq_len - n_q, seq_len, device=mask.device)
-    causal = torch.arange(seq_len, device=mask.device)[None, :] <= q_pos[:, None]
-    if not bool((allowed == causal).all()):
+    if _causal_checked is not None and _causal_checked[0]() is mask and _causal_checked[1:] == (n_q, seq_len):
+        return
+    if not _mask_is_causal(mask, n_q, seq_len):
         raise ValueError(
             "KVarN attention supports only the causal mask over the cache (no padding, packed sequences or custom masks)"
         )
+    _causal_checked = (weakref.ref(mask), n_q, seq_len)
 
 
 def kvarn_attention_forward(

@@ -36,10 +36,13 @@ tokens: a failed step raises ValueError with the cache restored to its state bef
 
 Caches: a :class:`kvarn_cutlass.hf.KVarNCache` (the model loaded with ``attn_implementation="kvarn"``)
 or transformers' ``StaticCache`` (static K/V buffers and a device-side length; with ``sdpa`` attention
-its mask is built on the device from that length, so the step captures too: the fp16 baseline of
-``kvarn-cutlass bench --section e2e``). The cache must hold the prompt plus ``max_new_tokens - 1``
-tokens (``max_seq_len`` / ``max_cache_len``): checked before anything runs, since a captured graph's
-buffers cannot grow.
+its mask is built on the device from that length, so the step captures too). With a StaticCache,
+``decode_attn`` names another attention implementation for the decode steps alone (eager and
+captured; the prefill keeps the model's): one that reads the filled prefix's length on the device
+serves every replay while the context grows, as ``kvarn_cutlass.bench.e2e.fp16_decode_attention``
+(FlashAttention-2 over the filled prefix: the fp16 decode baseline of ``kvarn-cutlass bench --section
+e2e``). The cache must hold the prompt plus ``max_new_tokens - 1`` tokens (``max_seq_len`` /
+``max_cache_len``): checked before anything runs, since a captured graph's buffers cannot grow.
 """
 
 from __future__ import annotations
@@ -171,6 +174,10 @@ class StaticGreedy:
             transformers ``StaticCache``, with room for what it holds plus ``n + max_new_tokens - 1``.
         chunk_size: prefill chunk in tokens.
         graph: replay the decode step from a CUDA graph (default: True on CUDA, False elsewhere).
+        decode_attn: with a StaticCache, the attention implementation of the decode steps (a name
+            registered in transformers' ``AttentionInterface``, or ``"eager"``); the prefill and the
+            model's own setting are left as they are. None (default): the model's own. A KVarNCache
+            always decodes through ``kvarn_step``, so it takes None only.
 
     Attributes: ``tokens`` int64 [batch, max_new_tokens] on the model's device (column i is written by
     the step that chooses token i; column 0 by :meth:`prefill`), ``input_ids`` int64 [batch, 1] and
@@ -179,12 +186,13 @@ class StaticGreedy:
 
     Raises (at construction, before the cache or the model is touched): TypeError for a cache without
     static buffers; ValueError for bad arguments, a capacity that cannot hold the generation, a KVarN
-    cache without ``max_seq_len`` under ``graph=True``, ``graph=True`` off CUDA, or a KVarN cache with a
-    model whose attention implementation is not ``kvarn``.
+    cache without ``max_seq_len`` under ``graph=True``, ``graph=True`` off CUDA, a KVarN cache with a
+    model whose attention implementation is not ``kvarn``, or a ``decode_attn`` that is not a registered
+    name or comes with a KVarN cache.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, max_new_tokens: int, cache, chunk_size: int = 512,
-                 graph: bool | None = None) -> None:
+                 graph: bool | None = None, decode_attn: str | None = None) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1
@@ -201,6 +209,13 @@ class StaticGreedy:
         if self.kvarn and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"a KVarNCache needs the model's attention implementation '{ATTN_IMPLEMENTATION}', the model "
                              f"has {model.config._attn_implementation!r} (model.set_attn_implementation('{ATTN_IMPLEMENTATION}'))")
+        if decode_attn is not None:
+            if self.kvarn:
+                raise ValueError(f"decode_attn={decode_attn!r} is for a StaticCache; a KVarNCache decodes through "
+                                 f"'{STEP_ATTN_IMPLEMENTATION}' (pass decode_attn=None)")
+            if not isinstance(decode_attn, str) or (decode_attn != "eager" and decode_attn not in AttentionInterface()):
+                raise ValueError(f"decode_attn must be None, 'eager' or a name registered in transformers' "
+                                 f"AttentionInterface, got {decode_attn!r}")
         held = int(cache.get_seq_length())
         B, n = input_ids.shape
         need = held + n + max_new_tokens - 1
@@ -216,8 +231,9 @@ class StaticGreedy:
         self.model, self.cache, self.max_new_tokens, self.chunk_size, self.graph = model, cache, max_new_tokens, chunk_size, graph
         self._prompt = input_ids.to(self.device)
         self._kw = cache_kwarg(model)
-        # the KVarN decode step goes through 'kvarn_step' (its captured form); StaticCache keeps the model's own
-        self._attn = STEP_ATTN_IMPLEMENTATION if self.kvarn else None
+        # the KVarN decode step goes through 'kvarn_step' (its captured form); StaticCache through decode_attn (None:
+        # the model's own)
+        self._attn = STEP_ATTN_IMPLEMENTATION if self.kvarn else decode_attn
         self.tokens = torch.zeros(B, max_new_tokens, dtype=torch.int64, device=self.device)
         self.input_ids = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
         self.position_ids = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
@@ -314,11 +330,13 @@ class StaticGreedy:
 
 def static_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, cache, chunk_size: int = 512,
                   graph: bool | None = None, sync_every: int = 0,
-                  on_tokens: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                  on_tokens: Callable[[torch.Tensor], None] | None = None,
+                  decode_attn: str | None = None) -> torch.Tensor:
     """Greedy continuation int64 [batch, max_new_tokens] of ``input_ids`` int64 [batch, n] through
     :class:`StaticGreedy` (chunked prefill, then decode steps replayed from one CUDA graph on CUDA).
 
-    Equal token for token to :func:`kvarn_cutlass.hf.generate.greedy` with the same kind of cache.
+    Equal token for token to :func:`kvarn_cutlass.hf.generate.greedy` with the same kind of cache (and
+    ``decode_attn`` None).
     ``sync_every`` > 0: every ``sync_every`` tokens, read the error flag and the new tokens back (a
     synchronization) and pass them, int64 [batch, k] on the CPU, to ``on_tokens`` (streaming, progress);
     0 (default): one read at the end (``on_tokens`` then gets every token at once). Arguments and errors:
@@ -326,7 +344,7 @@ def static_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, cache, ch
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 0:
         raise ValueError(f"sync_every must be a non-negative int, got {sync_every!r}")
-    run = StaticGreedy(model, input_ids, max_new_tokens, cache, chunk_size, graph)
+    run = StaticGreedy(model, input_ids, max_new_tokens, cache, chunk_size, graph, decode_attn)
     run.prefill()
     sent = 0
 
