@@ -104,7 +104,7 @@ def _layer_kernel(spec, records: int) -> str:
     index = torch.cuda.current_device()
     kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer)
     ranks, _ = C._layer_layout(C._kernel(index, kspec), index)
-    if ranks > 1 and 2 * records * ranks <= C._CLUSTER_CTAS_PER_SM * C._sm_count(index):
+    if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index):
         return f"cluster x{ranks}"
     return "one CTA"
 
