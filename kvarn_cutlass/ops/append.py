@@ -161,20 +161,18 @@ def _compress_grid_x(bh: int, n_new: int, aux_parts: int, ranks: int) -> int:
 class _LayerLaunches:
     """Prepared launches of one layer's buffers; pointers refreshed when the pool moves.
 
-    ``compress`` / ``cluster``: append_compress in the one-CTA and the cluster form (None without
-    one). ``bounds``: the sorted [start, end) addresses of the layer's window and sink buffers,
-    flattened, so that an address lies inside one of them iff ``bisect_right(bounds, p)`` is odd (the
-    buffers are separate allocations, hence disjoint). ``n``: the chunk length the commit launch holds
-    now."""
+    ``compress`` / ``cluster``: append_compress in the one-CTA and the cluster form, each prepared at its
+    first use (None before), with their writers of k, v and strides. ``bounds``: the sorted [start, end)
+    addresses of the layer's window and sink buffers, flattened, so that an address lies inside one of
+    them iff ``bisect_right(bounds, p)`` is odd (the buffers are separate allocations, hence disjoint).
+    ``n``: the chunk length the commit launch holds now."""
 
     __slots__ = ("compress", "cluster", "commit", "pool", "bounds", "compress_kv", "cluster_kv", "commit_kv",
                  "commit_n", "n")
 
-    def __init__(self, compress, cluster, commit, pool: torch.Tensor, bounds: list[int], n: int):
-        self.compress, self.cluster, self.commit = compress, cluster, commit
-        self.pool, self.bounds, self.n = pool, bounds, n
-        self.compress_kv = compress.writer(0, _KV_ARGS)
-        self.cluster_kv = None if cluster is None else cluster.writer(0, _KV_ARGS)
+    def __init__(self, commit, pool: torch.Tensor, bounds: list[int], n: int):
+        self.compress = self.cluster = self.compress_kv = self.cluster_kv = None
+        self.commit, self.pool, self.bounds, self.n = commit, pool, bounds, n
         self.commit_kv = commit.writer(0, _KV_ARGS)
         self.commit_n = commit.writer(_B_N, 1)
 
@@ -271,11 +269,9 @@ class DeviceAppender:
         """The layer's prepared launches: made at its first append, re-pointed when its pool grew."""
         ls = st.device
         if ls is None:
-            a = self._prepare_compress(None, st, k, v, n, 1, None)
-            cl = None if self._cluster is None else self._prepare_compress(self._cluster, st, k, v, n, 1, None)
             spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                            for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
-            ls = st.device = _LayerLaunches(a, cl, self._prepare_commit(st, k, v, n), st.tiles,
+            ls = st.device = _LayerLaunches(self._prepare_commit(st, k, v, n), st.tiles,
                                             [p for span in spans for p in span], n)
         if ls.pool is not st.tiles:  # the pool grew (no max_seq_len)
             for launch in (ls.compress, ls.cluster):
@@ -285,6 +281,19 @@ class DeviceAppender:
                     launch.set_arg(_A["cap"], st.tiles.shape[1])
             ls.pool = st.tiles
         return ls
+
+    def _compress_launch(self, ls: _LayerLaunches, st, k, v, n: int, cluster: bool):
+        """(launch, its k/v writer) of the layer's append_compress in the cluster or the one-CTA form,
+        prepared now: at the first append that takes the form (a Kernel.prepare costs ~65 us of host time
+        on the dev CPU; a layer whose appends all take one form, e.g. a fresh cache's prompt in 512-token
+        chunks, prepares only that one)."""
+        launch = self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None)
+        writer = launch.writer(0, _KV_ARGS)
+        if cluster:
+            ls.cluster, ls.cluster_kv = launch, writer
+        else:
+            ls.compress, ls.compress_kv = launch, writer
+        return launch, writer
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
@@ -306,11 +315,12 @@ class DeviceAppender:
             v, vp, (v0, v1, v2, _) = _kernel_ready(v, bounds)
         if n_new:
             if n_new <= self.cluster_tiles:
-                a, ranks = ls.cluster, self._cluster.ranks
-                ls.cluster_kv(kp, vp, k0, k1, k2, v0, v1, v2)
+                a, kv, ranks = ls.cluster, ls.cluster_kv, self._cluster.ranks
             else:
-                a, ranks = ls.compress, 1
-                ls.compress_kv(kp, vp, k0, k1, k2, v0, v1, v2)
+                a, kv, ranks = ls.compress, ls.compress_kv, 1
+            if a is None:
+                a, kv = self._compress_launch(ls, st, k, v, n, ranks > 1)
+            kv(kp, vp, k0, k1, k2, v0, v1, v2)
             aux_parts = -(-n // AUX_ROWS)
             a.set_arg(_A["n"], n)
             a.set_arg(_A["max_new"], n_new)
