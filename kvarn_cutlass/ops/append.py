@@ -200,7 +200,9 @@ class DeviceAppender:
 
     ``cluster_tiles``: the most tiles per sequence and head an append compresses in the cluster form
     (``cluster.max_halves // (2 * batch * heads)``; 0 without clusters): an append completing more, or
-    a step graph that can, takes the one-CTA form.
+    a step graph that can, takes the one-CTA form. A plain attribute: 0 forces the one-CTA form (eager
+    appends from the next call on, step graphs prepared after it: the bench's step-graph comparison, the
+    GPU tests, which also force clusters at any count: correct, only slower past one wave).
     """
 
     def __init__(self, cache, kernels=None, cluster: ClusterForm | None = None) -> None:
