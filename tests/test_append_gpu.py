@@ -9,7 +9,14 @@ step graphs (``kvarn_cutlass.step_graph``). All marked ``gpu``.
 * Errors: NaN/Inf, |x| > 2^48, |x| > 2^42 with float16 scales, in window, tile and sink tokens, and
   compression overflows: the host path's message, eager and deferred, and no visible change.
 * Step graphs: 1000 replayed decode steps bit-identical to eager appends and decode_attention,
-  across tile boundaries; a failed step restored.
+  across tile boundaries; a failed step restored; a multi-token step graph (up to two tiles per step)
+  byte-identical to the host path.
+* Both forms of the compression launch (``append_compress_cluster``, a thread-block cluster per record
+  half on sm_90, and ``append_compress``, one CTA): the tests above run under ops.append's own choice
+  (at their small batch x heads mostly the cluster form); the ``form`` tests force each
+  (``DeviceAppender.cluster_tiles``) for byte identity with chunks completing 1 to 12 tiles at batch 3,
+  the input and scale errors of either half, a failed append's error surviving a later one (the
+  compressing halves' check of the flag at entry), and step-graph replays.
 
 The scenarios run on emulated kernels in tests/test_append_emulation.py (CPU).
 """
@@ -25,6 +32,7 @@ import torch
 import kvarn_cutlass as kc
 from kvarn_cutlass.cache import KVarNCache
 from kvarn_cutlass.format import HEAD_DIMS, PRESETS, QUANTIZERS
+from kvarn_cutlass.ops.append import plan_append
 
 from _append_scenarios import (assert_same_state, error_scenario, feed_and_compare, inputs, lengths_consistent,
                                scenario_chunks, state)
@@ -35,6 +43,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 
 def _pair(**kw):
     return KVarNCache(**kw, device="cpu"), KVarNCache(**kw, device="cuda")
+
+
+FORMS = ("cluster", "cta")
+
+
+def _force(cache, form: str):
+    """Make ``cache``'s appends (and step graphs prepared after this) compress in ``form``: "cluster" (any tile
+    count; skips the test where the GPU has no cluster form) or "cta" (one CTA per record half)."""
+    from kvarn_cutlass.ops.append import DeviceAppender
+
+    if cache._writer is None:
+        cache._writer = DeviceAppender(cache)
+    w = cache._writer
+    if form == "cluster":
+        if w._cluster is None:
+            pytest.skip("no cluster form of append_compress on this GPU (sm_90 and later)")
+        w.cluster_tiles = 1 << 30  # clusters need not all be resident at once: correct at any count
+    else:
+        w.cluster_tiles = 0
+    return cache
+
+
+def _forced_pair(form: str, **kw):
+    host, dev = _pair(**kw)
+    return host, _force(dev, form)
 
 
 COMBOS = [
@@ -77,6 +110,40 @@ def test_gpu_first_chunk_fills_the_sink_and_completes_tiles(preset, D, dtype):
     assert dev.num_tiles(0) >= 6 and dev.positions(0)["sink"] == (0, 2 * T)
 
 
+FORM_CONFIGS = [("uniform", "k4v2_g128", 128, torch.float16, torch.float16),
+                ("lloyd_max", "k4v4_g64", 64, torch.float32, torch.bfloat16),
+                ("uniform", "k4v4_g64", 256, torch.float16, torch.bfloat16),
+                ("lloyd_max", "k4v2_g128", 256, torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("quantizer,preset,D,scale_dtype,dtype", FORM_CONFIGS)
+def test_gpu_append_forms_are_byte_identical(form, quantizer, preset, D, scale_dtype, dtype):
+    # batch 3, a sink; chunks completing 1, 2, 5 and 12 tiles (and none), every input form
+    T = PRESETS[preset][2]
+    kw = dict(num_layers=2, batch_size=3, num_kv_heads=2, head_dim=D, preset=preset, window=T, sink_tokens=T,
+              dtype=dtype, scale_dtype=scale_dtype, quantizer=quantizer)
+    host, dev = _forced_pair(form, **kw)
+    chunks = [T // 2 + T, 1, T, 2 * T, 5 * T + 3, 12 * T - 3, 1, T - 1]
+    completed, layer = [], host._layers[0]
+    for i, n in enumerate(chunks):
+        completed.append(plan_append(layer.sink_len, layer.window_len, n, host.sink_tokens, host.window, T)[1])
+        feed_and_compare(host, dev, [n], seed=zlib.crc32(repr((form, quantizer, preset, D, i)).encode()),
+                         forms=(("cache", "view", "float32")[i % 3],))
+    assert {1, 2, 5, 12} <= set(completed), completed
+
+
+def test_gpu_prefill_chunks_take_the_cluster_form_by_default():
+    # the bench's prefill shape (batch 1, 8 KV heads, D=128, window 256, 512-token chunks): 4 tiles per head
+    # and chunk, 64 record halves, which an H200 (132 SMs) runs as clusters
+    host, dev = _pair(num_layers=1, batch_size=1, num_kv_heads=8, head_dim=128, window=256, dtype=torch.float16)
+    feed_and_compare(host, dev, [512] * 6, seed=16)
+    w = dev._writer
+    if w._cluster is not None and torch.cuda.get_device_properties(dev.device).multi_processor_count >= 128:
+        assert w.cluster_tiles >= 4, w.cluster_tiles
+    assert dev.num_tiles(0) == (6 * 512 - 256) // 128
+
+
 def test_gpu_append_of_the_caches_own_window():
     # the kernels rewrite the window while reading the chunk: a view of the window is copied first
     host, dev = _pair(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128)
@@ -95,6 +162,62 @@ def test_gpu_append_of_the_caches_own_window():
 def test_gpu_append_errors_match_the_host_path_and_change_nothing(kind, where, tensor):
     error_scenario(lambda: _pair(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=128, preset="k4v2_g128",
                                  window=256, sink_tokens=128, dtype=torch.bfloat16), kind, where, tensor)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["nan", "inf", "range", "bound"])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_gpu_append_tile_errors_in_either_form(form, kind, tensor):
+    # a bad token that gets compressed: the compressing half (K or V) rejects its tile, the aux CTAs flag it
+    error_scenario(lambda: _forced_pair(form, num_layers=2, batch_size=2, num_kv_heads=2, head_dim=128,
+                                        preset="k4v2_g128", window=256, sink_tokens=128, dtype=torch.bfloat16),
+                   kind, "tile", tensor)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("half", ["k", "v", "both"])
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_gpu_append_scale_overflow_of_either_half(form, half, quantizer):
+    # 1e12 < 2^42 passes the aux checks; a half holding it overflows float16 scales when compressed
+    host, dev = _forced_pair(form, num_layers=1, batch_size=2, num_kv_heads=2, head_dim=64, preset="k4v2_g64",
+                             window=64, dtype=torch.bfloat16, quantizer=quantizer)
+    g = torch.Generator().manual_seed(6)
+    first = inputs(host, 100, g, "cache")
+    for c in (host, dev):
+        c.append(0, *[x.to(c.device) for x in first])
+    k, v = inputs(host, 64, g, "cache")
+    huge = torch.full_like(k, 1e12)
+    k, v = (huge if half != "v" else k), (huge if half != "k" else v)
+    before = state(dev)
+    with pytest.raises(ValueError, match="scale_dtype=torch.float32") as want:
+        host.append(0, k, v)
+    with pytest.raises(ValueError) as got:
+        dev.append(0, k.cuda(), v.cuda())
+    assert str(got.value) == str(want.value) and str(got.value).startswith("K" if half != "v" else "V")
+    assert_same_state(before, state(dev), f"{form} {half}")
+    lengths_consistent(dev)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_first_failed_append_of_a_block_is_the_error_reported(form):
+    # The v error of the first failing append is reported, not the k error of a later one: the later
+    # append's compressing halves (and aux CTAs) see the flag set and OR nothing (k's bits come first in
+    # the report's order, so any bit of the later append would show)
+    _, dev = _forced_pair(form, num_layers=1, batch_size=2, num_kv_heads=2, head_dim=128, preset="k4v2_g128",
+                          window=256, dtype=torch.float16)
+    g = torch.Generator().manual_seed(7)
+    dev.append(0, *inputs(dev, 300, g, "cache", "cuda")[2:])
+    before = state(dev)
+    bad_v = inputs(dev, 3 * 128, g, "cache")  # completes tiles: token 5 is compressed
+    bad_v[1][1, 0, 5, 0] = float("nan")
+    bad_k = inputs(dev, 3 * 128, g, "cache")
+    bad_k[0][0, 1, 7, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"^v contains NaN or Inf .*deferred_checks.*restored"):
+        with dev.deferred_checks():
+            dev.append(0, *[x.cuda() for x in bad_v])
+            dev.append(0, *[x.cuda() for x in bad_k])
+    assert_same_state(before, state(dev), form)
+    lengths_consistent(dev)
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
@@ -149,10 +272,12 @@ def _step_inputs(graph, g):
     return q, k, v
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("preset,D,sink,quantizer,dtype", STEP_CASES)
-def test_gpu_step_graph_replays_bit_identical_to_eager(preset, D, sink, quantizer, dtype):
+def test_gpu_step_graph_replays_bit_identical_to_eager(preset, D, sink, quantizer, dtype, form):
     steps = 1000
     eager, graphed = _step_caches(preset, D, sink, quantizer, dtype, steps)
+    _force(graphed, form)
     graph = kc.StepGraph(graphed, num_q_heads=8, dtype=dtype)
     assert_same_state(state(eager), state(graphed), "capture changed the cache")
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -180,10 +305,12 @@ def _replay_matches_eager(graph, eager, q, k, v, step):
         assert torch.equal(out[layer], want), f"step {step}, layer {layer}: graph and eager outputs differ"
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("preset,D,sink,quantizer,dtype", STEP_CASES[:1])
-def test_gpu_step_graph_failed_step_is_restored(preset, D, sink, quantizer, dtype):
+def test_gpu_step_graph_failed_step_is_restored(preset, D, sink, quantizer, dtype, form):
     T = PRESETS[preset][2]
     eager, graphed = _step_caches(preset, D, sink, quantizer, dtype, 600)
+    _force(graphed, form)
     graph = kc.StepGraph(graphed, num_q_heads=4, dtype=dtype)
     g = torch.Generator(device="cuda").manual_seed(8)
     failed = None
@@ -209,6 +336,48 @@ def test_gpu_step_graph_failed_step_is_restored(preset, D, sink, quantizer, dtyp
     assert failed is not None
     graph.check()
     assert_same_state(state(eager), state(graphed), "end")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_multi_token_step_graph_matches_the_host_path(form):
+    # n = T + 6 tokens per layer and step: append_compress is sized for 2 tiles per head and step; its
+    # replays complete 1 or 2 (the device lengths decide), byte for byte what the host path does
+    from kvarn_cutlass.step_graph import StepAppends
+
+    T, L, B, H, D, n, steps = 64, 2, 2, 2, 64, 70, 40
+    kw = dict(num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, preset="k4v4_g64", window=2 * T,
+              sink_tokens=T, dtype=torch.bfloat16, max_seq_len=200 + n * steps)
+    host, dev = _forced_pair(form, **kw)
+    g = torch.Generator().manual_seed(9)
+    for layer in range(L):
+        k, v, kd, vd = inputs(host, 200, g, "cache", "cuda")
+        host.append(layer, k, v)
+        dev.append(layer, kd, vd)
+    k = torch.zeros(L, B, H, n, D, dtype=dev.dtype, device="cuda")
+    v = torch.zeros_like(k)
+    appends = StepAppends(dev, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        appends.enqueue_snapshot()
+        for layer in range(L):
+            appends.enqueue(layer)
+    completed = set()
+    for step in range(steps):
+        new = [inputs(host, n, g, "cache") for _ in range(L)]
+        k.copy_(torch.stack([kv[0] for kv in new]))
+        v.copy_(torch.stack([kv[1] for kv in new]))
+        st = host._layers[0]
+        completed.add(plan_append(st.sink_len, st.window_len, n, host.sink_tokens, host.window, T)[1])
+        appends.check_capacity()
+        graph.replay()
+        appends.advance()
+        for layer in range(L):
+            host.append(layer, *new[layer])
+        if step % 7 == 0 or step == steps - 1:
+            appends.check()
+            assert_same_state(state(host), state(dev), f"{form}, step {step}")
+            lengths_consistent(dev)
+    assert completed == {1, 2}, completed
 
 
 def test_gpu_step_graph_bad_arguments():

@@ -142,14 +142,109 @@ def test_failed_launch_raises_naming_the_kernel(drv):
 
 
 # ---- DeviceAppender ---------------------------------------------------------------------------------
-def _device_cache(drv, **kw):
-    """A CPU cache whose device path runs DeviceAppender on kernels of the recording driver."""
+# an H200's cluster form at T=128: 8 CTAs of 128 threads a record half, 4 cluster CTAs on each of 132 SMs
+RANKS, MAX_HALVES = 8, 4 * 132 // 8
+
+
+def _device_cache(drv, cluster=False, **kw):
+    """A CPU cache whose device path runs DeviceAppender on kernels of the recording driver (with
+    ``cluster``, also a cluster form of append_compress, ``append_compress_cluster``)."""
     c = kc.KVarNCache(**kw)
     kernels = tuple(drv.kernel(name, sig) for name, sig in (
         ("append_compress", A.APPEND_COMPRESS_SIGNATURE), ("append_commit", A.APPEND_COMMIT_SIGNATURE),
         ("append_snapshot", A.SNAPSHOT_SIGNATURE)))
-    c._writer = A.DeviceAppender(c, kernels=kernels)
+    form = None
+    if cluster:
+        form = A.ClusterForm(drv.kernel("append_compress_cluster", A.APPEND_COMPRESS_SIGNATURE), RANKS, 128, 0,
+                             MAX_HALVES)
+    c._writer = A.DeviceAppender(c, kernels=kernels, cluster=form)
     return c
+
+
+def _kernel_units(grid_x: int, bh: int, max_new: int, aux_parts: int, ranks: int) -> list:
+    """What each CTA of append_compress's blockIdx.x does, decoded as compress.cu does it: ("compress", half,
+    rank), ("aux", unit) or ("pad",)."""
+    n_compress = bh * max_new
+    out = []
+    for x in range(grid_x):
+        if x < n_compress * ranks:
+            out.append(("compress", x // ranks, x % ranks))
+        elif x - n_compress * ranks < bh * aux_parts:
+            out.append(("aux", x - n_compress * ranks))
+        else:
+            out.append(("pad",))
+    return out
+
+
+def test_compress_grid_covers_every_half_and_aux_part_once_in_whole_clusters():
+    for ranks in (1, 4, 8):
+        for bh in (1, 3, 8, 24):
+            for max_new in (1, 2, 5):
+                for aux_parts in (1, 2, 3):
+                    x = A._compress_grid_x(bh, max_new, aux_parts, ranks)
+                    assert x % ranks == 0, (ranks, bh, max_new, aux_parts)
+                    units = _kernel_units(x, bh, max_new, aux_parts, ranks)
+                    halves = [u for u in units if u[0] == "compress"]
+                    assert sorted(halves) == [("compress", h, r) for h in range(bh * max_new) for r in range(ranks)]
+                    # a cluster's CTAs x // ranks are one record half's ranks (the cluster spans x), or no half's
+                    for c in range(x // ranks):
+                        kinds = {units[c * ranks + r][0] for r in range(ranks)}
+                        assert kinds == {"compress"} and len({units[c * ranks + r][1] for r in range(ranks)}) == 1 \
+                            or "compress" not in kinds
+                    assert [u[1] for u in units if u[0] == "aux"] == list(range(bh * aux_parts))
+                    assert len([u for u in units if u[0] == "pad"]) < ranks
+
+
+def test_device_append_launches_clusters_while_the_tiles_fit(drv):
+    B, H, D, T = 2, 4, 128, 128  # 8 (b, head) pairs: 16 record halves a tile, clusters for up to 4 tiles
+    c = _device_cache(drv, cluster=True, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, window=256,
+                      dtype=torch.float16)
+    assert c._writer.cluster_tiles == MAX_HALVES // (2 * B * H) == 4
+    g = torch.Generator().manual_seed(13)
+    c.append(0, *[realistic_kv(B, H, 256, D, generator=g) for _ in range(2)])  # fills the window: no tile
+    st = c._layers[0]
+    for n, n_new, form in ((1, 1, "cluster"), (4 * T, 4, "cluster"), (5 * T, 5, "cta"), (300, 2, "cluster")):
+        assert A.plan_append(st.sink_len, st.window_len, n, c.sink_tokens, c.window, T)[1] == n_new
+        chunk = torch.zeros(B, H, n + 9, D, dtype=torch.float16)[:, :, 9:]  # a strided view
+        del drv.launches[:]
+        with c.deferred_checks():
+            c.append(0, chunk, chunk)
+        (a_name, a_grid, _, a), (b_name, b_grid, _, b) = drv.launches
+        aux_parts = -(-n // A.AUX_ROWS)
+        ranks = RANKS if form == "cluster" else 1
+        assert a_name == ("append_compress_cluster" if form == "cluster" else "append_compress"), n
+        assert a_grid == (A._compress_grid_x(B * H, n_new, aux_parts, ranks), 2, 1), n
+        assert (a["max_new"], a["n"], a["aux_parts"], a["aux_rows"]) == (n_new, n, aux_parts, A.AUX_ROWS), n
+        assert (a["k"], a["v"], a["k_sb"], a["k_sh"], a["k_st"]) == (
+            chunk.data_ptr(), chunk.data_ptr(), (n + 9) * D * H, (n + 9) * D, D), n
+        assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
+        assert a["backup_k"] == c._backups[0].window_k.data_ptr() and a["backup_v"] == c._backups[0].window_v.data_ptr()
+        assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, 1), n, chunk.data_ptr())
+    # the pool grew along the way (no max_seq_len): both forms were re-pointed at the new one
+    assert st.tiles.shape[1] > 8
+    for launch in (st.device.compress, st.device.cluster):
+        del drv.launches[:]
+        launch.launch()
+        [(_, _, _, a)] = drv.launches
+        assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
+
+
+@pytest.mark.parametrize("batch,form", [(1, "cluster"), (4, "cluster"), (5, "cta")])
+def test_step_launch_takes_the_form_its_most_tiles_pick(drv, batch, form):
+    """prepare_step sizes append_compress for ceil(n / T) tiles (here one: a decode step) and picks the form
+    for that count, as an eager append does: clusters up to MAX_HALVES record halves (batch 4 x 8 heads)."""
+    H, D = 8, 128
+    c = _device_cache(drv, cluster=True, num_layers=1, batch_size=batch, num_kv_heads=H, head_dim=D, window=256,
+                      dtype=torch.float16, max_seq_len=1024)
+    k = torch.zeros(batch, H, 1, D, dtype=torch.float16)
+    enqueue = c._writer.prepare_step(c._layers[0], k, k.clone(), c._backup(0))
+    del drv.launches[:]
+    enqueue()
+    (a_name, a_grid, _, a), (b_name, _, _, _) = drv.launches
+    ranks = RANKS if form == "cluster" else 1
+    assert a_name == ("append_compress_cluster" if form == "cluster" else "append_compress") and b_name == "append_commit"
+    assert a_grid == (A._compress_grid_x(batch * H, 1, 1, ranks), 2, 1) and a["max_new"] == 1
+    assert a["backup_k"] == c._backups[0].window_k.data_ptr()
 
 
 def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch(drv):

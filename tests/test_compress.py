@@ -50,8 +50,9 @@ SHAPES = sorted({(T, D) for (_, _, T) in PRESETS.values() for D in HEAD_DIMS}, r
 
 
 def _max_registers(arch: str, kernel: str) -> int:
-    # 512 threads per CTA, except the layer kernel's 128-thread cluster CTAs on sm_90
-    return 255 if arch == "sm_90" and kernel.startswith("kvarn_compress_t") else 128
+    # 512 threads per CTA, except the 128-thread cluster CTAs on sm_90 (the layer kernel's and the append's)
+    cluster = kernel.startswith("kvarn_compress_t") or kernel.startswith("kvarn_append_compress_cluster_")
+    return 255 if arch == "sm_90" and cluster else 128
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -59,15 +60,19 @@ def _max_registers(arch: str, kernel: str) -> int:
 def test_compress_compiles_every_shape(arch, T, D):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, 2)
     m = build(spec, arch)
-    name, cta, append_compress, commit, snapshot = spec.kernel_names
-    for kernel in (name, cta, append_compress):
+    name, cta, append_compress, append_cluster, commit, snapshot = spec.kernel_names
+    for kernel in (name, cta, append_compress, append_cluster):
         res = m.resources[kernel]
         assert res.registers <= _max_registers(arch, kernel), res
         if (T, D) == (128, 128):
             assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
     if arch == "sm_90":  # the compression kernels: no spills in any shape (sm_90, 2026-12)
-        for kernel in (name, append_compress):
+        for kernel in (name, append_compress, append_cluster):
             assert m.resources[kernel].spill_store_bytes == 0, m.resources[kernel]
+        if D <= 128:
+            # the append's cluster form where it is picked by ops.compress.cluster_halves, which counts
+            # 4 cluster CTAs per SM: 4 x 128 threads fit the 64K registers of an SM
+            assert m.resources[append_cluster].registers <= 128, m.resources[append_cluster]
         # the one-CTA layer kernel at D = 256 (64 elements a thread, at the 128-register cap of 512
         # threads) parks one value in local memory for the whole kernel: one store and one load
         assert m.resources[cta].spill_store_bytes <= (4 if D == 256 else 0), m.resources[cta]
@@ -79,9 +84,10 @@ def test_compress_compiles_every_shape(arch, T, D):
     # every arch, so the sm_90 builds (every shape in the default run) check it too
     assert smem["compress_cta"] <= 163 * 1024
     if arch == "sm_90":
-        assert smem["compress"] <= 48 * 1024  # a cluster's CTAs: several per SM
+        # a cluster's CTAs (the layer kernel's, the append's): several per SM, and no opt-in above 48 KB
+        assert smem["compress"] <= 48 * 1024
     else:
-        assert smem["compress"] == smem["compress_cta"]  # no clusters: the layer kernel is one CTA
+        assert smem["compress"] == smem["compress_cta"]  # no clusters: the cluster forms are one CTA
 
 
 # lloyd_max on sm_90 only, one V width per shape (both widths for every head_dim): the quantizer
@@ -94,7 +100,7 @@ def test_compress_lloyd_max_compiles_every_shape_sm90(T, D, v_bits):
     spec = C.compress_spec(T, D, torch.float16, torch.float16, v_bits, "lloyd_max")
     m = build(spec, "sm_90")
     assert all(name.endswith("_lm") for name in spec.kernel_names)
-    for name in spec.kernel_names[:3]:  # the codec's kernels and the append's
+    for name in spec.kernel_names[:4]:  # the codec's kernels and the append's compression (both forms)
         res = m.resources[name]
         assert res.registers <= _max_registers("sm_90", name) and res.spill_store_bytes == 0, res
         if (T, D) == (128, 128):
@@ -106,7 +112,7 @@ def test_compress_quantizer_is_part_of_the_spec():
     assert uniform == C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform")
     # unchanged by the quantizer option; the cache dtypes' modules also hold the append kernels
     assert uniform.kernel_names == tuple(f"kvarn_{r}_t128_d128_f16_s16_v2" for r in (
-        "compress", "compress_cta", "append_compress", "append_commit", "append_snapshot"))
+        "compress", "compress_cta", "append_compress", "append_compress_cluster", "append_commit", "append_snapshot"))
     assert C.compress_spec(128, 128, torch.float32, torch.float16, 2).kernel_names == (
         "kvarn_compress_t128_d128_f32_s16_v2", "kvarn_compress_cta_t128_d128_f32_s16_v2")
     assert not any(k.startswith("KVARN_LM_") for k, _ in uniform.defines)
@@ -197,19 +203,24 @@ def test_compress_ptx_has_only_correctly_rounded_arithmetic(quantizer):
 
 @pytest.mark.parametrize("T", [64, 128])
 def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
-    """The layer kernel's record half runs on a cluster of T / 16 CTAs on sm_90 (ops.compress reads
-    the width back from the loaded kernel) and on one CTA for sm_80; the append kernels always on one."""
+    """The layer kernel's and the append's cluster-form record half runs on a cluster of T / 16 CTAs of
+    128 threads on sm_90 (ops.compress and ops.append read the width back from the loaded kernel) and on
+    one CTA of 512 for sm_80; the one-CTA forms and the other append kernels never ask for a cluster."""
     spec = C.compress_spec(T, 64, torch.float16, torch.float16, 4)
-    layer, cta, append = spec.kernel_names[:3]
+    layer, cta, append, append_cluster, commit, snapshot = spec.kernel_names
     for arch, ranks in (("compute_90", T // 16), ("compute_80", None)):
         ptx = _ptx(spec.defines, arch=arch)
         entries = dict(re.findall(r"\.entry (\w+)\((.*?)\n\s*\{", ptx, re.S))
         assert set(spec.kernel_names) <= set(entries)
         directive = lambda name: re.search(rf"\.entry {name}\(.*?\)(.*?)\{{", ptx, re.S).group(1)  # noqa: E731
-        assert ("reqnctapercluster" in directive(layer)) == (ranks is not None)
-        if ranks is not None:
-            assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(layer))
-        assert "reqnctapercluster" not in directive(append) and "reqnctapercluster" not in directive(cta)
+        for kernel in (layer, append_cluster):
+            assert ("reqnctapercluster" in directive(kernel)) == (ranks is not None), kernel
+            threads = 128 if ranks is not None else C.THREADS
+            assert re.search(rf"\.maxntid {threads}, 1, 1", directive(kernel)), kernel
+            if ranks is not None:
+                assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(kernel)), kernel
+        for kernel in (cta, append, commit, snapshot):
+            assert "reqnctapercluster" not in directive(kernel), kernel
 
 
 def test_compress_registered():
@@ -219,8 +230,8 @@ def test_compress_registered():
     assert "compress" in fam
     names = {n for s in fam["compress"] for n in s.kernel_names}
     per_input_dtype = 2 * 2 * 3 * 2 * 2  # T x v_bits (the presets) x D x scale dtype x quantizer
-    # the codec's 2 kernels for 3 input dtypes; the 3 append kernels for the 2 cache dtypes
-    assert len(names) == 2 * 3 * per_input_dtype + 3 * 2 * per_input_dtype
+    # the codec's 2 kernels for 3 input dtypes; the 4 append kernels for the 2 cache dtypes
+    assert len(names) == 2 * 3 * per_input_dtype + 4 * 2 * per_input_dtype
     assert C.kernel_name(128, 128, torch.float16, torch.float16, 2) in names
     assert C.kernel_name(64, 256, torch.float32, torch.float32, 4, "lloyd_max") in names
     assert C.kernel_name(64, 256, torch.bfloat16, torch.float32, 4, "lloyd_max", "append_commit") in names

@@ -31,6 +31,11 @@ kernel: the GPU alone) and ``host_us`` (wall time of the call, no synchronizatio
 consecutive appends of which one completes a tile (two launches there, one compression); ``checked_us``
 is a no-tile append outside a block (wall time including its read of the error flag, one sync);
 ``static_fp16_*`` the same token copied into a static fp16 cache (two ``copy_``), for reference.
+``step_graph``: the same append as a step graph replays it (``StepAppends`` of the layer captured in a
+CUDA graph: the snapshot, append_compress sized for one tile and predicated on the device lengths,
+append_commit), per compression form (``cluster xR``, the form ops.append picks at batch 1, and ``one
+CTA``, forced): ``step_us`` the median GPU time of a replay that completes no tile (its append_compress
+does nothing), ``completing_us`` of the replay that completes one, ``amortized_us`` over the 128.
 Targets (issue 16): gpu_us <= 5 and host_us <= 15 at batch 1; prefill_compress_ms <= 1.0.
 """
 
@@ -104,7 +109,7 @@ def _layer_kernel(spec, records: int) -> str:
     index = torch.cuda.current_device()
     kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer)
     ranks, _ = C._layer_layout(C._kernel(index, kspec), index)
-    if ranks > 1 and 2 * records * ranks <= C._CLUSTER_CTAS_PER_SM * C._sm_count(index):
+    if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index):
         return f"cluster x{ranks}"
     return "one CTA"
 
@@ -203,7 +208,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         "prefill_compress": prefill,
         "target_us_per_layer": 10.0,
         "prediction_us_per_layer": {"b1_d128": 8.0, "b16_d128": 45.0, "b1_d64": 5.0, "b1_d256": 11.0,
-                                    "b1_d128_lloyd_max": 9.0, "prefill_compress_gpu_ms": 0.7},
+                                    "b1_d128_lloyd_max": 9.0,
+                                    # the appends' cluster form (docs/perf-notes.md, branch append-cluster)
+                                    "prefill_compress_gpu_ms": 1.0, "prefill_compress_ms": 1.4},
     }
 
 
@@ -273,14 +280,80 @@ def _append_case(batch: int, opts: BenchOptions) -> dict[str, Any]:
     }
 
 
+def _step_graph_case(batch: int, cluster: bool, opts: BenchOptions) -> dict[str, Any] | None:
+    """One layer's append of a step graph, replayed for rounds of 128 steps (one completes a tile), in the
+    cluster form (None where ops.append would not pick it: no clusters, or too many halves) or forced to
+    the one-CTA form."""
+    import torch
+
+    from ..cache import KVarNCache
+    from ..step_graph import StepAppends
+
+    H, D, T, W = _KV_HEADS, 128, 128, 256
+    rounds = 3 if opts.quick else 11
+    P = 1000
+    cache = KVarNCache(1, batch, H, D, window=W, dtype=torch.float16, device="cuda", max_seq_len=P + (rounds + 2) * T)
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    k0 = torch.randn(batch, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    cache.append(0, k0, torch.randn_like(k0))
+    writer = cache._writer
+    if cluster and writer.cluster_tiles < 1:
+        return None
+    if not cluster:
+        writer.cluster_tiles = 0  # the one-CTA form for every launch prepared from here on
+    k = torch.empty(1, batch, H, 1, D, device="cuda", dtype=torch.float16)
+    v = torch.empty_like(k)
+    appends = StepAppends(cache, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        appends.enqueue_snapshot()
+        appends.enqueue(0)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(T)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(T)]
+
+    def steps() -> None:
+        for i in range(T):
+            k.normal_(generator=g)  # new tokens each step (outside the timed replay)
+            v.normal_(generator=g)
+            appends.check_capacity()
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+            appends.advance()
+
+    t0 = time.perf_counter()
+    steps()  # warm-up round, which also sizes the lead
+    torch.cuda.synchronize()
+    lead = 4e6 * (time.perf_counter() - t0) + 1000.0
+    plain, completing, amortized = [], [], []
+    for _ in range(rounds):
+        time_queued(steps, lead)
+        per_step = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
+        plain.append(statistics.median(per_step))
+        completing.append(per_step[-1])  # the one replay that compresses: the slowest
+        amortized.append(sum(per_step) / T)
+    appends.check()
+    ranks = writer._cluster.ranks if cluster else 1
+    return {
+        "batch": batch, "kv_heads": H, "head_dim": D, "preset": "k4v2_g128", "window": W,
+        "form": f"cluster x{ranks}" if cluster else "one CTA",
+        "step_us": round(statistics.median(plain), 3), "completing_us": round(statistics.median(completing), 3),
+        "amortized_us": round(statistics.median(amortized), 3), "rounds": rounds,
+    }
+
+
 def run_append(opts: BenchOptions) -> dict[str, Any]:
     """Results: per batch, GPU and host microseconds of a one-token append (no tile completing; amortized
-    over 128 appends with one compression), the checked (synchronizing) call, a static fp16 write."""
+    over 128 appends with one compression), the checked (synchronizing) call, a static fp16 write; the
+    step-graph replays of the same append in both compression forms."""
+    graphs = [_step_graph_case(b, cluster, opts) for b in ((1,) if opts.quick else (1, 4)) for cluster in (True, False)]
     return {
         "method": "gpu_us: the appends queued behind a sleep kernel, CUDA events (GPU alone); host_us: wall time of "
                   "the calls inside deferred_checks (no sync); amortized_*: over 128 appends including one that "
-                  "completes a tile; checked_us: wall time of an append outside a block (its flag read included)",
+                  "completes a tile; checked_us: wall time of an append outside a block (its flag read included); "
+                  "step_graph: per-replay CUDA events of a captured StepAppends graph, queued behind a sleep kernel",
         "rows": [_append_case(b, opts) for b in ((1,) if opts.quick else (1, 16))],
+        "step_graph": [row for row in graphs if row is not None],
         "targets": {"gpu_us": 5.0, "host_us": 15.0},
     }
 

@@ -4,9 +4,10 @@
 // chan_min, row_scale), 1 for the V half (v_codes, tok_step, tok_min, col_scale). Each half runs the
 // whole pipeline on its own input: WHT along head_dim, Sinkhorn-like variance normalization
 // (lowest-imbalance candidate), power-of-two balance, zero lines, stored scales, codes, packing.
-// The layer kernel runs a half on a thread-block cluster of R = T / 16 CTAs of 4 warps on sm_90
-// (one CTA of 16 warps on sm_80); the append kernels on one CTA of 16 warps (their launch is
-// ops/append.py's). compress_impl is the same code for both: the "ranks" of a lone CTA are itself.
+// The layer kernel and the append's append_compress_cluster run a half on a thread-block cluster of
+// R = T / 16 CTAs of 4 warps on sm_90 (one CTA of 16 warps on sm_80); their one-CTA forms
+// (compress_cta, append_compress) on one CTA of 16 warps (ops/compress.py and ops/append.py pick the
+// form per launch). compress_impl is the same code for all: the "ranks" of a lone CTA are itself.
 // The codes come from the quantizer compiled in (KVARN_QUANT): 0 = uniform (asymmetric
 // round-to-nearest-even: *_min = axis minimum, *_step = range / (2^bits - 1)), 1 = lloyd_max (codes
 // of the Gaussian fit (mean, RMS about the stored mean), then (min, step) = the stored least-squares
@@ -27,12 +28,13 @@
 //   7 k input magnitude > 2^48, 8 v non-finite, 9 v magnitude > 2^48 (check_tile_input raises).
 //   A record half whose input is rejected writes nothing (every rank of its cluster learns it at the
 //   first exchange). lloyd_max checks the Gaussian fit's mean before its RMS (the codec raises on the
-//   min first), so the host reads its min bits before its step bits.
+//   min first), so the host reads its min bits before its step bits. Bit 30 (KVC_SEEN) is never
+//   written to the flag: it travels in that first exchange only (compress_impl's ENTRY_CHECK).
 //
 // Kernel names: kvarn_compress_t{T}_d{D}_{in}_{scale}_v{VB}, in = f16|bf16|f32, scale = s16|s32,
 // with the suffix _lm for lloyd_max. The modules of the cache dtypes (in = f16|bf16) also hold the
-// cache's append kernels, kvarn_append_{compress,commit,snapshot}_... (the append section below):
-// the same compress_impl, fed from the cache's window and the appended chunk.
+// cache's append kernels, kvarn_append_{compress,compress_cluster,commit,snapshot}_... (the append
+// section below): the same compress_impl, fed from the cache's window and the appended chunk.
 //
 // Append error bits (besides bits 0-9 above): 10 k / 11 v magnitude > 2^42 with float16 scales,
 // 12 tile pool full.
@@ -86,6 +88,8 @@ enum {
   KVC_ERR_K_BOUND = 1 << 10,
   KVC_ERR_V_BOUND = 1 << 11,
   KVC_ERR_CAPACITY = 1 << 12,
+  // not an error: a rank's "the flag was set when this half started" in the iteration-0 exchange
+  KVC_SEEN = 1 << 30,
 };
 
 namespace kvc {
@@ -669,7 +673,13 @@ struct StridedTile {
 //   to or from a rank is in flight when it exits. A rejected input exits at iteration 0 through
 //   one cluster barrier (every rank decides the same).
 // With R = 1 the slots are this CTA's own (xbuf[b][0]) and the exchange is two __syncthreads.
-template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, typename Tile>
+//
+// ENTRY_CHECK (the append's rule: a half that finds the error flag already set does nothing, so that
+// a failed append's first error stays the one reported): thread 0 reads the flag as the half starts,
+// and its answer (KVC_SEEN) travels with the input error bits of iteration 0, so every rank of a
+// cluster takes the rejected-input exit at the same point, with no barrier of its own; a half that
+// saw the flag set ORs nothing into it. The read overlaps the load, the WHT and the first candidate.
+template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, bool ENTRY_CHECK = false, typename Tile>
 __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
                                               Sections sec, float inv_sqrt_d, int* __restrict__ err) {
   using S = Shape<T, D, R>;
@@ -690,6 +700,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int rank = cluster_rank<R>();
   auto token = [&](int k) { return rank + R * (w + W * k); };
+  // L2 (coherent with the atomics that set the flag); consumed at iteration 0's exchange
+  const bool flagged = ENTRY_CHECK && tid == 0 && __ldcg(err) != 0;
   if constexpr (R > 1) {
     // the exchange's mbarriers, before any rank may push into this one: every rank waits for this
     // arrival (its cluster_wait at iteration 0) before its first push; the load, the WHT and the
@@ -830,7 +842,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     }
     if (it == 0) {
       const int bits = (nonfinite ? (is_v ? KVC_ERR_V_NONFINITE : KVC_ERR_K_NONFINITE) : 0) |
-                       (toolarge ? (is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE) : 0);
+                       (toolarge ? (is_v ? KVC_ERR_V_RANGE : KVC_ERR_K_RANGE) : 0) | (flagged ? KVC_SEEN : 0);
       const int wbits = __reduce_or_sync(KVC_FULL, bits);
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
@@ -938,8 +950,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
     __syncthreads();
     if (it == 0) {
       const int e = red2i[2 * W + 3];
-      if (e) {  // rejected input: nothing is written (the same decision on every rank)
-        if (rank == 0 && tid == 0) atomicOr(err, e);
+      if (e) {  // rejected input, or the flag set at entry: nothing is written (the same decision on every rank)
+        if (rank == 0 && tid == 0 && !(ENTRY_CHECK && (e & KVC_SEEN))) atomicOr(err, e);
         cluster_sync<R>();  // no rank leaves while a push to it or from it may be in flight
         return;
       }
@@ -1208,11 +1220,14 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 // (int32 lens[3][batch]: n_tiles, window_len, sink_len of each sequence), so that one launch serves
 // any length (CUDA graphs):
 //
-// * append_compress (only needed when a tile completes): blocks [0, batch * max_new * heads) x 2
-//   halves compress tile i < n_new of (b, head) from the stream window[0, wl) ++ chunk[n_sink, n)
-//   straight into pool slot tile_table[b][n_tiles + i] (no staging copy); then batch * heads *
-//   aux_parts "aux" blocks x 2 check every chunk token (below) and, given a backup buffer, copy the
-//   window as it is into it (what a failed deferred block restores). Nothing visible changes.
+// * append_compress (only needed when a tile completes): record halves [0, batch * max_new * heads)
+//   x 2 (blockIdx.y: K, V) compress tile i < n_new of (b, head) from the stream window[0, wl) ++
+//   chunk[n_sink, n) straight into pool slot tile_table[b][n_tiles + i] (no staging copy), each on R
+//   CTAs (blockIdx.x / R is the half; R = T / 16, a thread-block cluster, in
+//   append_compress_cluster on sm_90; R = 1 in append_compress); then batch * heads * aux_parts
+//   "aux" CTAs x 2, one each (padded with idle CTAs to whole clusters), check every chunk token
+//   (below) and, given a backup buffer, copy the window as it is into it (what a failed deferred
+//   block restores). Nothing visible changes.
 // * append_commit, grid (batch * heads, 2 halves), 256 threads: writes the sink and window. With no
 //   tile completing the window only grows: chunk tokens go to window[wl, ...) beyond the live
 //   length, so the block checks them as it writes. With tiles, the window is rewritten in place in
@@ -1220,10 +1235,12 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 //   last commits the new lengths, only if the error flag is still clean.
 //
 // Error protocol: *err is OR-ed, never cleared by the kernels. A block that finds it set does no
-// work, and append_commit commits nothing then, so a failed append changes no length and no live
-// token: the only writes are pool records past n_tiles and window/sink tokens past the live lengths
-// (plus the window rewrite, which runs only on a clean flag after every check). The caller reads
-// the flag where it chooses (kvarn_cutlass/cache.py).
+// work (a compressing half: through compress_impl's ENTRY_CHECK, the same answer on every rank of
+// its cluster; a full pool sets KVC_ERR_CAPACITY only into a clean flag), and append_commit commits
+// nothing then, so a failed append changes no length and no live token: the only writes are pool
+// records past n_tiles and window/sink tokens past the live lengths (plus the window rewrite, which
+// runs only on a clean flag after every check). The caller reads the flag where it chooses
+// (kvarn_cutlass/cache.py).
 //
 // Checks of each chunk token, in the cache dtype (what the window keeps): NaN/Inf (bits 6 / 8);
 // tokens that will be compressed (not sink tokens) also |x| > 2^48 (bits 7 / 9, the codec's input
@@ -1310,7 +1327,7 @@ __device__ __forceinline__ Lens read_lens(const int* lens, int batch, int b) {
   return Lens{lens[b], lens[batch + b], lens[2 * batch + b]};
 }
 
-template <int T, int D, typename IN, typename SC, int VB, bool LM>
+template <int T, int D, typename IN, typename SC, int VB, bool LM, int R>
 __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const IN* __restrict__ v,
                                                 long long k_sb, long long k_sh, long long k_st,
                                                 long long v_sb, long long v_sh, long long v_st,
@@ -1322,12 +1339,14 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
                                                 int max_new, int aux_parts, int aux_rows, int iters, Sections sec,
                                                 float inv_sqrt_d) {
   constexpr int VPR = D * (int)sizeof(IN) / 16;  // 16-byte vectors per token row
+  constexpr int NT = Shape<T, D, R>::NT;
   const bool is_v = blockIdx.y != 0;
   const int n_compress = batch * max_new * heads;
-  const int blk = blockIdx.x;
-  const bool compress = blk < n_compress;
-  const int rest = compress ? blk / heads : (blk - n_compress) / heads;
-  const int h = compress ? blk % heads : (blk - n_compress) % heads;
+  const bool compress = (int)blockIdx.x < n_compress * R;
+  // the record half (its R CTAs: one cluster), or the aux CTA
+  const int unit = compress ? (int)blockIdx.x / R : (int)blockIdx.x - n_compress * R;
+  if (!compress && unit >= batch * heads * aux_parts) return;  // the padding of the last aux cluster
+  const int rest = unit / heads, h = unit % heads;
   const int b = compress ? rest / max_new : rest / aux_parts;
   const Lens ln = read_lens(lens, batch, b);
   const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
@@ -1336,26 +1355,29 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
   const long long st = is_v ? v_st : k_st;
   const IN* win = (is_v ? win_v : win_k) + bh * window * D;
   if (compress) {
+    // every decision here reads only the lengths, which no CTA of this launch writes: the same on
+    // every rank of the cluster, which must enter compress_impl together or not at all
     const int i = rest % max_new;
     if (i >= pl.n_new) return;
-    if (block_sees_error(err)) return;
     if (ln.n_tiles + pl.n_new > cap) {
-      if (threadIdx.x == 0) atomicOr(err, KVC_ERR_CAPACITY);
+      if (threadIdx.x == 0) atomicCAS(err, 0, KVC_ERR_CAPACITY);  // only into a clean flag (the rule above)
       return;
     }
     const StreamTile<IN, D> tile{win, chunk, st, i * T, ln.window_len, pl.n_sink};
     const long long slot = table[(long long)b * cap + ln.n_tiles + i];
     const int nbytes = sec.col_scale + D * (int)sizeof(SC);
-    compress_impl<T, D, IN, SC, VB, LM, 1>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec, inv_sqrt_d, err);
+    compress_impl<T, D, IN, SC, VB, LM, R, true>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec,
+                                                 inv_sqrt_d, err);
     return;
   }
-  // aux block: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead
+  // aux CTA: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead.
+  // No cluster work: its cluster's other CTAs are aux CTAs too (the compress CTAs come first).
   const int part = rest % aux_parts;
   if (pl.n_new == 0) return;
   if (block_sees_error(err)) return;
   const int lo = part * aux_rows, hi = min(n, lo + aux_rows);
   int bits = 0;
-  for (int q = threadIdx.x; q < (hi - lo) * VPR; q += KVC_NT) {
+  for (int q = threadIdx.x; q < (hi - lo) * VPR; q += NT) {
     const int r = lo + q / VPR;
     bits |= check_vec<IN, sizeof(SC) == 2>(row_vec(chunk, st, r, q % VPR), r >= pl.n_sink, is_v);
   }
@@ -1363,7 +1385,7 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
   if (part == 0 && backup != nullptr) {
     const uint4* src = reinterpret_cast<const uint4*>(win);
     uint4* dst = reinterpret_cast<uint4*>(backup + bh * window * D);
-    for (int q = threadIdx.x; q < ln.window_len * VPR; q += KVC_NT) dst[q] = src[q];
+    for (int q = threadIdx.x; q < ln.window_len * VPR; q += NT) dst[q] = src[q];
   }
   or_error(err, bits);
 }
@@ -1459,8 +1481,9 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
 // its CTA size (ops/compress.py reads it from the kernel's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
 #define KVC_LAYER_NT (kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::NT)
 // Dynamic shared memory per CTA of each launch form, which the host reads from the CUBIN (one source
-// for Shape's layout): the layer kernel as compiled (a cluster CTA on sm_90, one CTA before), and one
-// CTA of KVC_NT threads (kvarn_compress_cta_... and the append's kvarn_append_compress_...).
+// for Shape's layout): the cluster forms as compiled (a cluster CTA on sm_90, one CTA before: the layer
+// kernel and the append's kvarn_append_compress_cluster_...), and one CTA of KVC_NT threads
+// (kvarn_compress_cta_... and the append's kvarn_append_compress_...).
 extern "C" __device__ const int kvarn_compress_smem_bytes = kvc::Shape<KVARN_T, KVARN_D, KVC_RANKS>::kSmemBytes;
 extern "C" __device__ const int kvarn_compress_cta_smem_bytes = kvc::Shape<KVARN_T, KVARN_D, 1>::kSmemBytes;
 #define KVC_LAYER_KERNEL(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                                  \
@@ -1484,10 +1507,9 @@ extern "C" __device__ const int kvarn_compress_cta_smem_bytes = kvc::Shape<KVARN
   KVC_LAYER_KERNEL(kvarn_compress_cta_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                           \
                    __launch_bounds__(KVC_NT, 1), 1, T, D, IN, SC, VB, LM)
 
-// The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above).
-#define KVC_APPEND_KERNELS(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                           \
-  extern "C" __global__ void __launch_bounds__(KVC_NT, 1)                                                          \
-      kvarn_append_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                     \
+// append_compress of a record half on RANKS CTAs (the append section above), as kernel NAME.
+#define KVC_APPEND_COMPRESS(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                               \
+  extern "C" __global__ void ATTRS NAME(                                                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
       long long v_sb, long long v_sh, long long v_st, const IN* __restrict__ win_k, const IN* __restrict__ win_v,  \
       u8* __restrict__ pool, const int* __restrict__ table, const int* __restrict__ lens, int* __restrict__ err,   \
@@ -1497,10 +1519,19 @@ extern "C" __device__ const int kvarn_compress_cta_smem_bytes = kvc::Shape<KVARN
       float inv_sqrt_d) {                                                                                           \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
-    kvc::append_compress<T, D, IN, SC, VB, LM>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, win_k, win_v, pool, table, \
-                                               lens, err, backup_k, backup_v, batch, n, sink_cap, window, heads,   \
-                                               cap, max_new, aux_parts, aux_rows, iters, sec, inv_sqrt_d);         \
-  }                                                                                                                 \
+    kvc::append_compress<T, D, IN, SC, VB, LM, RANKS>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, win_k, win_v, pool, \
+                                                      table, lens, err, backup_k, backup_v, batch, n, sink_cap,    \
+                                                      window, heads, cap, max_new, aux_parts, aux_rows, iters, sec, \
+                                                      inv_sqrt_d);                                                  \
+  }
+// The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above):
+// append_compress on one CTA per record half, append_compress_cluster on a cluster where there are
+// clusters (ops/append.py picks per launch, as ops/compress.py does for the layer kernel).
+#define KVC_APPEND_KERNELS(T, D, IN, INNAME, SC, SCNAME, VB, LM, SUFFIX)                                           \
+  KVC_APPEND_COMPRESS(kvarn_append_compress_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,                     \
+                      __launch_bounds__(KVC_NT, 1), 1, T, D, IN, SC, VB, LM)                                       \
+  KVC_APPEND_COMPRESS(kvarn_append_compress_cluster_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX,             \
+                      __launch_bounds__(KVC_LAYER_NT, 1) KVC_CLUSTER_DIMS, KVC_RANKS, T, D, IN, SC, VB, LM)        \
   extern "C" __global__ void __launch_bounds__(KVA_COMMIT_THREADS)                                                 \
       kvarn_append_commit_t##T##_d##D##_##INNAME##_##SCNAME##_v##VB##SUFFIX(                                       \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \

@@ -8,7 +8,11 @@ length and a CUDA graph can replay it while the sequence grows:
 * ``append_compress``, only when a tile completes: compresses the completed tiles straight from
   (window, chunk) into their pool slots (byte-identical to :func:`kvarn_cutlass.codec.encode_tiles`;
   the compression arithmetic is the one of :func:`kvarn_cutlass.ops.compress.compress_layer`), checks
-  every chunk token and, given backup buffers, copies the window into them;
+  every chunk token and, given backup buffers, copies the window into them. Two forms, chosen per
+  launch like the layer kernel's (:func:`kvarn_cutlass.ops.compress.cluster_halves`): a thread-block
+  cluster of ``tile_tokens / 16`` CTAs per record half (``append_compress_cluster``, sm_90) while the
+  launch's halves fit as clusters (at batch 1 with 8 KV heads up to 4 tiles per head at T=128: a
+  512-token chunk), else one CTA per half (``append_compress``);
 * ``append_commit``: writes the sink and the window (checking the tokens itself when no tile
   completes) and commits the new lengths unless the error flag is set.
 
@@ -19,7 +23,8 @@ cache decides when the flag is read (at once, or at the end of a ``deferred_chec
 Host cost per call (the FlashInfer model: plan once, then only launch): the launches of a layer are
 prepared at its first append (every argument packed), and a call rewrites only the inputs' addresses
 and strides, in one ``struct.pack_into`` per launch (:meth:`PreparedLaunch.writer`), then makes one
-``cuLaunchKernelEx`` (two when a tile completes); no torch op, allocation or synchronization, unless
+``cuLaunchKernelEx`` (two when a tile completes, the compression in the form that call's tile count
+picks); no torch op, allocation or synchronization, unless
 an input must be copied first (rows not 16-byte aligned, or a view of the cache's own buffers; the
 cache converts inputs of another dtype to its own before).
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,10 +51,11 @@ __all__ = [
     "plan_append",
     "error_message",
     "Backup",
+    "ClusterForm",
     "DeviceAppender",
 ]
 
-AUX_ROWS = 256  # chunk rows one aux block of append_compress checks
+AUX_ROWS = 256  # chunk rows one aux CTA of append_compress checks (either form)
 COMMIT_THREADS = 256  # KVA_COMMIT_THREADS in compress.cu
 
 # Input checks of an append, in the order KVarNCache raises them (k before v; within a tensor
@@ -131,18 +138,41 @@ class Backup:
     sink_v: torch.Tensor
 
 
+@dataclass(frozen=True)
+class ClusterForm:
+    """append_compress on thread-block clusters (``append_compress_cluster``, sm_90): ``kernel`` (a
+    :class:`~kvarn_cutlass.runtime.Kernel` with :data:`APPEND_COMPRESS_SIGNATURE`), ``ranks`` CTAs of
+    ``threads`` per record half, ``smem`` bytes of dynamic shared memory per CTA, and ``max_halves``, the
+    most record halves one launch runs as clusters (:func:`kvarn_cutlass.ops.compress.cluster_halves`)."""
+
+    kernel: Any
+    ranks: int
+    threads: int
+    smem: int
+    max_halves: int
+
+
+def _compress_grid_x(bh: int, n_new: int, aux_parts: int, ranks: int) -> int:
+    """append_compress's grid width: ``ranks`` CTAs for each of the bh * n_new record halves of a
+    blockIdx.y, then bh * aux_parts aux CTAs, padded to whole clusters (compress.cu's layout)."""
+    return bh * n_new * ranks + -(-bh * aux_parts // ranks) * ranks
+
+
 class _LayerLaunches:
     """Prepared launches of one layer's buffers; pointers refreshed when the pool moves.
 
-    ``bounds``: the sorted [start, end) addresses of the layer's window and sink buffers, flattened, so
-    that an address lies inside one of them iff ``bisect_right(bounds, p)`` is odd (the buffers are
-    separate allocations, hence disjoint). ``n``: the chunk length the commit launch holds now."""
+    ``compress`` / ``cluster``: append_compress in the one-CTA and the cluster form, each prepared at its
+    first use (None before), with their writers of k, v and strides. ``bounds``: the sorted [start, end)
+    addresses of the layer's window and sink buffers, flattened, so that an address lies inside one of
+    them iff ``bisect_right(bounds, p)`` is odd (the buffers are separate allocations, hence disjoint).
+    ``n``: the chunk length the commit launch holds now."""
 
-    __slots__ = ("compress", "commit", "pool", "bounds", "compress_kv", "commit_kv", "commit_n", "n")
+    __slots__ = ("compress", "cluster", "commit", "pool", "bounds", "compress_kv", "cluster_kv", "commit_kv",
+                 "commit_n", "n")
 
-    def __init__(self, compress, commit, pool: torch.Tensor, bounds: list[int], n: int):
-        self.compress, self.commit, self.pool, self.bounds, self.n = compress, commit, pool, bounds, n
-        self.compress_kv = compress.writer(0, _KV_ARGS)
+    def __init__(self, commit, pool: torch.Tensor, bounds: list[int], n: int):
+        self.compress = self.cluster = self.compress_kv = self.cluster_kv = None
+        self.commit, self.pool, self.bounds, self.n = commit, pool, bounds, n
         self.commit_kv = commit.writer(0, _KV_ARGS)
         self.commit_n = commit.writer(_B_N, 1)
 
@@ -165,10 +195,17 @@ class DeviceAppender:
 
     ``kernels``: the (append_compress, append_commit, append_snapshot) kernels to launch instead of the
     compiled ones (:class:`~kvarn_cutlass.runtime.Kernel` objects with the signatures of this module),
-    for running the host side without a GPU (tests, ``tools/host_overhead.py``).
+    and ``cluster`` the cluster form to launch with them (None: one CTA per record half only), for
+    running the host side without a GPU (tests, ``tools/host_overhead.py``).
+
+    ``cluster_tiles``: the most tiles per sequence and head an append compresses in the cluster form
+    (``cluster.max_halves // (2 * batch * heads)``; 0 without clusters): an append completing more, or
+    a step graph that can, takes the one-CTA form. A plain attribute: 0 forces the one-CTA form (eager
+    appends from the next call on, step graphs prepared after it: the bench's step-graph comparison, the
+    GPU tests, which also force clusters at any count: correct, only slower past one wave).
     """
 
-    def __init__(self, cache, kernels=None) -> None:
+    def __init__(self, cache, kernels=None, cluster: ClusterForm | None = None) -> None:
         spec: TileSpec = cache.spec
         if cache.dtype not in C.APPEND_DTYPES:
             raise TypeError(f"the device append needs a float16 or bfloat16 cache, got {cache.dtype}")
@@ -186,51 +223,79 @@ class DeviceAppender:
             kernels = (get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx),
                        get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx),
                        get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
-            self.smem = C._module_smem_bytes(kspec, idx)["compress_cta"]  # append_compress is one-CTA compression
+            smem = C._module_smem_bytes(kspec, idx)
+            self.smem = smem["compress_cta"]  # append_compress is one-CTA compression
             limit = C._smem_limit(idx)
             if self.smem > limit:
                 raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "
                                  f"of shared memory per block, {self.device} has {limit}")
+            form = get_kernel(kspec, name("append_compress_cluster"), APPEND_COMPRESS_SIGNATURE, idx)
+            ranks, threads = C._layer_layout(form, idx)
+            # sm_90 (the kernel asks for a cluster); its CTAs' shared memory stays under 48 KB (tests/test_compress.py)
+            cluster = None if ranks == 1 else ClusterForm(form, ranks, threads, smem["compress"],
+                                                          C.cluster_halves(ranks, idx))
         self._compress, self._commit, self._snapshot = kernels
+        self._cluster = cluster
+        self._bh = cache.batch_size * cache.num_kv_heads
+        self.cluster_tiles = 0 if cluster is None else cluster.max_halves // (2 * self._bh)
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
 
     # --- launches ----------------------------------------------------------------------------------
-    def _prepare(self, st, k: torch.Tensor, v: torch.Tensor, n: int, max_new: int, backup: Backup | None):
+    def _prepare_compress(self, form: ClusterForm | None, st, k: torch.Tensor, v: torch.Tensor, n: int,
+                          max_new: int, backup: Backup | None):
+        """append_compress in ``form`` (None: one CTA per record half) for up to ``max_new`` tiles per
+        sequence and head."""
         c = self.cache
-        B, H = c.batch_size, c.num_kv_heads
-        common = (k, v, *k.stride()[:3], *v.stride()[:3])
-        cap = st.tiles.shape[1]
+        kernel, ranks, threads, smem = ((self._compress, 1, C.THREADS, self.smem) if form is None
+                                        else (form.kernel, form.ranks, form.threads, form.smem))
         aux_parts = -(-n // AUX_ROWS)
-        a = self._compress.prepare(
-            (B * H * (max_new + aux_parts), 2), C.THREADS,
-            (*common, st.window_k, st.window_v, st.tiles, st.tile_table, st.lens, c._errors,
-             None if backup is None else backup.window_k, None if backup is None else backup.window_v,
-             B, n, c.sink_tokens, c.window, H, cap, max_new, aux_parts, AUX_ROWS, self.spec.sinkhorn_iters,
-             *self._offsets, self._inv_sqrt_d),
-            shared_mem=self.smem,
+        return kernel.prepare(
+            (_compress_grid_x(self._bh, max_new, aux_parts, ranks), 2), threads,
+            (k, v, *k.stride()[:3], *v.stride()[:3], st.window_k, st.window_v, st.tiles, st.tile_table, st.lens,
+             c._errors, None if backup is None else backup.window_k, None if backup is None else backup.window_v,
+             c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads, st.tiles.shape[1], max_new, aux_parts,
+             AUX_ROWS, self.spec.sinkhorn_iters, *self._offsets, self._inv_sqrt_d),
+            shared_mem=smem,
         )
-        b = self._commit.prepare(
-            (B * H, 2), COMMIT_THREADS,
-            (*common, st.window_k, st.window_v, st.sink_k, st.sink_v, st.lens, c._errors, c._counter,
-             B, n, c.sink_tokens, c.window, H),
+
+    def _prepare_commit(self, st, k: torch.Tensor, v: torch.Tensor, n: int):
+        c = self.cache
+        return self._commit.prepare(
+            (self._bh, 2), COMMIT_THREADS,
+            (k, v, *k.stride()[:3], *v.stride()[:3], st.window_k, st.window_v, st.sink_k, st.sink_v, st.lens,
+             c._errors, c._counter, c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads),
         )
-        return a, b
 
     def _launches(self, st, k, v, n) -> _LayerLaunches:
         """The layer's prepared launches: made at its first append, re-pointed when its pool grew."""
         ls = st.device
         if ls is None:
-            a, b = self._prepare(st, k, v, n, 1, None)
             spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                            for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
-            ls = st.device = _LayerLaunches(a, b, st.tiles, [p for span in spans for p in span], n)
+            ls = st.device = _LayerLaunches(self._prepare_commit(st, k, v, n), st.tiles,
+                                            [p for span in spans for p in span], n)
         if ls.pool is not st.tiles:  # the pool grew (no max_seq_len)
-            ls.compress.set_arg(_A["pool"], st.tiles.data_ptr())
-            ls.compress.set_arg(_A["table"], st.tile_table.data_ptr())
-            ls.compress.set_arg(_A["cap"], st.tiles.shape[1])
+            for launch in (ls.compress, ls.cluster):
+                if launch is not None:
+                    launch.set_arg(_A["pool"], st.tiles.data_ptr())
+                    launch.set_arg(_A["table"], st.tile_table.data_ptr())
+                    launch.set_arg(_A["cap"], st.tiles.shape[1])
             ls.pool = st.tiles
         return ls
+
+    def _compress_launch(self, ls: _LayerLaunches, st, k, v, n: int, cluster: bool):
+        """(launch, its k/v writer) of the layer's append_compress in the cluster or the one-CTA form,
+        prepared now: at the first append that takes the form (a Kernel.prepare costs ~65 us of host time
+        on the dev CPU; a layer whose appends all take one form, e.g. a fresh cache's prompt in 512-token
+        chunks, prepares only that one)."""
+        launch = self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None)
+        writer = launch.writer(0, _KV_ARGS)
+        if cluster:
+            ls.cluster, ls.cluster_kv = launch, writer
+        else:
+            ls.compress, ls.compress_kv = launch, writer
+        return launch, writer
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
@@ -251,15 +316,20 @@ class DeviceAppender:
             k, kp, (k0, k1, k2, _) = _kernel_ready(k, bounds)
             v, vp, (v0, v1, v2, _) = _kernel_ready(v, bounds)
         if n_new:
-            a = ls.compress
+            if n_new <= self.cluster_tiles:
+                a, kv, ranks = ls.cluster, ls.cluster_kv, self._cluster.ranks
+            else:
+                a, kv, ranks = ls.compress, ls.compress_kv, 1
+            if a is None:
+                a, kv = self._compress_launch(ls, st, k, v, n, ranks > 1)
+            kv(kp, vp, k0, k1, k2, v0, v1, v2)
             aux_parts = -(-n // AUX_ROWS)
-            ls.compress_kv(kp, vp, k0, k1, k2, v0, v1, v2)
             a.set_arg(_A["n"], n)
             a.set_arg(_A["max_new"], n_new)
             a.set_arg(_A["aux_parts"], aux_parts)
             a.set_arg(_A["backup_k"], 0 if backup is None else backup.window_k.data_ptr())
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
-            a.set_grid(self.cache.batch_size * self.cache.num_kv_heads * (n_new + aux_parts), 2)
+            a.set_grid(_compress_grid_x(self._bh, n_new, aux_parts, ranks), 2)
             a.launch()
         ls.commit_kv(kp, vp, k0, k1, k2, v0, v1, v2)
         if n != ls.n:  # decode appends one token per call: n rarely changes
@@ -270,11 +340,13 @@ class DeviceAppender:
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels
         (append_compress sized for the most tiles n tokens can complete, its blocks predicated on the
-        device lengths) and the window backed up whenever a tile completes. Returns a callable that
-        enqueues them (call it inside the capture)."""
+        device lengths, in the form that tile count picks, as an eager append's) and the window backed
+        up whenever a tile completes. Returns a callable that enqueues them (call it inside the capture)."""
         n = k.shape[2]
         max_new = -(-n // self.spec.tile_tokens)
-        a, b = self._prepare(st, k, v, n, max_new, backup)
+        form = self._cluster if max_new <= self.cluster_tiles else None
+        a = self._prepare_compress(form, st, k, v, n, max_new, backup)
+        b = self._prepare_commit(st, k, v, n)
 
         def enqueue() -> None:
             a.launch()

@@ -3,10 +3,11 @@
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
 thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
-in the cache's append kernels (:mod:`kvarn_cutlass.ops.append`), and for launches of more halves than
-fit as clusters (over ~4 cluster CTAs per SM: ~33 records on an H200), on one 512-thread CTA. The
-launch reads the cluster width and CTA size from the compiled kernel, and each form's shared memory
-from the module (:data:`SMEM_SYMBOLS`). Entry points:
+and for launches of more halves than fit as clusters (:func:`cluster_halves`: over ~4 cluster CTAs per
+SM, ~33 records on an H200), on one 512-thread CTA. The cache's append kernels
+(:mod:`kvarn_cutlass.ops.append`) have both forms too and choose by the same rule. The launch reads the
+cluster width and CTA size from the compiled kernel, and each form's shared memory from the module
+(:data:`SMEM_SYMBOLS`). Entry points:
 
 * :func:`compress_tiles` - the codec's contract: k, v [..., T, D] -> uint8 records [..., tile_nbytes].
 * :func:`compress_layer` - the cache's layout: k, v [B, H, n_tiles*T, D] (token-strided views are
@@ -67,6 +68,7 @@ __all__ = [
     "kernel_name",
     "SMEM_SYMBOLS",
     "kernel_smem_bytes",
+    "cluster_halves",
     "compress_tiles",
     "compress_layer",
     "check_error_flag",
@@ -128,7 +130,8 @@ def kernel_name(
     """The symbol of a kernel of the module; ``role``: one of :data:`LAYER_ROLES` (the codec's
     contract: ``compress``, a thread-block cluster per record half on sm_90, and ``compress_cta``, one
     CTA per half) or, in the modules of the cache dtypes float16 / bfloat16 only, one of
-    :data:`APPEND_ROLES` (the cache's append, :mod:`kvarn_cutlass.ops.append`)."""
+    :data:`APPEND_ROLES` (the cache's append, :mod:`kvarn_cutlass.ops.append`: ``append_compress``
+    one CTA per record half, ``append_compress_cluster`` a cluster per half on sm_90)."""
     return (
         f"kvarn_{role}_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
         f"{_QUANT_SUFFIX[quantizer]}"
@@ -138,7 +141,7 @@ def kernel_name(
 # The layer kernels of every module, and the append kernels in the modules of the cache dtypes
 # (compress.cu, the append section).
 LAYER_ROLES = ("compress", "compress_cta")
-APPEND_ROLES = ("append_compress", "append_commit", "append_snapshot")
+APPEND_ROLES = ("append_compress", "append_compress_cluster", "append_commit", "append_snapshot")
 APPEND_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -199,9 +202,9 @@ register("compress", _all_specs)
 
 
 # The module globals in which compress.cu reports the dynamic shared memory per CTA of each launch
-# form (its Shape<T, D, R>::kSmemBytes): ``compress``, the layer kernel as compiled (a cluster CTA on
-# sm_90, one CTA before); ``compress_cta``, one CTA of THREADS (the one-CTA layer kernel and the
-# append's append_compress).
+# form (its Shape<T, D, R>::kSmemBytes): ``compress``, the cluster forms as compiled (a cluster CTA on
+# sm_90, one CTA before: the layer kernel and the append's append_compress_cluster); ``compress_cta``,
+# one CTA of THREADS (the one-CTA layer kernel and the append's append_compress).
 SMEM_SYMBOLS = {"compress": "kvarn_compress_smem_bytes", "compress_cta": "kvarn_compress_cta_smem_bytes"}
 
 
@@ -278,8 +281,9 @@ def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
 _layouts: dict[tuple[int, str], tuple[int, int]] = {}
 _sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
-# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps, ~100 registers)
-# fits ~5 times per SM; past ~4 per SM a launch is throughput-bound and the one-CTA kernel is faster.
+# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps; 106-109 registers
+# at D=128, sm_90, 2026-12) fits 4 times per SM by registers (6 at D=64, 3 at D=256); past ~4 per SM a
+# launch is throughput-bound and the one-CTA kernel is faster.
 _CLUSTER_CTAS_PER_SM = 4
 
 
@@ -290,9 +294,16 @@ def _sm_count(index: int) -> int:
     return n
 
 
+def cluster_halves(ranks: int, device_index: int) -> int:
+    """The most record halves one launch runs as thread-block clusters of ``ranks`` CTAs on the device
+    (``_CLUSTER_CTAS_PER_SM`` cluster CTAs per SM); a launch of more halves takes the one-CTA form."""
+    return _CLUSTER_CTAS_PER_SM * _sm_count(device_index) // ranks
+
+
 def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
-    """(CTAs per record half, threads per CTA) of the layer kernel, as compiled: its cluster width
-    (sm_90: T / 16 CTAs of 128 threads; without a cluster one CTA of ``THREADS``)."""
+    """(CTAs per record half, threads per CTA) of a cluster-form kernel (the layer kernel or the append's
+    append_compress_cluster), as compiled: its cluster width (sm_90: T / 16 CTAs of 128 threads; without
+    a cluster one CTA of ``THREADS``)."""
     key = (device_index, kernel.name)
     layout = _layouts.get(key)
     if layout is None:
@@ -394,7 +405,7 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     kernel = _kernel(index, kspec)
     ranks, threads = _layer_layout(kernel, index)
     form = "compress"
-    if ranks > 1 and 2 * n_records * ranks > _CLUSTER_CTAS_PER_SM * _sm_count(index):
+    if ranks > 1 and 2 * n_records > cluster_halves(ranks, index):
         kernel, ranks, threads, form = _kernel(index, kspec, "compress_cta"), 1, THREADS, "compress_cta"
     if n_records * ranks > 2**31 - 1:
         raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
