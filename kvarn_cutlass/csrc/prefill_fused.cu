@@ -849,17 +849,19 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 #if WGMMA
         // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core
         // matrices)
-        const int j = item & 7, p = (item >> 3) & 3;
         if constexpr (WPC == 8) {
             // 64-token blocks: a warp's code words fall on 16 banks twice (2-way) rather than 4 times
-            const int hw = (item >> 5) & 1;
+            const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
             c = (item >> 6) * 8 + j;
             wi = 4 * (((j >> 1) + hw) & 1) + p;
         } else {
             // 32-token blocks: a warp takes 8 channels x 4 words (128-token tiles put the channels' code rows
-            // 64 bytes apart, so any 32 words of a block lie on 8 banks: 4-way, as in the mma.sync mapping)
-            c = (item >> 5) * 8 + j;
-            wi = p;
+            // 64 bytes apart, so any 32 words of a block lie on 8 banks: 4-way, as in the mma.sync mapping).
+            // Item i is channel c(0) + i * GT / 4 of word wi(0), written so (the channel group plus the channel
+            // in it): from the item index ptxas recomputed every item's shifts and masks, 177 instructions a
+            // batch of 4 items against 132
+            c = ((ptid >> 5) + i * (GT / 32)) * 8 + (ptid & 7);
+            wi = (ptid >> 3) & 3;
         }
 #else
         c = item / WPC;
