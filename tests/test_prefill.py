@@ -452,8 +452,8 @@ def test_gpu_wgmma(chunks, kw, consumer_warps, producer_warps):
 # and one record slot (k4v4), 64-token tiles, sink tokens
 D256_GPU_CASES = [c for c in GPU_CASES if c[1].get("D") == 256] + [
     ([700, 300], dict(D=256, Hkv=2, group=4)),
-    ([300, 333], dict(D=256, Hkv=1, group=3, dtype=torch.bfloat16, preset="k4v4_g128", scale_dtype=torch.float32)),
-    ([300, 200], dict(D=256, sink=128, window=128, preset="k4v2_g64", quantizer="lloyd_max", B=2, group=2)),
+    ([600, 333], dict(D=256, Hkv=1, group=3, dtype=torch.bfloat16, preset="k4v4_g128", scale_dtype=torch.float32)),
+    ([500, 200], dict(D=256, sink=128, window=128, preset="k4v2_g64", quantizer="lloyd_max", B=2, group=2)),
 ]
 
 
