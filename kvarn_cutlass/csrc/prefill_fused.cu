@@ -110,9 +110,9 @@ static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgm
 // thread, in steps of 8: 128 for 512 threads, 168 for 384): the consumers' accumulators need more than the
 // producers' dequantization. 512 threads: two producer and two consumer warpgroups. D=256 under wgmma with
 // two consumer warpgroups (384 threads): a consumer thread holds 128 accumulator registers (64 x 256 f32
-// over the warpgroup), 16 of S and 8 of P for a 32-token block, more than 168; 2 x 200 + 104 = 504. Highest
-// registers over the D=256 variants: consumers R196 (the tight spot: the inverse WHT of the accumulator after
-// the tiles), producers R101; 192 + 120 and 208 + 88 spilled one role or the other.
+// over the warpgroup), 16 of S and 8 of P for a 32-token block, more than 168; 2 x 200 + 104 = 504, of which
+// ptxas uses up to R196 in the consumers (the tight spot: the inverse WHT of the accumulator after the tiles)
+// and R101 in the producers over the D=256 variants (docs/perf-notes.md: the splits tried).
 constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8);
 constexpr int LAUNCH_REGS = 65536 / NT / 8 * 8;
 constexpr int PRODUCER_REGS = D == 256 ? 104 : NG == 2 ? 104 : 88;
