@@ -307,6 +307,36 @@ def test_wgmma_variant_compiles_for_sm90a(D, preset, scale_dtype, quantizer, dty
     assert not any(c.fits(256, 128) for c in wg)
 
 
+@pytest.mark.parametrize("preset,scale_dtype,quantizer,dtype", [
+    ("k4v2_g128", torch.float16, "uniform", torch.float16),     # the bench's bucket: two record slots
+    ("k4v4_g128", torch.float32, "uniform", torch.float16),     # 37 KB records: one record slot
+    ("k4v2_g128", torch.float32, "lloyd_max", torch.float16),   # the most shared memory, 231,040 bytes
+    ("k4v2_g64", torch.float16, "uniform", torch.bfloat16),     # 64-token tiles: two blocks a tile
+])
+def test_wgmma_d256_variant_compiles_for_sm90a(preset, scale_dtype, quantizer, dtype):
+    """The head_dim 256 wgmma configs (32-token blocks, one producer warpgroup) build for sm_90a with no register
+    spills and fit shared memory. With two consumer warpgroups the roles trade registers (200 a consumer thread,
+    104 a producer thread, from the pool of the 168 each of 384 threads holds at launch): the module must launch
+    with 168, or the consumers' setmaxnreg.inc would wait for registers the pool never gets."""
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.ops.prefill import CANDIDATES, MAX_SMEM_PER_BLOCK, fused_spec, smem_bytes
+    from kvarn_cutlass.runtime.spec import build
+
+    spec = kc.TileSpec(preset, 256, scale_dtype, quantizer=quantizer)
+    wg = [c for c in CANDIDATES if c.mma == "wgmma" and c.fits(256, spec.tile_tokens)]
+    assert sorted(c.name for c in wg) == ["r16c4n32wg", "r16c8n32wg"]
+    if preset != "k4v2_g128" or scale_dtype != torch.float16:  # the single consumer warpgroup: the bench's bucket
+        wg = [c for c in wg if c.consumer_warps == 8]
+    for cfg in wg:
+        m = build(fused_spec(spec, dtype, dtype, cfg), "sm_90")
+        assert m.target == "sm_90a"
+        res = m.resources["kvarn_prefill_fused"]
+        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, (cfg, res)
+        if cfg.threads == 384:
+            assert res.registers == 168, (cfg, res)
+        assert smem_bytes(m.cubin) <= MAX_SMEM_PER_BLOCK, cfg
+
+
 def test_every_candidate_fits_shared_memory_for_its_buckets():
     """Shared memory of the largest record (k4v4, f32 scales) for each candidate config that fits a head_dim:
     read from the compiled module, as the launcher does."""
@@ -317,7 +347,7 @@ def test_every_candidate_fits_shared_memory_for_its_buckets():
     for D in (128, 256):
         spec = kc.TileSpec("k4v4_g128", D, torch.float32)
         for cfg in CANDIDATES:
-            if cfg.fits(D, 128) and cfg.rows_per_warp == 16 and cfg.block_n == 64:
+            if cfg.fits(D, 128) and cfg.rows_per_warp == 16 and cfg.block_n == (32 if D == 256 else 64):
                 smem = smem_bytes(build(fused_spec(spec, torch.float16, torch.float16, cfg), "sm_90").cubin)
                 assert smem <= MAX_SMEM_PER_BLOCK, (D, cfg, smem)
 
@@ -416,6 +446,58 @@ def test_gpu_wgmma(chunks, kw, consumer_warps, producer_warps):
         pytest.skip("wgmma needs sm_90")
     for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 100, config=cfg, **kw):
         assert e < TOL, (chunks, kw, n, nt, e)
+
+
+# head_dim 256 shapes for its wgmma configs: both phases, ragged row blocks, GQA, bf16, both quantizers, f32 scales
+# and one record slot (k4v4), 64-token tiles, sink tokens
+D256_GPU_CASES = [c for c in GPU_CASES if c[1].get("D") == 256] + [
+    ([700, 300], dict(D=256, Hkv=2, group=4)),
+    ([600, 333], dict(D=256, Hkv=1, group=3, dtype=torch.bfloat16, preset="k4v4_g128", scale_dtype=torch.float32)),
+    ([500, 200], dict(D=256, sink=128, window=128, preset="k4v2_g64", quantizer="lloyd_max", B=2, group=2)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("chunks,kw", D256_GPU_CASES)
+@pytest.mark.parametrize("consumer_warps", [4, 8])
+def test_gpu_wgmma_d256(chunks, kw, consumer_warps):
+    """The head_dim 256 wgmma configs (sm_90 only; 32-token blocks, N=256 P.V, with 8 consumer warps the
+    register trade) against the float64 reference."""
+    _gpu_skip()
+    from kvarn_cutlass.ops.prefill import FusedConfig
+    from kvarn_cutlass.runtime.arch import device_arch
+
+    cfg = FusedConfig(16, 32, consumer_warps, mma="wgmma")
+    if not cfg.supported_on(device_arch()):
+        pytest.skip("wgmma needs sm_90")
+    for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 200, config=cfg, **kw):
+        assert e < TOL, (chunks, kw, n, nt, e)
+
+
+@gpu
+@pytest.mark.parametrize("consumer_warps", [4, 8])
+def test_gpu_wgmma_d256_matches_torch_path(consumer_warps):
+    """The head_dim 256 wgmma kernel and the torch path (the kernel's operand roundings) agree more closely
+    than either agrees with the reference."""
+    _gpu_skip()
+    from kvarn_cutlass.ops.prefill import FusedConfig
+    from kvarn_cutlass.runtime.arch import device_arch
+
+    cfg = FusedConfig(16, 32, consumer_warps, mma="wgmma")
+    if not cfg.supported_on(device_arch()):
+        pytest.skip("wgmma needs sm_90")
+    gen = torch.Generator().manual_seed(22)
+    D, n = 256, 600
+    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
+    oc = outliers(gen, D)
+    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
+    c.append(0, k0.cuda(), v0.cuda())
+    q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35))
+    ref = kc.reference.attention(q, c, 0, k=k, v=v)
+    out = prefill_attention(q, k, v, c, 0, append=False, config=cfg)
+    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
+    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (cfg, e_gpu, e_emu, e_both)
 
 
 @gpu

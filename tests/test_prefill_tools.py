@@ -52,8 +52,9 @@ def test_tune_prefill_dry_run_lists_the_candidates_that_fit(capsys):
             listed[key] = []
         else:
             listed[key].append(line.strip())
-    # D=256 keeps one config; T=64 tiles take 64-token blocks as one block, 32-token ones as two
-    assert listed["D256_T128_V2"] == ["r16c4n32"]
+    # D=256 keeps 32-token blocks (mma.sync, or wgmma with one or two consumer warpgroups); T=64 tiles take
+    # 64-token blocks as one block, 32-token ones as two
+    assert listed["D256_T128_V2"] == ["r16c4n32", "r16c4n32wg", "r16c8n32wg"]
     assert "r32c4n64g2" in listed["D128_T128_V2"] and "r16c8n64" in listed["D128_T128_V2"]
     assert all(FusedConfig.from_name(n).fits(128, 64) for n in listed["D128_T64_V2"])
     assert len(listed["D128_T128_V2"]) == sum(c.fits(128, 128) for c in CANDIDATES)
@@ -72,3 +73,19 @@ def test_sass_of_the_fused_kernel(tmp_path, capsys):
     assert sum(n for op, n in s["sass"]["mma"].items() if op.startswith("HMMA")) > 0
     assert s["kernels"]["kvarn_prefill_fused"]["spill_store_bytes"] == 0 and 0 < s["dynamic_smem_bytes"] <= 227 * 1024
     assert "HMMA" in listing.read_text()
+
+
+def test_sass_of_the_d256_wgmma_config(capsys):
+    """head_dim 256 on wgmma: S as m64n32k16 (32-token blocks), P.V as one m64n256k16 per k-step, no local
+    memory; 384 threads."""
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.cli.sass import find_tool
+
+    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
+        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    assert main(["sass", "--bucket", "D256_T128_V2", "--config", "r16c8n32wg"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["config"] == "r16c8n32wg" and s["threads"] == 384 and s["target"] == "sm_90a"
+    mma = s["sass"]["mma"]
+    assert any(op.startswith("HGMMA.64x32x16.F32") for op in mma) and any(op.startswith("HGMMA.64x256x16.F32") for op in mma)
+    assert s["sass"]["ldl"] == s["sass"]["stl"] == 0 and 0 < s["dynamic_smem_bytes"] <= 227 * 1024

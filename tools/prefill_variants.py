@@ -1,8 +1,9 @@
 """Which role of the fused prefill kernel sets the pace: time variants that leave one role's work out
 (text substitutions of csrc/prefill_fused.cu, built under their own names), on the tuner's shape (16k
-context, one 512-token chunk, 32 q / 8 KV heads, D=128, k4v2_g128). The variants' outputs are wrong by
-design; the shipped one is checked against the torch path.
-Run on a GPU: python3 tools/prefill_variants.py [CONFIG ...]   (config names, default: the tuned one)"""
+context, one 512-token chunk, 32 q / 8 KV heads, k4v2_g128, D=128 unless a D<head_dim> argument says
+otherwise). The variants' outputs are wrong by design; the shipped one is checked against the torch path.
+Run on a GPU: python3 tools/prefill_variants.py [D256] [CONFIG ...]   (config names, default: the tuned one)
+(through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")"""
 import statistics, sys
 from dataclasses import replace
 from pathlib import Path
@@ -39,10 +40,12 @@ VARIANTS = {
     "neither": NO_MATH + NO_DEQUANT,
     "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 0, 0, 1.f, 0};")],
 }
-CONFIGS = [OP.FusedConfig.from_name(n) for n in sys.argv[1:]] or [None]
+args = sys.argv[1:]
+D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
+CONFIGS = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
 orig = OP.fused_spec
 g = torch.Generator(device="cuda").manual_seed(0)
-D, ctx, n = 128, 16384, 512
+ctx, n = 16384, 512
 cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
 k = torch.randn(1, 8, ctx, D, device="cuda", dtype=torch.float16, generator=g)
 cache.append(0, k, torch.randn_like(k))
@@ -75,5 +78,6 @@ for cfg, (name, subs) in ((c, v) for c in CONFIGS for v in VARIANTS.items()):
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b) / 10)
-    print(f"{cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  error vs torch path {err:.2e}")
+    print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  "
+          f"error vs torch path {err:.2e}")
 OP.fused_spec = orig

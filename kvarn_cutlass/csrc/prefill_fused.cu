@@ -43,7 +43,10 @@
 //
 // MMA kind (WGMMA): 0, mma.sync m16n8k16 per consumer warp from ldmatrix fragments (sm_80+); 1, wgmma
 // (sm_90a, CuTe's SM90 GMMA atoms) per consumer warpgroup of 64 rows: S = Q . K^T with both operands in
-// shared memory, O += P . V with P from registers (the S accumulator re-packed, as in FlashAttention 3).
+// shared memory (N = BLOCK_N), O += P . V with P from registers (the S accumulator re-packed, as in
+// FlashAttention 3; N = D, up to 256 in one instruction). At D=256 the blocks are 32 tokens and the ring
+// three stages (64 KB of Q rows for two warpgroups), one producer warpgroup, and with two consumer
+// warpgroups the roles trade registers (a 64 x 256 f32 accumulator is 128 registers a consumer thread).
 // The wgmma operands sit in the canonical no-swizzle core-matrix layout (8 rows x 16 bytes, contiguous):
 // Q and the exact K are K-major, the dequantized tile K and every V are MN-major (see the *_off helpers);
 // the producers write that layout directly, and fence the generic-proxy stores for the async proxy.
@@ -96,24 +99,34 @@ constexpr int REC = RECORD_BYTES;
 constexpr int BPT = T / BN;           // blocks per tile
 // stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
 // tiles' blocks (tile g's blocks go to group g % 2); wgmma's consumers hold two stages at a time (a
-// block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead
-constexpr int NSTAGE = NG == 1 ? (WGMMA ? 4 : 3) : NG * BPT;
+// block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead,
+// except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring
+constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : 3) : NG * BPT;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
 static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgmma");
-// 512 threads get 128 registers each at launch; the warpgroups then trade them (setmaxnreg): the consumers'
-// accumulators need more than the producers' dequantization
-constexpr bool REG_TRADE = NT == 512;
-constexpr int PRODUCER_REGS = NG == 2 ? 104 : 88, CONSUMER_REGS = NG == 2 ? 152 : 168;
-static_assert(!REG_TRADE || 2 * 128 * (PRODUCER_REGS + CONSUMER_REGS) <= 65536, "register file");
+// The warpgroups trade registers (setmaxnreg) from the CTA's pool, what the launch allocated (65536 / NT per
+// thread, in steps of 8: 128 for 512 threads, 168 for 384): the consumers' accumulators need more than the
+// producers' dequantization. 512 threads: two producer and two consumer warpgroups. D=256 under wgmma with
+// two consumer warpgroups (384 threads): a consumer thread holds 128 accumulator registers (64 x 256 f32
+// over the warpgroup), 16 of S and 8 of P for a 32-token block, more than 168; 2 x 200 + 104 = 504, of which
+// ptxas uses up to R196 in the consumers (the tight spot: the inverse WHT of the accumulator after the tiles)
+// and R101 in the producers over the D=256 variants (docs/perf-notes.md: the splits tried).
+constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8);
+constexpr int LAUNCH_REGS = 65536 / NT / 8 * 8;
+constexpr int PRODUCER_REGS = D == 256 ? 104 : NG == 2 ? 104 : 88;
+constexpr int CONSUMER_REGS = D == 256 ? 200 : NG == 2 ? 152 : 168;
+static_assert(!REG_TRADE || (NP / 4) * PRODUCER_REGS + (NC / 4) * CONSUMER_REGS <= (NT / 128) * LAUNCH_REGS,
+              "the CTA's register pool");
 static_assert(NG == 1 || (NG == 2 && BPT <= 2), "PRODUCER_GROUPS is 1, or 2 with at most 2 blocks per tile");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");
 static_assert(D == 64 || D == 128 || D == 256, "head_dim");
-static_assert(!WGMMA || (RPW == 16 && BN == 64 && D <= 128),
-              "wgmma: 16 rows per warp (64 per warpgroup), 64-token blocks, head_dim 64 or 128");
+static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (BN == 32 && D == 256 && NP == 4 && NG == 1))),
+              "wgmma: 16 rows per warp (64 per warpgroup); 64-token blocks at head_dim 64 or 128, 32-token blocks "
+              "with one producer warpgroup at head_dim 256");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and the stages. A stage holds a tile block (kd [D][KS] f16,
@@ -133,10 +146,14 @@ constexpr int ST_EXACT = 2 * ST_EK;
 constexpr int ST_BYTES = ((ST_TILE > ST_EXACT ? ST_TILE : ST_EXACT) + 127) / 128 * 128;
 // Record slots: two per producer group where shared memory allows (a group's next record is then in
 // flight during its whole current tile; with one slot the group waits out a record's latency every tile).
+// One group: two slots, or one where two do not fit (D=256 under wgmma with 128 rows: 64 KB of Q, and
+// 128-token records of 4-bit V, 34-37 KB): the group then fetches tile g + 1 after tile g's last block and
+// waits for it at g + 1's first, while the consumers work through the stages in flight.
 // opt-in dynamic shared memory per block: sm_90 227 KB, sm_80 / sm_87 163 KB, other sm_8x 99 KB
 constexpr int SMEM_LIMIT = (__CUDA_ARCH__ >= 900 ? 227 : (__CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870) ? 163 : 99) * 1024;
 constexpr int SMEM_BUT_RECORDS = SM_Q + SM_PAR + SM_LUT + SM_ROWF + 127 + NSTAGE * ST_BYTES;
-constexpr int RSLOTS = (NG == 2 && SMEM_BUT_RECORDS + 4 * REC <= SMEM_LIMIT) ? 4 : 2;
+constexpr int RSLOTS = (NG == 2 && SMEM_BUT_RECORDS + 4 * REC <= SMEM_LIMIT) ? 4
+                       : (NG == 2 || SMEM_BUT_RECORDS + 2 * REC <= SMEM_LIMIT) ? 2 : 1;
 constexpr int AHEAD = RSLOTS / NG - 1;  // records of a group's later tiles in flight while it works on one
 constexpr int SM_REC = RSLOTS * REC;
 constexpr int OFF_SM_REC = SM_Q;
@@ -294,21 +311,27 @@ __device__ __forceinline__ void fence_acc(float (&d)[NG][4]) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) cute::warpgroup_fence_operand(d[i][k]);
 }
-// S = Q . K^T for one 64-token block (f16 or bf16 operands; tile K is MN-major, exact K K-major)
+// S = Q . K^T for one block, N = BLOCK_N (f16 or bf16 operands; tile K is MN-major, exact K K-major)
 template <bool BF16, bool K_MN>
 struct ScoreMMA {
-    using Op = typename cuda::std::conditional<
-        BF16, gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, K_MN ? gmma::Major::MN : gmma::Major::K>,
-        gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, K_MN ? gmma::Major::MN : gmma::Major::K>>::type;
+    static constexpr gmma::Major KM = K_MN ? gmma::Major::MN : gmma::Major::K;
+    using Op64 = typename cuda::std::conditional<BF16, gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, KM>,
+                                                 gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, KM>>::type;
+    using Op32 = typename cuda::std::conditional<BF16, gmma::MMA_64x32x16_F32BF16BF16_SS<gmma::Major::K, KM>,
+                                                 gmma::MMA_64x32x16_F32F16F16_SS<gmma::Major::K, KM>>::type;
+    using Op = typename cuda::std::conditional<BN == 64, Op64, Op32>::type;
 };
-// O += P . V over the head dimension (P from registers, V MN-major)
+// O += P . V over the head dimension, N = D in one instruction (P from registers, V MN-major)
 template <bool BF16>
 struct ValueMMA {
     using Op64 = typename cuda::std::conditional<BF16, gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
                                                  gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
     using Op128 = typename cuda::std::conditional<BF16, gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
                                                   gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
-    using Op = typename cuda::std::conditional<D == 64, Op64, Op128>::type;
+    using Op256 = typename cuda::std::conditional<BF16, gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+                                                  gmma::MMA_64x256x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
+    using Op = typename cuda::std::conditional<D == 64, Op64,
+                                               typename cuda::std::conditional<D == 128, Op128, Op256>::type>::type;
 };
 #endif
 
@@ -497,7 +520,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, 
 }
 
 #if WGMMA
-// The warpgroup's S = Q . K^T for one 64-token block (D / 16 k-steps), issued, not waited for.
+// The warpgroup's S = Q . K^T for one block (D / 16 k-steps), issued, not waited for.
 template <bool TILE>
 __device__ __forceinline__ void issue_scores(u32 sQw, u32 sK, float (&s)[SN][4]) {
     using Op = typename ScoreMMA<TILE ? false : (bool)CACHE_BF16, TILE>::Op;
@@ -820,22 +843,33 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
     constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;
     static_assert(NI % NB == 0, "whole batches");
     // item -> (channel, word of 8 tokens)
+    static_assert(WPC == 4 || WPC == 8, "32- or 64-token blocks");
     auto where = [&](int i, int& c, int& wi) {
         const int item = ptid + i * GT;
 #if WGMMA
         // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core
-        // matrices), and a warp's code words fall on 16 banks twice (2-way) rather than 4 times
-        static_assert(WPC == 8, "64-token blocks");
-        const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
-        c = (item >> 6) * 8 + j;
-        wi = 4 * (((j >> 1) + hw) & 1) + p;
+        // matrices)
+        if constexpr (WPC == 8) {
+            // 64-token blocks: a warp's code words fall on 16 banks twice (2-way) rather than 4 times
+            const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
+            c = (item >> 6) * 8 + j;
+            wi = 4 * (((j >> 1) + hw) & 1) + p;
+        } else {
+            // 32-token blocks: a warp takes 8 channels x 4 words (128-token tiles put the channels' code rows
+            // 64 bytes apart, so any 32 words of a block lie on 8 banks: 4-way, as in the mma.sync mapping).
+            // Item i is channel c(0) + i * GT / 4 of word wi(0), written so (the channel group plus the channel
+            // in it): from the item index ptxas recomputed every item's shifts and masks, 177 instructions a
+            // batch of 4 items against 132
+            c = ((ptid >> 5) + i * (GT / 32)) * 8 + (ptid & 7);
+            wi = (ptid >> 3) & 3;
+        }
 #else
         c = item / WPC;
         wi = item - c * WPC;
 #endif
     };
     // a thread's items all fall on the same 8 tokens (the word index repeats with a period dividing GT)
-    static_assert(GT % (WGMMA ? 64 : WPC) == 0, "a producer thread keeps its tokens");
+    static_assert(GT % (WGMMA ? 8 * WPC : WPC) == 0, "a producer thread keeps its tokens");
     int c_, wi0;
     where(0, c_, wi0);
     const ratio_t* rs2 = reinterpret_cast<const ratio_t*>(P.rs) + (t0 + wi0 * 8) / 2;
@@ -875,60 +909,69 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 }
 
 // V codes of tokens [t0, t0 + BN) -> vd [BN][QS] f16, token-major: item = (token, 32-bit word of codes);
-// a producer thread always handles the same channels, so it loads their col_scale ratios once per block.
+// a producer thread always handles the same VW words (channels), so it loads their col_scale ratios once
+// per block.
 constexpr int CPW = 32 / VB;        // channels per V word
 constexpr int WPT = D / CPW;        // V words per token
 // Item -> (token, word): mma.sync, consecutive threads take consecutive words of a token; wgmma,
 // consecutive threads take 8 consecutive tokens of one word (8 lanes of a store phase then write 8
 // different core-matrix rows).
 constexpr int V_LANES = WGMMA ? 8 : 1;
-static_assert(GT % (WPT * V_LANES) == 0, "a producer thread keeps its channels");
+// words per producer thread: one, or where a token's words times V_LANES outnumber the group's threads
+// (wgmma, D=256, 4-bit V: 32 words x 8 lanes over 128 threads) VW of them: the thread's item n takes word
+// v_word(ptid) + (n % VW) * GT / V_LANES (v_word(ptid) < GT / V_LANES there, so no word wraps around)
+constexpr int VW = WPT * V_LANES > GT ? WPT * V_LANES / GT : 1;
+static_assert(GT % (WPT * V_LANES) == 0 || (WPT * V_LANES) % GT == 0, "a producer thread keeps its channels");
+constexpr int VW_STEP = GT / V_LANES;  // words between a thread's words
 __device__ __forceinline__ int v_word(int item) { return (item / V_LANES) % WPT; }
 __device__ __forceinline__ int v_token(int item) { return (item / (V_LANES * WPT)) * V_LANES + item % V_LANES; }
-__device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[CPW / 2], int ptid) {
+// the col_scale ratios of the thread's words, word k's at cr[k * CPW / 2]
+__device__ __forceinline__ void load_col_ratios(const Params& P, ratio_t (&cr)[VW * CPW / 2], int ptid) {
     const int c0 = v_word(ptid) * CPW;
 #pragma unroll
-    for (int k = 0; k < CPW / 2; ++k) cr[k] = reinterpret_cast<const ratio_t*>(P.cr)[c0 / 2 + k];
+    for (int k = 0; k < VW * CPW / 2; ++k)
+        cr[k] = reinterpret_cast<const ratio_t*>(P.cr)[c0 / 2 + (k / (CPW / 2)) * VW_STEP * CPW / 2 + k % (CPW / 2)];
 }
 __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const u8* lut, u8* sVd, int t0, int ptid) {
     // the thread's col_scale ratios, loaded per block (kept in registers across the blocks they made the
     // producers spill once the K operand took the row scales)
-    ratio_t cr[CPW / 2];
+    ratio_t cr[VW * CPW / 2];
     load_col_ratios(P, cr, ptid);
     constexpr int ROWB = D * VB / 8;  // bytes per token of codes
     constexpr int ITEMS = BN * WPT;
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
     constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;  // batches of loads, as in dequant_k
-    static_assert(NI % NB == 0, "whole batches");
+    static_assert(NI % NB == 0 && NB % VW == 0, "whole batches, each starting at the thread's first word");
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
         u32 w[NB];
         uint2 vp[NB];
-        const int wi = v_word(ptid);  // the same for every item of this thread
+        const int wi = v_word(ptid);  // the word of the thread's items i with i % VW == 0
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             const int tt = v_token(ptid + (i0 + i) * GT);
-            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + wi * 4);
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + (wi + (i % VW) * VW_STEP) * 4);
             vp[i] = P.vp[t0 + tt];
         }
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            const int tt = v_token(ptid + (i0 + i) * GT);
+            const int tt = v_token(ptid + (i0 + i) * GT), c0 = (wi + (i % VW) * VW_STEP) * CPW;
+            const ratio_t* cri = cr + (i % VW) * (CPW / 2);
             u32 out[CPW / 2];
             if constexpr (VB == 2) {
                 __half2 v[8];
                 values16(w[i], v, lut);
 #pragma unroll
-                for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], vp[i], cr[k]);
+                for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], vp[i], cri[k]);
             } else {
                 __half2 v[4];
                 values8(w[i], v, lut);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp[i], cr[k]);
+                for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], vp[i], cri[k]);
             }
 #pragma unroll
-            for (int k = 0; k < CPW / 2; k += 4)  // 8 channels wi * CPW + 2k .. + 7 per 16-byte store
-                *reinterpret_cast<uint4*>(sVd + v_off(tt, wi * CPW + 2 * k)) =
+            for (int k = 0; k < CPW / 2; k += 4)  // 8 channels c0 + 2k .. + 7 per 16-byte store
+                *reinterpret_cast<uint4*>(sVd + v_off(tt, c0 + 2 * k)) =
                     make_uint4(out[k], out[k + 1], out[k + 2], out[k + 3]);
         }
     }
@@ -948,6 +991,11 @@ __device__ __forceinline__ void load_exact_block(const ExactSource& src, int b, 
     constexpr int ITEMS = BN * CPR;
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
     const int s0 = src.sink_len, s1 = src.sink_len + src.win_len;
+    // Unrolled, ptxas hoists the items' offsets out of the producers' block loop and keeps them live across
+    // it; with the 104 registers of a producer thread beside two D=256 consumer warpgroups that spilled both
+    // roles, so there the loop stays rolled (the exact blocks are a few of a CTA's)
+    constexpr int UNROLL = REG_TRADE && D == 256 ? 1 : ITEMS / GT;
+#pragma unroll UNROLL
     for (int it = 0; it < ITEMS / GT; ++it) {
         const int item = ptid + it * GT;
         const int tt = item / CPR, ch = item - tt * CPR;

@@ -61,8 +61,10 @@ class FusedConfig:
         alternate tiles, so one group's per-tile scale reductions overlap the other's dequantization;
         needs at most 2 blocks per tile and shared memory for 2 stages per group).
     mma: ``"sync"`` (mma.sync m16n8k16 per consumer warp, sm_80+) or ``"wgmma"`` (sm_90a only: wgmma per
-        consumer warpgroup of 64 rows on CuTe's SM90 GMMA atoms; 16 rows per warp, 64-token blocks, head_dim
-        64 or 128; two producer groups only as two warpgroups).
+        consumer warpgroup of 64 rows on CuTe's SM90 GMMA atoms; 16 rows per warp; head_dim 64 or 128 with
+        64-token blocks, two producer groups only as two warpgroups; head_dim 256 with 32-token blocks and
+        one producer warpgroup, whose 4 or 8 consumer warps hold a 64 x 256 f32 accumulator per warpgroup:
+        with 8 the warpgroups trade registers, 200 per consumer thread and 104 per producer thread).
     k_operand: ``"f16"`` (default: the producers dequantize the K codes to f16 in shared memory, f16 MMA)
         or ``"int8"`` (``csrc/prefill_int8.cuh``: the producers write the K codes as centered int8 in the s8
         MMA's B-fragment order, the consumers fold their rotated query rows per tile into two int8 levels and
@@ -122,8 +124,8 @@ class FusedConfig:
 
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
-        sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers),
-        4 consumer warps and 32-token blocks; 8 consumer warps need 16 rows per warp."""
+        sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers) and
+        32-token blocks, with mma.sync 4 consumer warps; 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
         if self.k_operand == "int8":
@@ -131,9 +133,15 @@ class FusedConfig:
             # in registers; with 8 consumer warps (168 registers each) ptxas spills 10 words
             if self.mma != "sync" or self.rows_per_warp != 16 or self.consumer_warps != 4:
                 return False
-        if self.mma == "wgmma":  # two producer groups: one warpgroup each
-            return (self.rows_per_warp == 16 and self.block_n == 64 and head_dim in (64, 128)
-                    and (self.producer_groups == 1 or self.producer_warps == 8))
+        if self.mma == "wgmma":
+            if self.rows_per_warp != 16:
+                return False
+            if head_dim == 256:
+                # 32-token blocks (three 32 KB stages beside 64 KB of Q rows), one producer warpgroup (two
+                # consumer warpgroups take 200 registers a thread of the 504 the launch of 384 threads holds)
+                return self.block_n == 32 and self.producer_warps == 4 and self.producer_groups == 1
+            # two producer groups: one warpgroup each
+            return self.block_n == 64 and (self.producer_groups == 1 or self.producer_warps == 8)
         if self.producer_warps != 4:
             return False
         if self.consumer_warps == 8 and (self.rows_per_warp != 16 or head_dim == 256):
@@ -150,9 +158,11 @@ class FusedConfig:
 
 
 # Tuner candidates (``python -m kvarn_cutlass.ops.prefill_tune``), filtered by FusedConfig.fits per bucket.
-CANDIDATES = tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
-                   if c == 4 or r == 16) + tuple(FusedConfig(16, 64, c, g, mma="wgmma", producer_warps=p)
-                                                 for c in (4, 8) for p in (4, 8) for g in (1, 2) if g <= p // 4)
+CANDIDATES = (tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) for n in (32, 64) for pg in (1, 2)
+                    if c == 4 or r == 16)
+              + tuple(FusedConfig(16, 64, c, g, mma="wgmma", producer_warps=p)
+                      for c in (4, 8) for p in (4, 8) for g in (1, 2) if g <= p // 4)
+              + tuple(FusedConfig(16, 32, c, mma="wgmma") for c in (4, 8)))  # head_dim 256
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
     64: FusedConfig(32, 64),
