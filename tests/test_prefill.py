@@ -294,17 +294,68 @@ def test_wgmma_variant_compiles_for_sm90a(D, preset, scale_dtype, quantizer, dty
 
     spec = kc.TileSpec(preset, D, scale_dtype, quantizer=quantizer)
     wg = [c for c in CANDIDATES if c.mma == "wgmma" and c.fits(D, spec.tile_tokens)]
-    assert len(wg) == 6
+    # six with Q in shared memory; Q in registers: two consumer warpgroups, at D=128 one producer warpgroup only
+    assert sorted(c.name for c in wg if c.q_operand == "regs") == (
+        ["r16c8n64wgrq"] if D == 128 else ["r16c8n64g2p8wgrq", "r16c8n64p8wgrq", "r16c8n64wgrq"])
+    assert len(wg) == 6 + (1 if D == 128 else 3)
     for cfg in wg:
         assert cfg.supported_on(90) and not cfg.supported_on(80) and not cfg.supported_on(100)
         m = build(fused_spec(spec, dtype, dtype, cfg), "sm_90")
         assert m.target == "sm_90a"
         res = m.resources["kvarn_prefill_fused"]
-        limit = 64 if cfg.threads == 512 else 0
+        # Q in registers: no spills at all (a spilled fragment would be reloaded inside the MMA sequence)
+        limit = 64 if cfg.threads == 512 and cfg.q_operand == "smem" else 0
         assert (res.spill_store_bytes or 0) <= limit and res.stack_bytes <= limit, (cfg, res)
+        if cfg.q_operand == "regs" and D == 128:  # the register trade's pool: 384 x 168 at launch
+            assert cfg.threads == 384 and res.registers == 168, (cfg, res)
     with pytest.raises(CompileError, match="sm_90a"):
         build(fused_spec(spec, dtype, dtype, wg[0]), "sm_80")
     assert not any(c.fits(256, 128) for c in wg)
+
+
+def test_q_in_registers_config():
+    """q_operand="regs": a wgmma-only option named by the suffix rq, emitted as Q_REGS=1; refused for mma.sync,
+    head_dim 256 and, at D=128, two producer warpgroups. Its score wgmmas are RS (register A, 8 a tile block at
+    D=128) and the rest of the SASS has the form of the shared-memory config's: the same HGMMA counts, no
+    local memory."""
+    pytest.importorskip("cuda.bindings")
+    import re
+
+    from kvarn_cutlass.cli.sass import disassemble, find_tool
+    from kvarn_cutlass.ops.prefill import FusedConfig, fused_spec
+    from kvarn_cutlass.runtime.spec import build
+
+    cfg = FusedConfig.from_name("r16c8n64wgrq")
+    assert cfg == FusedConfig(16, 64, 8, mma="wgmma", q_operand="regs") and cfg.name == "r16c8n64wgrq"
+    assert FusedConfig.from_name("r16c8n64g2p8wgrq").producer_groups == 2
+    with pytest.raises(ValueError, match="q_operand"):
+        FusedConfig(16, 64, 8, mma="wgmma", q_operand="registers")
+    assert not FusedConfig(16, 64, 4, q_operand="regs").fits(128, 128)          # mma.sync
+    assert not FusedConfig(16, 32, 8, mma="wgmma", q_operand="regs").fits(256, 128)
+    assert not FusedConfig(16, 64, 8, mma="wgmma", producer_warps=8, q_operand="regs").fits(128, 128)
+    assert FusedConfig(16, 64, 8, mma="wgmma", producer_warps=8, q_operand="regs").fits(64, 128)
+    spec = kc.TileSpec("k4v2_g128", 128)
+    ks = fused_spec(spec, torch.float16, torch.float16, cfg)
+    assert dict(ks.defines)["Q_REGS"] == "1"
+    assert "Q_REGS" not in dict(fused_spec(spec, torch.float16, torch.float16, FusedConfig(16, 64, 8, mma="wgmma")).defines)
+    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
+        pytest.skip("no disassembler")
+    sass = {}
+    for q_operand in ("smem", "regs"):
+        c = FusedConfig(16, 64, 8, mma="wgmma", q_operand=q_operand)
+        m = build(fused_spec(spec, torch.float16, torch.float16, c), "sm_90")
+        sass[q_operand] = [ln.split(";")[0] for ln in disassemble(m.cubin).splitlines()
+                           if re.search(r"\b(HGMMA|LDL|STL)\b", ln)]
+    count = lambda q_operand, pattern: sum(bool(re.search(pattern, ln)) for ln in sass[q_operand])
+    rs_tile = r"HGMMA\.64x64x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB"  # register A, MN-major tile K
+    ss_tile = r"HGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB"
+    for q_operand in ("smem", "regs"):
+        assert count(q_operand, r"\b(LDL|STL)\b") == 0, q_operand
+    # the tile scores' two turn sequences (with and without a pending P . V), 8 k-steps each; the exact ones SS
+    assert (count("regs", rs_tile), count("regs", ss_tile)) == (16, 0)
+    assert (count("smem", rs_tile), count("smem", ss_tile)) == (0, 16)
+    for shape in ("64x64x16", "64x128x16"):
+        assert count("regs", f"HGMMA.{shape}") == count("smem", f"HGMMA.{shape}") == (32 if shape == "64x64x16" else 20)
 
 
 @pytest.mark.parametrize("preset,scale_dtype,quantizer,dtype", [
@@ -433,17 +484,21 @@ def test_gpu(chunks, kw):
 
 @gpu
 @pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if c[1].get("D", 128) != 256])
-@pytest.mark.parametrize("consumer_warps,producer_warps", [(4, 4), (8, 4), (8, 8)])
-def test_gpu_wgmma(chunks, kw, consumer_warps, producer_warps):
+@pytest.mark.parametrize("consumer_warps,producer_warps,q_operand",
+                         [(4, 4, "smem"), (8, 4, "smem"), (8, 8, "smem"), (8, 4, "regs"), (8, 8, "regs")])
+def test_gpu_wgmma(chunks, kw, consumer_warps, producer_warps, q_operand):
     """The wgmma configs (sm_90 only) on every shape they take: both phases, ragged row blocks, GQA 1..8,
-    bf16, both quantizers, f32 scales, sink tokens."""
+    bf16, both quantizers, f32 scales, sink tokens; Q in shared memory or, for the tile phase, in registers
+    (two producer warpgroups with it at D=64 only)."""
     _gpu_skip()
     from kvarn_cutlass.ops.prefill import FusedConfig
     from kvarn_cutlass.runtime.arch import device_arch
 
-    cfg = FusedConfig(16, 64, consumer_warps, mma="wgmma", producer_warps=producer_warps)
+    cfg = FusedConfig(16, 64, consumer_warps, mma="wgmma", producer_warps=producer_warps, q_operand=q_operand)
     if not cfg.supported_on(device_arch()):
         pytest.skip("wgmma needs sm_90")
+    if not cfg.fits(kw.get("D", 128), kc.TileSpec(kw.get("preset", "k4v2_g128"), kw.get("D", 128)).tile_tokens):
+        pytest.skip(f"{cfg.name} does not take head_dim {kw.get('D', 128)}")
     for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 100, config=cfg, **kw):
         assert e < TOL, (chunks, kw, n, nt, e)
 
@@ -488,6 +543,32 @@ def test_gpu_wgmma_d256_matches_torch_path(consumer_warps):
         pytest.skip("wgmma needs sm_90")
     gen = torch.Generator().manual_seed(22)
     D, n = 256, 600
+    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
+    oc = outliers(gen, D)
+    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
+    c.append(0, k0.cuda(), v0.cuda())
+    q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35))
+    ref = kc.reference.attention(q, c, 0, k=k, v=v)
+    out = prefill_attention(q, k, v, c, 0, append=False, config=cfg)
+    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
+    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (cfg, e_gpu, e_emu, e_both)
+
+
+@gpu
+@pytest.mark.parametrize("D,name", [(128, "r16c8n64wgrq"), (64, "r16c8n64g2p8wgrq")])
+def test_gpu_wgmma_regq_matches_torch_path(D, name):
+    """Q in registers (RS score wgmma in the tile phase) computes the same products as the shared-memory
+    operand: the kernel and the torch path agree more closely than either agrees with the reference."""
+    _gpu_skip()
+    from kvarn_cutlass.ops.prefill import FusedConfig
+    from kvarn_cutlass.runtime.arch import device_arch
+
+    cfg = FusedConfig.from_name(name)
+    if not cfg.supported_on(device_arch()):
+        pytest.skip("wgmma needs sm_90")
+    gen = torch.Generator().manual_seed(23)
+    n = 700
     c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
     oc = outliers(gen, D)
     _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)

@@ -50,12 +50,17 @@
 // The wgmma operands sit in the canonical no-swizzle core-matrix layout (8 rows x 16 bytes, contiguous):
 // Q and the exact K are K-major, the dequantized tile K and every V are MN-major (see the *_off helpers);
 // the producers write that layout directly, and fence the generic-proxy stores for the async proxy.
+// Q_REGS (wgmma only): each consumer warpgroup loads its rotated query rows once, after staging them, into
+// registers as the m64k16 A fragments (D / 4 registers a thread), and the tile phase's S = Q . K^T runs RS:
+// with both operands in shared memory a 64 x 64 x 16 score MMA reads 4 KB for 128 KFLOP, the SM's shared-
+// memory rate, and K alone is half of that. The exact phase (a few blocks per CTA) stays SS.
 //
 // Compile-time parameters (defines from kvarn_cutlass.ops.prefill.fused_spec; the record layout from
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
 // K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_WARPS,
 // PRODUCER_GROUPS, BLOCK_N, WGMMA, OFF_* and RECORD_BYTES,
-// KERNEL_NAME; K_INT8 (default 0): the int8 K operand of prefill_int8.cuh instead of f16 tile K (mma.sync).
+// KERNEL_NAME; K_INT8 (default 0): the int8 K operand of prefill_int8.cuh instead of f16 tile K (mma.sync);
+// Q_REGS (default 0): the tile phase's Q as wgmma register fragments (above).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -64,6 +69,9 @@
 
 #ifndef K_INT8
 #define K_INT8 0
+#endif
+#ifndef Q_REGS
+#define Q_REGS 0
 #endif
 
 #if WGMMA
@@ -113,12 +121,20 @@ static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgm
 // over the warpgroup), 16 of S and 8 of P for a 32-token block, more than 168; 2 x 200 + 104 = 504, of which
 // ptxas uses up to R196 in the consumers (the tight spot: the inverse WHT of the accumulator after the tiles)
 // and R101 in the producers over the D=256 variants (docs/perf-notes.md: the splits tried).
-constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8);
+// Q_REGS at D=128 with two consumer warpgroups and one producer warpgroup (384 threads): the Q fragments (32
+// registers) put the consumers over the launch's 168 (ptxas: R0-R168 at 184, producers up to R113 at 136; at
+// 168 the consumers spill and ptxas serializes the wgmmas); 2 x 184 + 136 = 504. At D=64 (16 registers) every
+// wgmma config fits as it is; with two producer warpgroups at D=128 the consumers' share of 512 x 128 is too
+// small (168 spilled 64 bytes, 152 220), so kvarn_cutlass.ops.prefill.FusedConfig.fits refuses those.
+constexpr bool QR_TRADE = Q_REGS && D == 128 && NC == 8 && NP == 4;
+constexpr int QR_CONSUMER_REGS = 184, QR_PRODUCER_REGS = 136;
+constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8) || QR_TRADE;
 constexpr int LAUNCH_REGS = 65536 / NT / 8 * 8;
-constexpr int PRODUCER_REGS = D == 256 ? 104 : NG == 2 ? 104 : 88;
-constexpr int CONSUMER_REGS = D == 256 ? 200 : NG == 2 ? 152 : 168;
+constexpr int PRODUCER_REGS = QR_TRADE ? QR_PRODUCER_REGS : D == 256 ? 104 : NG == 2 ? 104 : 88;
+constexpr int CONSUMER_REGS = QR_TRADE ? QR_CONSUMER_REGS : D == 256 ? 200 : NG == 2 ? 152 : 168;
 static_assert(!REG_TRADE || (NP / 4) * PRODUCER_REGS + (NC / 4) * CONSUMER_REGS <= (NT / 128) * LAUNCH_REGS,
               "the CTA's register pool");
+static_assert(!Q_REGS || WGMMA, "Q_REGS: the register A operand of wgmma");
 static_assert(NG == 1 || (NG == 2 && BPT <= 2), "PRODUCER_GROUPS is 1, or 2 with at most 2 blocks per tile");
 static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
@@ -320,6 +336,11 @@ struct ScoreMMA {
     using Op32 = typename cuda::std::conditional<BF16, gmma::MMA_64x32x16_F32BF16BF16_SS<gmma::Major::K, KM>,
                                                  gmma::MMA_64x32x16_F32F16F16_SS<gmma::Major::K, KM>>::type;
     using Op = typename cuda::std::conditional<BN == 64, Op64, Op32>::type;
+};
+// The tile phase's S with Q from registers (Q_REGS; f16, tile K MN-major)
+struct ScoreMMARegQ {
+    using Op = typename cuda::std::conditional<BN == 64, gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
+                                               gmma::MMA_64x32x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>::type;
 };
 // O += P . V over the head dimension, N = D in one instruction (P from registers, V MN-major)
 template <bool BF16>
@@ -531,6 +552,33 @@ __device__ __forceinline__ void issue_scores(u32 sQw, u32 sK, float (&s)[SN][4])
     for (int kk = 0; kk < D / 16; ++kk)
         gmma_ss<Op>(desc_plus(da, kk * (2048 >> 4)), desc_plus(db, kk * (2 * BN * 16 >> 4)), s,
                     kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+}
+// The same with the warpgroup's rotated Q rows as register fragments qa (k16 step kk), tile K at sK.
+__device__ __forceinline__ void issue_scores_regq(const u32 (&qa)[D / 16][4], u32 sK, float (&s)[SN][4]) {
+    const uint64_t db = wgmma_desc(sK, BN * 16, 128);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        gmma_rs<ScoreMMARegQ::Op>(qa[kk], desc_plus(db, kk * (2 * BN * 16 >> 4)), s,
+                                  kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+}
+// This thread's A fragments of the warpgroup's Q rows (at sQw, layout q_off) for every k16 step: rows g and
+// g + 8 of the warp's 16 (g = lane / 4), columns 2 (lane % 4) + {0, 1} and + 8, as pack_p packs P.
+__device__ __forceinline__ void load_q_frags(const u8* sQw, int warp, int lane, u32 (&qa)[D / 16][4]) {
+    const int r = (warp & 3) * 16 + (lane >> 2), c = 2 * (lane & 3);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        qa[kk][0] = *reinterpret_cast<const u32*>(sQw + q_off(r, kk * 16 + c));
+        qa[kk][1] = *reinterpret_cast<const u32*>(sQw + q_off(r + 8, kk * 16 + c));
+        qa[kk][2] = *reinterpret_cast<const u32*>(sQw + q_off(r, kk * 16 + 8 + c));
+        qa[kk][3] = *reinterpret_cast<const u32*>(sQw + q_off(r + 8, kk * 16 + 8 + c));
+    }
+}
+template <int N>
+__device__ __forceinline__ void fence_frags(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cute::warpgroup_fence_operand(a[i][k]);
 }
 // acc += P . V for one block, P the packed A fragments (k16 step kt: score n8 tiles 2kt, 2kt + 1), issued.
 template <bool TILE>
@@ -1290,6 +1338,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     if (PINGPONG && wg == 1) bar_arrive(BAR_TURN, 256);  // the first turn is warpgroup 0's
     float s[1][SN][4];
     u32 pa[BN / 16][4];
+    // Q_REGS: the tile phase's A operand, this warpgroup's rotated rows staged above, read from shared memory
+    // once (the exact phase re-stages sQ and reads it by descriptor)
+    u32 qa[D / 16][4];
+    if (Q_REGS && sc.nba > 0) load_q_frags(sQw, warp, lane, qa);
     int pv_bi = -1;  // the block whose P . V is pending (its P in pa), -1: none
     // SCORES: 0 none, 1 a tile block's, 2 an exact block's (K at sK); PV: 0 none, 1 a tile block's, 2 an
     // exact block's pending P . V. Each combination is one straight-line MMA sequence (a branch between
@@ -1309,8 +1361,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const u32 pst = aStage + (pv_bi % NSTAGE) * ST_BYTES;
             fence_acc(s[0]);
             fence_acc(acc[0]);
+            if constexpr (Q_REGS && SC == 1) fence_frags(qa);  // the wgmma reads them asynchronously
             cute::warpgroup_arrive();
-            if constexpr (SC == 1) issue_scores<true>(aQw, sK, s[0]);
+            if constexpr (SC == 1 && Q_REGS) issue_scores_regq(qa, sK, s[0]);
+            if constexpr (SC == 1 && !Q_REGS) issue_scores<true>(aQw, sK, s[0]);
             if constexpr (SC == 2) issue_scores<false>(aQw, sK, s[0]);
             if constexpr (PV == 1) issue_pv<true>(pa, pst + ST_KD, acc[0]);
             if constexpr (PV == 2) issue_pv<false>(pa, pst + ST_EK, acc[0]);
@@ -1320,6 +1374,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         cute::warpgroup_wait<0>();
         fence_acc(s[0]);
         fence_acc(acc[0]);
+        if constexpr (Q_REGS && SC == 1) fence_frags(qa);
         if (PV != 0) release(pv_bi);
         pv_bi = -1;
     };

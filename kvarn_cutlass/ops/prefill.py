@@ -34,6 +34,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 / sm_80 opt-in limit per block
 LOG2E = 1.4426950408889634
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 K_OPERANDS = ("f16", "int8")
+Q_OPERANDS = ("smem", "regs")
 
 _SIG = (
     "ptr q", "i64 q_sb", "i64 q_sh", "i64 q_sn",
@@ -73,6 +74,10 @@ class FusedConfig:
     producer_warps: 4, or 8 with wgmma (two producer warpgroups: twice the warps to hide the
         dequantization's latency, sharing every tile or, with two groups, taking alternate tiles; with 8
         consumer warps the warpgroups trade registers by setmaxnreg).
+    q_operand: ``"smem"`` (default: the score wgmma reads Q and K from shared memory) or ``"regs"`` (wgmma
+        at head_dim 64 or 128: each consumer warpgroup keeps its rotated query rows in registers as wgmma A
+        fragments, D / 4 a thread, and the tile phase's score MMAs run RS, reading only K from shared memory;
+        the exact phase stays SS). Name suffix ``rq``.
     """
 
     rows_per_warp: int = 32
@@ -82,11 +87,12 @@ class FusedConfig:
     mma: str = "sync"
     producer_warps: int = 4
     k_operand: str = "f16"
+    q_operand: str = "smem"
 
     def __post_init__(self) -> None:
         for name, allowed in (("rows_per_warp", (16, 32)), ("block_n", (32, 64)), ("consumer_warps", (4, 8)),
                               ("producer_groups", (1, 2)), ("mma", ("sync", "wgmma")), ("producer_warps", (4, 8)),
-                              ("k_operand", K_OPERANDS)):
+                              ("k_operand", K_OPERANDS), ("q_operand", Q_OPERANDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FusedConfig.{name}={getattr(self, name)!r}; choose one of {list(allowed)}")
 
@@ -103,20 +109,21 @@ class FusedConfig:
     def name(self) -> str:
         return (f"r{self.rows_per_warp}c{self.consumer_warps}n{self.block_n}" + ("g2" if self.producer_groups == 2 else "")
                 + ("p8" if self.producer_warps == 8 else "") + ("wg" if self.mma == "wgmma" else "")
-                + ("i8" if self.k_operand == "int8" else ""))
+                + ("rq" if self.q_operand == "regs" else "") + ("i8" if self.k_operand == "int8" else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "FusedConfig":
-        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2``, ``r16c8n64p8wg`` or ``r16c4n64i8``;
-        ValueError otherwise."""
+        """The config of a :attr:`name` such as ``r32c4n64``, ``r16c8n64g2``, ``r16c8n64p8wg``, ``r16c8n64p8wgrq``
+        or ``r16c4n64i8``; ValueError otherwise."""
         import re
 
-        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(p8)?(wg)?(i8)?", name) if isinstance(name, str) else None
+        m = re.fullmatch(r"r(\d+)c(\d+)n(\d+)(g2)?(p8)?(wg)?(rq)?(i8)?", name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][p8][wg][i8], "
+            raise ValueError(f"{name!r} is not a fused prefill config name (r<rows>c<warps>n<tokens>[g2][p8][wg][rq][i8], "
                              "e.g. r32c4n64)")
         return cls(int(m.group(1)), int(m.group(3)), int(m.group(2)), 2 if m.group(4) else 1,
-                   "wgmma" if m.group(6) else "sync", 8 if m.group(5) else 4, "int8" if m.group(7) else "f16")
+                   "wgmma" if m.group(6) else "sync", 8 if m.group(5) else 4, "int8" if m.group(8) else "f16",
+                   "regs" if m.group(7) else "smem")
 
     def supported_on(self, arch: int) -> bool:
         """Whether the config runs on a device of compute capability ``arch`` (e.g. 90): wgmma is sm_90a code."""
@@ -132,6 +139,11 @@ class FusedConfig:
             # mma.sync, one m16 tile per warp, 4 consumer warps: the folded query levels (D / 2 registers) stay
             # in registers; with 8 consumer warps (168 registers each) ptxas spills 10 words
             if self.mma != "sync" or self.rows_per_warp != 16 or self.consumer_warps != 4:
+                return False
+        if self.q_operand == "regs":
+            # wgmma's register A operand; at D=128 the 32 registers of Q fit one producer warpgroup's trade
+            # (consumers 184, producers 136 of 384 x 168), not two producer warpgroups' (512 x 128: spills)
+            if self.mma != "wgmma" or head_dim == 256 or (head_dim == 128 and self.producer_warps != 4):
                 return False
         if self.mma == "wgmma":
             if self.rows_per_warp != 16:
@@ -162,7 +174,11 @@ CANDIDATES = (tuple(FusedConfig(r, n, c, pg) for c in (4, 8) for r in (16, 32) f
                     if c == 4 or r == 16)
               + tuple(FusedConfig(16, 64, c, g, mma="wgmma", producer_warps=p)
                       for c in (4, 8) for p in (4, 8) for g in (1, 2) if g <= p // 4)
-              + tuple(FusedConfig(16, 32, c, mma="wgmma") for c in (4, 8)))  # head_dim 256
+              + tuple(FusedConfig(16, 32, c, mma="wgmma") for c in (4, 8))  # head_dim 256
+              # Q in registers, with two consumer warpgroups (one, r16c4n64wg, was the slowest wgmma config in
+              # every bucket): D=128 only with one producer warpgroup (FusedConfig.fits)
+              + tuple(FusedConfig(16, 64, 8, g, mma="wgmma", producer_warps=p, q_operand="regs")
+                      for p in (4, 8) for g in (1, 2) if g <= p // 4))
 # Untuned fallback per head_dim (no register spills in the sm_90 build).
 DEFAULT_CONFIGS = {
     64: FusedConfig(32, 64),
@@ -213,6 +229,8 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
     }
     if config.k_operand == "int8":
         defines["K_INT8"] = 1
+    if config.q_operand == "regs":
+        defines["Q_REGS"] = 1
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
     wgmma = config.mma == "wgmma"
