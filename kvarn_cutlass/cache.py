@@ -377,8 +377,10 @@ class KVarNCache:
 
     def _append_host(self, layer: int, st: _Layer, k: torch.Tensor, v: torch.Tensor, plan) -> None:
         n_sink, n_new, keep = plan
-        bits = self._input_errors(k, v, n_sink)
         blk = self._deferred
+        # after a failed append of the block, later ones are not checked: the device kernels see the flag set and
+        # skip them, so the block's error names the first failing append's problems on either path
+        bits = 0 if blk is not None and blk.host_bits else self._input_errors(k, v, n_sink)
         if bits:
             if blk is None:
                 raise ValueError(error_message(bits, self.dtype, self.spec))

@@ -352,6 +352,25 @@ def test_deferred_checks_raise_at_exit_and_restore(bad):
     assert c.seq_len(1) == 70 + 60 + 5
 
 
+def test_deferred_block_reports_its_first_failing_append():
+    """The device kernels skip every append after a failed one (the flag is set), so a block's error names the first
+    failing append's problems only; the CPU path reports the same, not the union with later appends'."""
+    gen = torch.Generator().manual_seed(23)
+    c = _deferred_cache()
+    c.append(0, realistic_kv(1, 2, 20, 64, generator=gen), realistic_kv(1, 2, 20, 64, generator=gen))
+    before = _valid_state(c)
+    k1, v1 = realistic_kv(1, 2, 10, 64, generator=gen), realistic_kv(1, 2, 10, 64, generator=gen)
+    v1[0, 0, 4, 2] = float("nan")
+    k2, v2 = realistic_kv(1, 2, 10, 64, generator=gen), realistic_kv(1, 2, 10, 64, generator=gen)
+    k2[0, 1, 7, 3] = float("inf")
+    with pytest.raises(ValueError) as info:
+        with c.deferred_checks():
+            c.append(0, k1, v1)
+            c.append(1, k2, v2)
+    assert str(info.value).startswith("v contains NaN or Inf") and "k contains" not in str(info.value), info.value
+    _assert_same_state(before, _valid_state(c))
+
+
 def test_deferred_checks_restore_when_the_block_raises_and_do_not_nest():
     gen = torch.Generator().manual_seed(23)
     c = _deferred_cache()
