@@ -28,6 +28,11 @@ ops), so a decode launched after an append reads that append's lengths with no h
 copy. The graph holds only the kernel launch, which stays valid while the sequence grows across tile
 boundaries because the pool never moves (``max_seq_len`` preallocates it) and the grid is sized from
 the capacity.
+
+Kernel variants (A/B runs of the occupancy, docs/perf-notes.md "Decode occupancy"): :class:`DecodeVariant`
+sets the ring depth and the launch-bounds minimum blocks per SM at compile time (``DecodePlan(variant=)``
+or ``$KVARN_DECODE_VARIANT``); :func:`residency` gives the resident blocks per SM of a variant from its CUBIN
+and :func:`choose_splits` plans for the residency the variant's kernel has.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from .cache import KVarNCache
 from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ._validate import check_query, resolve_scale
 from .runtime import KernelSpec, build, cubin_global, get_module, register
-from .runtime.arch import arch_target, device_arch
+from .runtime.arch import arch_target, device_arch, normalize_arch
 
 __all__ = [
     "decode_attention",
@@ -54,7 +59,12 @@ __all__ = [
     "DecodePlan",
     "DecodeGraph",
     "DecodeWorkspace",
+    "DecodeVariant",
+    "Residency",
     "decode_spec",
+    "decode_variant",
+    "occupancy",
+    "residency",
     "decode_specs",
     "kernel_layout",
     "identity_tile_table",
@@ -68,6 +78,8 @@ MIN_TILES_PER_SPLIT = 2
 MAX_WAVES = 4
 Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GROUP = 8
+# Environment override of the kernel variant for A/B runs (DecodeVariant's text form, e.g. "ring=2,min_blocks=5").
+VARIANT_ENV = "KVARN_DECODE_VARIANT"
 
 _SIG = (
     "ptr q", "ptr pool", "ptr table", "ptr win_k", "ptr win_v", "ptr sink_k", "ptr sink_v", "ptr n_tiles",
@@ -79,10 +91,86 @@ _ARG_Q, _ARG_OUT = _SIG.index("ptr q"), _SIG.index("ptr out")
 LM_TABLE_LEVEL = 254
 
 
+# --- kernel variants ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeVariant:
+    """Compile-time occupancy knobs of the decode kernel, for A/B runs; ``DecodeVariant()`` is the shipped kernel.
+
+    Attributes (None: the kernel's own default, which lives in ``csrc/decode.cu`` only):
+        ring: cp.async ring slots NS of a tile block, 2..8 (NS - 1 iterations of records in flight; fewer
+            slots, less shared memory per block).
+        min_blocks: resident blocks per SM the G <= 4 kernel's registers are bounded for, 1..32
+            (``__launch_bounds__``' minimum: ptxas fits the registers per thread in 65,536 / (128 x
+            min_blocks), rounded down to a multiple of 8: 96 for 5 blocks, 80 for 6).
+        min_blocks_g8: the same for the G <= 8 kernel.
+
+    A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
+    shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist
+    in one process and in the kernel cache. Text form (``str``, :meth:`parse`, ``$KVARN_DECODE_VARIANT``):
+    ``"default"`` or ``"ring=2,min_blocks=5"``.
+    """
+
+    ring: int | None = None
+    min_blocks: int | None = None
+    min_blocks_g8: int | None = None
+
+    # field -> (smallest, largest value, name tag, define)
+    _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
+              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2")}
+
+    def __post_init__(self) -> None:
+        for name, (lo, hi, _, _) in self._KNOBS.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise ValueError(f"DecodeVariant.{name} must be None or an int in {lo}..{hi}, got {v!r}")
+
+    def _set(self) -> list[tuple[str, int]]:
+        return [(name, getattr(self, name)) for name in self._KNOBS if getattr(self, name) is not None]
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={v}" for name, v in self._set()) or "default"
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeVariant":
+        """The variant of a text form: ``"default"`` (or empty) or ``knob=int`` items joined by commas."""
+        if not isinstance(text, str):
+            raise TypeError(f"a decode variant is given as a str, got {type(text).__name__}")
+        text = text.strip()
+        if text in ("", "default"):
+            return cls()
+        knobs: dict[str, int] = {}
+        for item in text.split(","):
+            name, eq, value = (part.strip() for part in item.partition("="))
+            if not eq or name not in cls._KNOBS or name in knobs or not value.lstrip("-").isdigit():
+                raise ValueError(f"decode variant {text!r}: expected 'default' or knob=int items joined by commas, "
+                                 f"each knob once, knobs {sorted(cls._KNOBS)}")
+            knobs[name] = int(value)
+        return cls(**knobs)
+
+    @property
+    def suffix(self) -> str:
+        """The part of the kernel and module names this variant adds ("" for the default)."""
+        return "".join(f"_{self._KNOBS[name][2]}{v}" for name, v in self._set())
+
+    def defines(self) -> dict[str, int]:
+        """The kernel defines of the set knobs."""
+        return {self._KNOBS[name][3]: v for name, v in self._set()}
+
+
+DEFAULT_VARIANT = DecodeVariant()
+
+
+def decode_variant() -> DecodeVariant:
+    """The variant named by ``$KVARN_DECODE_VARIANT`` (A/B runs without code edits); the default when unset.
+
+    Plans, workspaces and split choices made without an explicit variant use this one."""
+    return DecodeVariant.parse(os.environ.get(VARIANT_ENV, ""))
+
+
 # --- kernel specs ------------------------------------------------------------------------------
-def _suffix(spec: TileSpec) -> str:
+def _suffix(spec: TileSpec, variant: DecodeVariant = DEFAULT_VARIANT) -> str:
     lm = "_lm" if spec.quantizer == "lloyd_max" else ""
-    return f"d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}_s{spec.scale_bytes}{lm}"
+    return f"d{spec.head_dim}_t{spec.tile_tokens}_v{spec.v_bits}_s{spec.scale_bytes}{lm}{variant.suffix}"
 
 
 def _f32_bits(x: float) -> str:
@@ -108,15 +196,19 @@ def _byte_words(table) -> list[str]:
     return [f"0x{sum((v & 0xFF) << (8 * j) for j, v in enumerate(table[4 * w:4 * w + 4])):08x}u" for w in range(4)]
 
 
-def decode_spec(spec: TileSpec) -> KernelSpec:
-    """The :class:`KernelSpec` of the decode kernel for one record layout (quantizer included).
+def decode_spec(spec: TileSpec, variant: DecodeVariant = DEFAULT_VARIANT) -> KernelSpec:
+    """The :class:`KernelSpec` of the decode kernel for one record layout (quantizer included) and variant.
 
     The record layout comes from ``spec`` (``KVD_REC``, ``KVD_OFF_<SECTION>``); lloyd_max adds its
     codebook tables (see :func:`lm_tables`; 2-bit V: ``c[0]``, ``a0 = c[1] - c[0]`` and
-    ``g1 = c[2] - 2 c[1] + c[0]``, since the symmetric 4-level book is ``c[0] + a0 k + g1 bit1(k)``)."""
-    sfx = _suffix(spec)
+    ``g1 = c[2] - 2 c[1] + c[0]``, since the symmetric 4-level book is ``c[0] + a0 k + g1 bit1(k)``);
+    ``variant`` adds its knobs' defines and name suffix (none for the default: the shipped spec)."""
+    if not isinstance(variant, DecodeVariant):
+        raise TypeError(f"variant must be a DecodeVariant, got {type(variant).__name__}")
+    sfx = _suffix(spec, variant)
     defines = {"KVD_D": spec.head_dim, "KVD_T": spec.tile_tokens, "KVD_VB": spec.v_bits, "KVD_SB": spec.scale_bytes,
-               "KVD_QZ": int(spec.quantizer == "lloyd_max"), "KVD_REC": spec.tile_nbytes, "KVD_SFX": sfx}
+               "KVD_QZ": int(spec.quantizer == "lloyd_max"), "KVD_REC": spec.tile_nbytes, "KVD_SFX": sfx,
+               **variant.defines()}
     for name in spec.section_names():
         defines[f"KVD_OFF_{name.upper()}"] = spec.offset(name)
     if spec.quantizer == "lloyd_max":
@@ -163,23 +255,83 @@ class KernelLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout_for(spec: TileSpec, target: str) -> KernelLayout:
-    ks = decode_spec(spec)
-    raw = cubin_global(build(ks, target).cubin, f"kvarn_decode_layout_{_suffix(spec)}")
+def _layout_for(spec: TileSpec, target: str, variant: DecodeVariant) -> KernelLayout:
+    ks = decode_spec(spec, variant)
+    raw = cubin_global(build(ks, target).cubin, f"kvarn_decode_layout_{_suffix(spec, variant)}")
     smem, te = struct.unpack("<2i", raw)
     return KernelLayout(smem, te)
 
 
-def kernel_layout(spec: TileSpec, device: torch.device | None = None) -> KernelLayout:
-    """The layout numbers of the decode kernel for ``spec``, read from its CUBIN (built for ``device``'s
-    architecture, sm_90 without one; the numbers do not depend on the architecture)."""
-    target = arch_target(device_arch(device.index) if device is not None and device.type == "cuda" else "sm_90")
-    return _layout_for(spec, target)
+def _target(device: torch.device | None) -> str:
+    """The compiler target of ``device``'s architecture; sm_90, the measured one, without a CUDA device."""
+    return arch_target(device_arch(device.index) if device is not None and device.type == "cuda" else "sm_90")
 
 
-def exact_blocks(spec: TileSpec, window: int, sink: int, device: torch.device | None = None) -> int:
-    """E: exact (sink + window) blocks per (sequence, KV head) for buffer capacities W and SC."""
-    return max(1, math.ceil((window + sink) / kernel_layout(spec, device).exact_tokens))
+def kernel_layout(spec: TileSpec, device: torch.device | None = None,
+                  variant: DecodeVariant = DEFAULT_VARIANT) -> KernelLayout:
+    """The layout numbers of the decode kernel for ``spec`` and ``variant``, read from its CUBIN (built for
+    ``device``'s architecture, sm_90 without one; the numbers do not depend on the architecture)."""
+    return _layout_for(spec, _target(device), variant)
+
+
+def exact_blocks(spec: TileSpec, window: int, sink: int, device: torch.device | None = None,
+                 variant: DecodeVariant | None = None) -> int:
+    """E: exact (sink + window) blocks per (sequence, KV head) for buffer capacities W and SC (TE of the
+    variant's kernel: a smaller ring can shrink it; None: :func:`decode_variant`)."""
+    variant = decode_variant() if variant is None else variant
+    return max(1, math.ceil((window + sink) / kernel_layout(spec, device, variant).exact_tokens))
+
+
+# Per-SM limits of CUDA's occupancy arithmetic (cuda_occupancy.h) for the architectures the kernels are built
+# for: registers, shared memory (the largest carveout), warps, blocks. Both allocate registers per warp in
+# units of 256 from each of 4 sub-partitions and shared memory in units of 128 bytes, and the driver
+# reserves 1 KiB of shared memory per block.
+_SM_LIMITS = {80: (65536, 164 * 1024, 64, 32), 90: (65536, 228 * 1024, 64, 32)}
+_REG_UNIT, _SUBPARTITIONS, _SMEM_UNIT, _SMEM_RESERVED = 256, 4, 128, 1024
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Resident blocks per SM of one decode kernel and the limits that set it (CUDA's occupancy arithmetic).
+
+    blocks: the least of by_registers, by_smem, by_warps and the SM's block limit. registers: per thread, from
+    the CUBIN. smem_bytes: shared memory one block takes: the kernel's dynamic layout + its static shared
+    memory + the 1 KiB the driver reserves per block, rounded up to 128 bytes.
+    """
+
+    blocks: int
+    by_registers: int
+    by_smem: int
+    by_warps: int
+    registers: int
+    smem_bytes: int
+
+
+def residency(spec: TileSpec, variant: DecodeVariant = DEFAULT_VARIANT,
+              arch: str | int = "sm_90") -> tuple[Residency, Residency]:
+    """(G <= 4 kernel, G <= 8 kernel): resident blocks per SM of the decode kernels of ``spec`` and ``variant``
+    built for ``arch`` (sm_80 or sm_90), from the CUBIN's registers and static shared memory and the layout's
+    dynamic shared memory; no GPU needed. On a GPU, :func:`occupancy` asks the driver instead (a GPU test
+    checks that the two agree)."""
+    target = arch_target(arch)
+    limits = _SM_LIMITS.get(normalize_arch(target))
+    if limits is None:
+        raise ValueError(f"no occupancy limits for {target}; known: {sorted(f'sm_{cc}' for cc in _SM_LIMITS)}")
+    regs_sm, smem_sm, warps_sm, blocks_sm = limits
+    ks = decode_spec(spec, variant)
+    mod = build(ks, target)
+    dyn = _layout_for(spec, target, variant).smem_bytes
+    warps = NUM_THREADS // 32
+    out = []
+    for name in ks.kernel_names:
+        res = mod.resources[name]
+        per_warp = -(-res.registers * 32 // _REG_UNIT) * _REG_UNIT
+        by_regs = regs_sm // _SUBPARTITIONS // per_warp * _SUBPARTITIONS // warps
+        smem = -(-(dyn + res.shared_bytes + _SMEM_RESERVED) // _SMEM_UNIT) * _SMEM_UNIT
+        by_smem, by_warps = smem_sm // smem, warps_sm // warps
+        out.append(Residency(min(by_regs, by_smem, by_warps, blocks_sm), by_regs, by_smem, by_warps, res.registers,
+                             smem))
+    return out[0], out[1]
 
 
 def min_tiles_per_split() -> int:
@@ -215,17 +367,21 @@ def _check_len_tensor(name: str, x: Any, batch: int, device: torch.device) -> No
 
 
 # --- workspace ---------------------------------------------------------------------------------
-def _occupancy(kernel, smem: int) -> int:
-    """Resident partials blocks per SM (driver occupancy query; a conservative estimate if it fails)."""
+def occupancy(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEFAULT_VARIANT) -> int:
+    """Resident blocks per SM of the G <= 4 decode kernel of ``spec`` and ``variant`` on ``device``: the driver's
+    occupancy query of the loaded kernel at its dynamic shared memory (:func:`residency`'s arithmetic on the
+    same CUBIN if the query fails)."""
+    kernel = _kernels(spec, device, variant)[0]
     try:
         from cuda.bindings import driver
 
-        status, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel._func, NUM_THREADS, smem)
+        status, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            kernel._func, NUM_THREADS, kernel_layout(spec, device, variant).smem_bytes)
         if int(status) == 0 and n > 0:
             return int(n)
-    except Exception:  # estimate below
+    except Exception:  # the arithmetic below
         pass
-    return max(1, min(4, (227 * 1024) // (smem + 1024)))
+    return residency(spec, variant, _target(device))[0].blocks
 
 
 class DecodeWorkspace:
@@ -236,13 +392,18 @@ class DecodeWorkspace:
     [B, Hkv], zero between launches (the merging block resets its ticket). Reused across layers and
     steps (launches run in stream order; two streams must not share a workspace); graphs capture its
     pointers, so it must stay alive. ``min_tps``: fewest tiles per split block (passed to the kernel).
+    ``variant``: the kernel variant the splits and E were planned for, which every launch through this
+    workspace runs (default :func:`decode_variant`).
     """
 
     def __init__(self, device: torch.device, batch: int, num_kv_heads: int, group: int, head_dim: int,
-                 splits: int, exact: int = 1, min_tps: int | None = None):
+                 splits: int, exact: int = 1, min_tps: int | None = None, variant: DecodeVariant | None = None):
+        if variant is not None and not isinstance(variant, DecodeVariant):
+            raise TypeError(f"variant must be a DecodeVariant or None, got {type(variant).__name__}")
         self.batch, self.num_kv_heads, self.group, self.head_dim, self.splits = batch, num_kv_heads, group, head_dim, splits
         self.exact = exact
         self.min_tps = min_tps or min_tiles_per_split()
+        self.variant = decode_variant() if variant is None else variant
         n = batch * num_kv_heads * (splits + exact) * group
         self.po = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.pm = torch.empty(n, dtype=torch.float32, device=device)
@@ -255,54 +416,74 @@ SATURATING_BLOCKS = 4.0      # resident blocks an SM needs to saturate issue; k 
 SPLIT_COST = 0.02            # merge work and partial traffic per extra split
 
 
-def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int) -> float:
+def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int,
+               saturation: float = SATURATING_BLOCKS) -> float:
     """Modelled makespan of ``s`` tile splits: the busiest SM's blocks in waves of resident blocks.
 
     ``per_sm = ceil(pairs x used splits / SMs)`` blocks of ``tps`` tiles land on the busiest SM and run
-    in waves of ``occupancy``; a wave of ``k`` resident blocks takes ``tps x k x max(1, SATURATING_BLOCKS
-    / k)`` (below saturation each block runs at its own latency-bound speed), so a partial last wave
-    costs as much as a full one.
+    in waves of ``occupancy``; a wave of ``k`` resident blocks takes ``tps x k x max(1, saturation / k)``
+    (below saturation each block runs at its own latency-bound speed), so a partial last wave costs as
+    much as a full one.
     """
     tps = max(min_tps, math.ceil(cap_tiles / s))
     used = math.ceil(cap_tiles / tps)
     per_sm = math.ceil(pairs * used / sms)
     full, rest = divmod(per_sm, occupancy)
     waves = [occupancy] * full + ([rest] if rest else [])
-    return tps * sum(k * max(1.0, SATURATING_BLOCKS / k) for k in waves) + SPLIT_COST * s
+    return tps * sum(k * max(1.0, saturation / k) for k in waves) + SPLIT_COST * s
+
+
+def plan_splits(pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int,
+                saturation: float = SATURATING_BLOCKS) -> int:
+    """The S in 1..s_cap with the least :func:`split_cost` (the smallest on ties); s_cap is MAX_WAVES waves
+    of ``occupancy`` resident blocks on ``sms`` SMs for ``pairs`` (sequence, KV head) pairs, and at most
+    ceil(cap_tiles / min_tps)."""
+    s_cap = max(1, min(MAX_WAVES * sms * occupancy // pairs, math.ceil(cap_tiles / min_tps)))
+    return min(range(1, s_cap + 1),
+               key=lambda s: (split_cost(s, pairs, cap_tiles, sms, occupancy, min_tps, saturation), s))
+
+
+def split_saturation(variant: DecodeVariant, occupancy: int) -> float:
+    """Resident blocks at which the split model has a variant saturate its SM.
+
+    SATURATING_BLOCKS is the fit of the shipped kernel (per-SM throughput grew with the resident blocks up to
+    the 4 it can hold: the split sweeps of docs/perf-notes.md), so it only says that saturation needs at least 4.
+    An occupancy variant is modelled as saturating at its own residency: the latency-bound hypothesis that its
+    A/B run tests (docs/perf-notes.md, "Decode occupancy"); the shipped kernel's plans stay as they were.
+    """
+    return SATURATING_BLOCKS if variant == DEFAULT_VARIANT else max(SATURATING_BLOCKS, occupancy)
 
 
 def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.device, spec: TileSpec,
-                  min_tps: int | None = None) -> int:
+                  min_tps: int | None = None, variant: DecodeVariant | None = None) -> int:
     """Tile splits S per (sequence, KV head), minimizing :func:`split_cost` at the capacity.
 
     The kernel's tile loop is issue-bound per SM (docs/perf-notes.md, decode), so the makespan is set by
     the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots
-    (a partial last wave).
+    (a partial last wave). The residency is the one ``variant``'s compiled G <= 4 kernel has on ``device``
+    (:func:`occupancy`; None: :func:`decode_variant`), its saturation :func:`split_saturation`.
     S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps).
     """
     min_tps = min_tps or min_tiles_per_split()
-    lay = kernel_layout(spec, device)
+    variant = decode_variant() if variant is None else variant
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    k = _kernels(spec, device)[0]
-    occ = _occupancy(k, lay.smem_bytes)
-    pairs = batch * num_kv_heads
-    s_cap = max(1, min(MAX_WAVES * sms * occ // pairs, math.ceil(cap_tiles / min_tps)))
-    return min(range(1, s_cap + 1), key=lambda s: (split_cost(s, pairs, cap_tiles, sms, occ, min_tps), s))
+    occ = occupancy(spec, device, variant)
+    return plan_splits(batch * num_kv_heads, cap_tiles, sms, occ, min_tps, split_saturation(variant, occ))
 
 
 _kernel_cache: dict = {}
 
 
-def _kernels(spec: TileSpec, device: torch.device):
-    """(kernel for G <= 4, kernel for G <= 8) of ``spec`` on ``device``."""
-    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, device.index)
+def _kernels(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEFAULT_VARIANT):
+    """(kernel for G <= 4, kernel for G <= 8) of ``spec`` and ``variant`` on ``device``."""
+    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, variant, device.index)
     ks = _kernel_cache.get(key)
     if ks is None:
-        ks_spec = decode_spec(spec)
+        ks_spec = decode_spec(spec, variant)
         mod = get_module(ks_spec, device)
         ks = tuple(mod.kernel(name, _SIG) for name in ks_spec.kernel_names)
         # Opt in to the dynamic shared memory now, so that the occupancy query sees it.
-        smem = kernel_layout(spec, device).smem_bytes
+        smem = kernel_layout(spec, device, variant).smem_bytes
         for k in ks:
             k.prepare((1, 1, 1), NUM_THREADS, (0,) * 15 + (0,) * 10 + (1.0,), shared_mem=smem)
         _kernel_cache[key] = ks
@@ -350,8 +531,9 @@ def decode_attention_ragged(
         spec: the record layout.
         scale: softmax scale, default 1/sqrt(D).
         out: optional [B, Hq, 1, D] output in q's dtype.
-        workspace: partials buffers and tickets (a :class:`DecodeWorkspace` for this shape); allocated if
-            None (do not let that happen during graph capture: pass one).
+        workspace: partials buffers and tickets (a :class:`DecodeWorkspace` for this shape), whose kernel
+            variant the launch runs; allocated if None, for :func:`decode_variant` (do not let that happen
+            during graph capture: pass one).
         tile_table: int32 [B, cap_tiles] contiguous, entry [b, i] = the pool slot of tile i of sequence b
             (slots outside [0, B * cap_tiles) are clamped into it); default :func:`identity_tile_table`.
 
@@ -415,9 +597,11 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
     elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != device
           or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {q.dtype} tensor {list(q.shape)} on {device}")
-    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2], device)
+    variant = decode_variant() if workspace is None else workspace.variant
+    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2], device, variant)
     if workspace is None:
-        workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec), E)
+        workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec, variant=variant), E,
+                                    variant=variant)
     elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim, workspace.exact) != (B, Hkv, G, D, E):
         raise ValueError(
             f"workspace is for batch={workspace.batch}, kv_heads={workspace.num_kv_heads}, group={workspace.group}, "
@@ -429,11 +613,12 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
     args = (q, tiles, tile_table, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
             workspace.pm, workspace.pl, workspace.tickets, out, Hkv, G, cap, B * cap, window_k.shape[2],
             sink_k.shape[2], S, E, workspace.min_tps, flags, scale)
-    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + (spec,)
+    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + (spec, variant)
     launch = None if _prepared is None else _prepared.get(key)
     if launch is None:
-        kernel = _kernels(spec, device)[0 if G <= 4 else 1]
-        launch = kernel.prepare((S + E, Hkv, B), NUM_THREADS, args, shared_mem=kernel_layout(spec, device).smem_bytes)
+        kernel = _kernels(spec, device, variant)[0 if G <= 4 else 1]
+        launch = kernel.prepare((S + E, Hkv, B), NUM_THREADS, args,
+                                shared_mem=kernel_layout(spec, device, variant).smem_bytes)
         if _prepared is not None:
             if len(_prepared) > 256:
                 _prepared.clear()
@@ -453,9 +638,12 @@ class DecodePlan:
         cache: a KVarNCache on a CUDA device.
         splits: tile splits per (sequence, KV head); default from :func:`choose_splits`.
         min_tps: fewest tiles per split block; default :func:`min_tiles_per_split`.
+        variant: the kernel variant every launch of the plan runs (:class:`DecodeVariant`, A/B runs);
+            default :func:`decode_variant` (``$KVARN_DECODE_VARIANT``, else the shipped kernel).
     """
 
-    def __init__(self, cache: KVarNCache, splits: int | None = None, min_tps: int | None = None):
+    def __init__(self, cache: KVarNCache, splits: int | None = None, min_tps: int | None = None,
+                 variant: DecodeVariant | None = None):
         _check_cache(cache)
         if cache.device.type != "cuda":
             raise ValueError(f"cache must be on a CUDA device for decode_attention, got {cache.device}")
@@ -467,6 +655,9 @@ class DecodePlan:
         if min_tps is not None and (isinstance(min_tps, bool) or not isinstance(min_tps, int) or min_tps < 1):
             raise ValueError(f"min_tps must be a positive int, got {min_tps!r}")
         self.min_tps = min_tps
+        if variant is not None and not isinstance(variant, DecodeVariant):
+            raise TypeError(f"variant must be a DecodeVariant or None, got {type(variant).__name__}")
+        self.variant = decode_variant() if variant is None else variant
         B = cache.batch_size
         self.lens = cache.device_lengths()
         # Stands in for a pool that has no tiles yet (no max_seq_len): the kernel needs a valid pointer,
@@ -494,11 +685,11 @@ class DecodePlan:
         if ws is None:
             c = self.cache
             s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
-                                                      self.min_tps)
+                                                      self.min_tps, self.variant)
             buf = c.buffers(0)
-            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2], self.device)
+            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2], self.device, self.variant)
             ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
-                                                         s, e, self.min_tps)
+                                                         s, e, self.min_tps, self.variant)
         return ws
 
     def launch(self, q: torch.Tensor, layer: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:

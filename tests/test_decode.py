@@ -186,6 +186,142 @@ def test_min_tps_env(monkeypatch):
     assert decode.min_tiles_per_split() == decode.MIN_TILES_PER_SPLIT
 
 
+# --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
+# What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
+# resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are
+# this compiler's (d128 k4v4 and d256: shared memory bound; d64: its 80 registers).
+OCCUPANCY_CLAIMS = [
+    pytest.param(kw, variant, blocks, id=f"{label}-{variant}")
+    for label, kw, variant, blocks in [
+        ("d128_k4v2", {}, "default", 4),
+        ("d128_k4v2", {}, "ring=2", 4),
+        ("d128_k4v2", {}, "ring=2,min_blocks=5", 5),
+        ("d128_k4v2", {}, "ring=2,min_blocks=6", 6),
+        ("d128_k4v4", {"preset": "k4v4_g128"}, "default", 3),
+        ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2", 4),
+        ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2,min_blocks=5", 5),
+        ("d64_k4v2", {"head_dim": 64}, "default", 6),
+        ("d64_k4v2", {"head_dim": 64}, "ring=2,min_blocks=8", 8),
+        ("d256_k4v2", {"head_dim": 256}, "default", 2),
+        ("d256_k4v2", {"head_dim": 256}, "ring=2", 3),
+    ]
+]
+
+
+def test_variant_text_form_and_env(monkeypatch):
+    V = decode.DecodeVariant
+    for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2"):
+        assert str(V.parse(text)) == text
+    assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
+    assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
+    assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
+    for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5"):
+        with pytest.raises(ValueError):
+            V.parse(bad)
+    with pytest.raises(ValueError):
+        V(ring=True)
+    with pytest.raises(TypeError, match="variant must be a DecodeVariant"):
+        decode.decode_spec(TileSpec(), "ring=2")
+    monkeypatch.setenv(decode.VARIANT_ENV, "ring=2,min_blocks=6")
+    assert decode.decode_variant() == V(ring=2, min_blocks=6)
+    monkeypatch.delenv(decode.VARIANT_ENV)
+    assert decode.decode_variant() == V()
+
+
+def test_default_variant_is_the_shipped_spec():
+    """No knob set, no define and no name change: the default variant's module is the registered one (one cache
+    entry, the shipped CUBIN); a set knob renames the kernels and the module, so variants coexist."""
+    ts = TileSpec()
+    assert decode.decode_spec(ts, decode.DecodeVariant()) == decode.decode_spec(ts)
+    assert not {"KVD_NS", "KVD_MINB1", "KVD_MINB2"} & set(dict(decode.decode_spec(ts).defines))
+    ks = decode.decode_spec(ts, decode.DecodeVariant(ring=2, min_blocks=5))
+    assert ks.name == "decode_d128_t128_v2_s2_ns2_mb5"
+    assert ks.kernel_names == ("kvarn_decode_n1_d128_t128_v2_s2_ns2_mb5", "kvarn_decode_n2_d128_t128_v2_s2_ns2_mb5")
+    assert dict(ks.defines)["KVD_NS"] == "2" and dict(ks.defines)["KVD_MINB1"] == "5"
+
+
+def _text_sections(cubin: bytes, variant: decode.DecodeVariant) -> dict[str, bytes]:
+    """Machine code of each kernel of a CUBIN, keyed by the kernel's name less the variant's suffix."""
+    from kvarn_cutlass.runtime.compiler import _elf_sections
+
+    return {sec.name.removesuffix(variant.suffix): cubin[sec.offset:sec.offset + sec.size]
+            for sec in _elf_sections(cubin) if sec.name.startswith(".text.")}
+
+
+def test_knobs_set_to_the_defaults_compile_to_the_shipped_code():
+    """The knobs only replace the kernel's own defaults: set to them (d128: ring 3, 4 and 3 blocks) the machine
+    code is the shipped kernels' byte for byte (only the names differ)."""
+    ts, same = TileSpec(), decode.DecodeVariant(ring=3, min_blocks=4, min_blocks_g8=3)
+    shipped = _text_sections(build(decode.decode_spec(ts), "sm_90").cubin, decode.DecodeVariant())
+    assert len(shipped) == 2
+    assert _text_sections(build(decode.decode_spec(ts, same), "sm_90").cubin, same) == shipped
+
+
+@pytest.mark.parametrize("kw,variant,blocks", OCCUPANCY_CLAIMS)
+def test_occupancy_variant_builds_without_spills_at_its_residency(kw, variant, blocks):
+    """Each candidate compiles without spills (ptxas report and no stack frame) and holds the resident blocks it
+    claims; a set min_blocks bounds the registers to 65,536 / (128 x min_blocks) rounded down to 8."""
+    ts, v = TileSpec(**kw), decode.DecodeVariant.parse(variant)
+    mod = build(decode.decode_spec(ts, v), "sm_90")
+    for name in decode.decode_spec(ts, v).kernel_names:
+        res = mod.resources[name]
+        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, (name, res)
+    n1, n2 = decode.residency(ts, v)
+    assert n1.blocks == blocks, n1
+    if v.min_blocks:
+        assert n1.registers <= 65536 // (128 * v.min_blocks) // 8 * 8 and n1.by_registers >= v.min_blocks, n1
+    assert n2.blocks >= 1 and n2.registers >= n1.registers
+
+
+def test_smaller_ring_frees_one_slot_of_records():
+    """d128 k4v2: ring 2 takes one ring slot (one 13,824-byte record) less shared memory than the shipped 3, and
+    keeps TE (so E and the exact partials stay the same: outputs at equal splits are bit-identical)."""
+    ts = TileSpec()
+    a, b = decode.kernel_layout(ts), decode.kernel_layout(ts, None, decode.DecodeVariant(ring=2))
+    assert a.smem_bytes - b.smem_bytes == ts.tile_nbytes and a.exact_tokens == b.exact_tokens
+
+
+def test_variants_keep_the_floating_point_operations():
+    """Only occupancy changes: the d128 k4v2 candidates' kernels have the same floating-point, conversion and
+    tensor-core instructions as the shipped ones (ptxas made the same FMA contractions), which bit-identical
+    outputs at equal splits need (the GPU tests compare the outputs)."""
+    import re
+
+    from kvarn_cutlass.cli.sass import disassemble
+
+    variants = [decode.DecodeVariant.parse(v) for v in ("default", "ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6")]
+    try:
+        sass = {v: disassemble(build(decode.decode_spec(TileSpec(), v), "sm_90").cubin) for v in variants}
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|FSEL|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)\b")
+
+    def ops(v):
+        out = {}
+        for fn in sass[v].split("Function : ")[1:]:
+            found = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", fn)
+            out[fn.split()[0].removesuffix(v.suffix)] = sorted(o for o in found if arith.match(o))
+        return out
+
+    base = ops(variants[0])
+    assert len(base) == 2 and all(base.values())
+    for v in variants[1:]:
+        assert ops(v) == base, v
+
+
+def test_split_plan_uses_the_variants_residency():
+    """b16 / 32k and b1 / 128k of the bench (8 KV heads, 132 SMs): the shipped kernel's plans (4 resident blocks,
+    SATURATING_BLOCKS) are unchanged; a 5- or 6-block variant, modelled as saturating at its residency, fills one
+    wave of its residency; the shipped saturation stays for the default whatever its residency (d64: 6)."""
+    V = decode.DecodeVariant
+    plan = lambda pairs, cap, occ, v: decode.plan_splits(pairs, cap, 132, occ, 2, decode.split_saturation(v, occ))  # noqa: E731
+    assert plan(128, 257, 4, V()) == 4 and plan(8, 1025, 4, V()) == 65 and plan(8, 33, 4, V()) == 17
+    assert plan(128, 257, 5, V(ring=2, min_blocks=5)) == 5 and plan(128, 257, 6, V(ring=2, min_blocks=6)) == 6
+    assert plan(8, 1025, 6, V(ring=2, min_blocks=6)) == 94 and plan(8, 33, 6, V(ring=2, min_blocks=6)) == 17
+    assert decode.split_saturation(V(), 6) == decode.SATURATING_BLOCKS
+    assert decode.split_saturation(V(ring=2), 3) == decode.SATURATING_BLOCKS
+
+
 
 
 # --- a model of one warp: PTX semantics of ldmatrix.trans, prmt, mma.m16n8k32, and the kernel's indices ----

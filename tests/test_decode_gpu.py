@@ -439,3 +439,109 @@ def test_more_splits_than_tiles_and_one_split(splits):
     plan.launch(q, 0, out)
     torch.cuda.synchronize()
     assert rel(out, reference.attention(q, c, 0)) < TOL, f"seed={S}"
+
+
+# --- occupancy variants (docs/perf-notes.md, "Decode occupancy"): the shipped kernel's results -------------
+# The d128 k4v2 A/B candidates keep TE (so E) and every floating-point operation of the shipped kernel
+# (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit.
+OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6"]
+# Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
+OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
+    ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
+    ("k4v2_g128", 64, "default"), ("k4v2_g128", 64, "ring=2,min_blocks=8"),
+    ("k4v2_g128", 256, "default"), ("k4v2_g128", 256, "ring=2"),
+]
+
+
+def _ragged_decode(spec, inputs, q, splits, variant):
+    """decode_attention_ragged over _ragged_inputs through a fresh workspace of ``splits`` for ``variant``."""
+    tiles, wk, wv, sk, nt, wl, sl = inputs
+    B, Hq, _, D = q.shape
+    Hkv = tiles.shape[2]
+    E = decode.exact_blocks(spec, wk.shape[2], 0, q.device, variant)
+    ws = decode.DecodeWorkspace(q.device, B, Hkv, Hq // Hkv, D, splits, E, variant=variant)
+    out = torch.full_like(q, float("nan"))
+    decode.decode_attention_ragged(q, tiles, wk, wv, sk, sk.clone(), nt, wl, sl, spec, out=out, workspace=ws)
+    return out
+
+
+@pytest.mark.parametrize("variant", OCC_VARIANTS)
+@pytest.mark.parametrize("splits", [3, 9])
+def test_occupancy_variant_equals_the_default_on_ragged_lengths(variant, splits):
+    """Ragged lengths (inside the window, at a tile boundary, length 1, long), G = 4 (the variant's min_blocks)
+    and G = 8 (only its ring), poisoned pool slots and outputs: the variant's output is the default's, bit for
+    bit, and within 1e-3 of the reference."""
+    D, Hkv, W, T = 128, 2, 256, 128
+    spec = kc.TileSpec("k4v2_g128", D)
+    lengths = [200, 5 * T + W, 1, 3000, 3 * T + W + 1]
+    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=80 + i) for i, n in enumerate(lengths)]
+    inputs = _ragged_inputs(spec, caches, max(cc.num_tiles(0) for cc in caches) + 2, W)
+    v = decode.DecodeVariant.parse(variant)
+    assert decode.exact_blocks(spec, W, 0, None, v) == decode.exact_blocks(spec, W, 0, None, decode.DecodeVariant())
+    for G in (4, 8):
+        S = 120 + G
+        q = _randn(_gen(S), len(lengths), Hkv * G, 1, D)
+        want = _ragged_decode(spec, inputs, q, splits, decode.DecodeVariant())
+        got = _ragged_decode(spec, inputs, q, splits, v)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"seed={S}, {variant}, G={G}, splits={splits}"
+        for b, cc in enumerate(caches):
+            assert rel(got[b : b + 1], reference.attention(q[b : b + 1], cc, 0)) < TOL, f"seed={S}, b={b}"
+
+
+@pytest.mark.parametrize("variant", OCC_VARIANTS)
+def test_occupancy_variant_graph_replay_equals_the_default(variant):
+    """A graph of the variant's plan, replayed while the cache grows across tile boundaries, equals the default
+    plan's eager launch at the same splits bit for bit at every step."""
+    B, Hkv, G, D = 2, 2, 4, 128
+    c = make_cache(B, Hkv, D, n=1000, window=256, max_seq_len=4096, seed=90)
+    default = decode.DecodePlan(c, splits=5, variant=decode.DecodeVariant())
+    plan = decode.DecodePlan(c, splits=5, variant=decode.DecodeVariant.parse(variant))
+    g = decode.DecodeGraph(c, 0, Hkv * G, torch.float16, plan=plan)
+    S = 91
+    gen = _gen(S)
+    tiles_seen = set()
+    for step in range(300):
+        c.append(0, _kv(gen, B, Hkv, 1, D, torch.float16), _kv(gen, B, Hkv, 1, D, torch.float16))
+        q = _randn(gen, B, Hkv * G, 1, D)
+        g.out.fill_(float("nan"))
+        got = g.replay(q).clone()
+        want = torch.full_like(q, float("nan"))
+        default.launch(q, 0, want)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"seed={S}, {variant}, step {step}"
+        tiles_seen.add(c.num_tiles(0))
+    assert len(tiles_seen) >= 3 and plan.workspace(G).variant == decode.DecodeVariant.parse(variant)
+
+
+@pytest.mark.parametrize("preset,D,variant", OCC_ALL)
+def test_occupancy_variant_plans_its_splits_and_matches_the_reference(preset, D, variant):
+    """Each claimed variant through its own plan (the splits chosen for its residency; TE may differ from the
+    default's, e.g. k4v4 with ring 2): within 1e-3 of the reference, with a sink and G = 4."""
+    v = decode.DecodeVariant.parse(variant)
+    c = make_cache(2, 2, D, preset, n=2500, sink=128, seed=95)
+    plan = decode.DecodePlan(c, variant=v)
+    S = 96
+    q = _randn(_gen(S), 2, 8, 1, D)
+    out = torch.full_like(q, float("nan"))
+    plan.launch(q, 0, out)
+    torch.cuda.synchronize()
+    assert plan.workspace(4).variant == v
+    assert rel(out, reference.attention(q, c, 0)) < TOL, f"seed={S}, {preset} d{D} {variant}"
+
+
+@pytest.mark.parametrize("preset,D,variant", OCC_ALL)
+def test_occupancy_arithmetic_matches_the_driver(preset, D, variant):
+    """decode.residency (the occupancy arithmetic on the CUBIN, what the CPU tests and the split planner's
+    fallback use) equals the driver's occupancy query of both loaded kernels at their shared memory."""
+    from cuda.bindings import driver
+
+    from kvarn_cutlass.runtime.arch import device_arch
+
+    spec, v, dev = kc.TileSpec(preset, D), decode.DecodeVariant.parse(variant), torch.device("cuda")
+    want = decode.residency(spec, v, device_arch(dev.index))
+    smem = decode.kernel_layout(spec, dev, v).smem_bytes
+    for kernel, res in zip(decode._kernels(spec, dev, v), want):
+        status, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel._func, decode.NUM_THREADS, smem)
+        assert int(status) == 0 and n == res.blocks, (kernel.name, n, res)
+    assert decode.occupancy(spec, dev, v) == want[0].blocks

@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Warp-instructions the decode kernel's tile loop issues per iteration, counted in its SASS (no GPU).
 
-``python tools/decode_sass_loop.py [--arch sm90]``: builds the decode variants of
-docs/perf-notes.md (NVRTC, through the kernel cache), finds the tile loop (the back edge whose body
-holds the most IMMA/HMMA) and walks one iteration of it per warp role. The walk issues every
+``python tools/decode_sass_loop.py [--arch sm90] [--variant TEXT ...] [--only LABEL ...]``: builds the
+decode variants of docs/perf-notes.md (NVRTC, through the kernel cache), each for every kernel variant
+given (``decode.DecodeVariant`` text forms such as ``ring=2,min_blocks=5``; default: the shipped
+kernel), finds the tile loop (the back edge whose body holds the most IMMA/HMMA) and walks one
+iteration of it per warp role. The walk issues every
 instruction a warp meets: a forward conditional branch falls through (a divergent ``if`` issues its
 body), except the lazy-rescale branch after VOTE.ANY (taken: the rescale is rare) and, for a warp
 without a fold pair, the branch over the fold; an inner back edge (the fold's rounds) is taken
 ``rounds - 1`` times. Per variant one JSON line: per warp role the count, the registers, and the
-iteration's total over the four warps (the warps' fold rounds as ``fold_tiles`` assigns them).
+iteration's total over the four warps (the warps' fold rounds as ``fold_tiles`` assigns them), the
+spills, the shared memory one block takes and the resident blocks per SM of the occupancy arithmetic
+(``decode.residency``).
 """
 
 from __future__ import annotations
@@ -116,21 +120,32 @@ def fold_roles(spec: TileSpec, group: int) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm90")
+    ap.add_argument("--variant", action="append", type=decode.DecodeVariant.parse,
+                    help="a kernel variant (decode.DecodeVariant text form); repeatable; default: the shipped kernel")
+    ap.add_argument("--only", action="append", choices=[v[0] for v in VARIANTS],
+                    help="count only this spec label; repeatable")
     args = ap.parse_args(argv)
     for label, kw, which, group in VARIANTS:
+        if args.only and label not in args.only:
+            continue
         spec = TileSpec(**kw)
-        ks = decode.decode_spec(spec)
-        mod = build(ks, args.arch)
-        kernel = next(k for k in ks.kernel_names if f"_{which}_" in k)
-        ins = parse(disassemble(mod.cubin), kernel)
-        fold_warps, rounds = fold_roles(spec, group)
-        fold = walk(ins, True, rounds)
-        other = walk(ins, False, 1)
-        total = fold_warps * fold + (NUM_WARPS - fold_warps) * other
-        print(json.dumps({"variant": label, "G": group, "fold_warps": fold_warps, "fold_rounds": rounds,
-                          "fold_warp": fold, "other_warp": other if fold_warps < NUM_WARPS else None,
-                          "iteration": total, "max_warp": max(fold, other if fold_warps < NUM_WARPS else 0),
-                          "registers": mod.resources[kernel].registers}), flush=True)
+        for variant in args.variant or [decode.DecodeVariant()]:
+            ks = decode.decode_spec(spec, variant)
+            mod = build(ks, args.arch)
+            kernel = next(k for k in ks.kernel_names if f"_{which}_" in k)
+            ins = parse(disassemble(mod.cubin), kernel)
+            fold_warps, rounds = fold_roles(spec, group)
+            fold = walk(ins, True, rounds)
+            other = walk(ins, False, 1)
+            total = fold_warps * fold + (NUM_WARPS - fold_warps) * other
+            res = mod.resources[kernel]
+            occ = decode.residency(spec, variant, args.arch)[0 if which == "n1" else 1]
+            print(json.dumps({"variant": label, "kernel_variant": str(variant), "G": group, "fold_warps": fold_warps,
+                              "fold_rounds": rounds, "fold_warp": fold,
+                              "other_warp": other if fold_warps < NUM_WARPS else None, "iteration": total,
+                              "max_warp": max(fold, other if fold_warps < NUM_WARPS else 0),
+                              "registers": res.registers, "spill_stores": res.spill_store_bytes,
+                              "smem_per_block": occ.smem_bytes, "blocks_per_sm": occ.blocks}), flush=True)
     return 0
 
 

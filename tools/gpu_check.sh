@@ -24,6 +24,9 @@
 #    reasons too; GPU_NCU_TARGETS picks the kernels)
 # 6b'''. GPU_E2E_PROFILE=1: tools/e2e_profile.py (the e2e bench's time per kernel group, both caches)
 #    -> $OUT/e2e_profile.json (GPU_E2E_PROFILE_ARGS: more arguments)
+# 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
+#    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
+#    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt)
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
@@ -188,6 +191,18 @@ fi
 #     "--batch 16") -> $OUT/e2e_profile.json
 [ -z "${GPU_E2E_PROFILE:-}" ] || step e2e_profile timeout "${GPU_E2E_PROFILE_LIMIT:-300}" python3 tools/e2e_profile.py \
   --json "$OUT/e2e_profile.json" ${GPU_E2E_PROFILE_ARGS:-}
+
+# 6b''''. GPU_DECODE_VARIANTS=1 or "VARIANT ..." (decode.DecodeVariant text forms, e.g. ring=2,min_blocks=6):
+#     the occupancy variants timed graph-replayed on b1/4k, b1/128k, b16/32k, b16/128k at the default's splits
+#     (outputs compared bit for bit) and at their own plans, with split sweeps (tools/decode_variants.py; 1:
+#     its candidates) -> $OUT/decode_variants.json; GPU_DECODE_VARIANTS_NCU=1 adds Nsight Compute on b16/32k
+#     for the default and the fastest variant (per-SMSP counters, stall reasons) -> $OUT/ncu_decode_variants.txt
+if [ -n "${GPU_DECODE_VARIANTS:-}" ]; then
+  dv_args=(--json "$OUT/decode_variants.json")
+  [ "$GPU_DECODE_VARIANTS" = 1 ] || for v in $GPU_DECODE_VARIANTS; do dv_args+=(--variant "$v"); done
+  [ -z "${GPU_DECODE_VARIANTS_NCU:-}" ] || dv_args+=(--ncu "$OUT/ncu_decode_variants.txt")
+  step decode_variants timeout "${GPU_DECODE_VARIANTS_LIMIT:-480}" python3 tools/decode_variants.py "${dv_args[@]}"
+fi
 
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET
 #     (small shapes, e.g. prefill_small) -> $OUT/sanitize.txt; GPU_SANITIZE_TOOLS="TOOL ..." picks the

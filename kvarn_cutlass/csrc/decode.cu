@@ -43,7 +43,9 @@
 // (scale bytes), KVD_QZ (0 uniform, 1 lloyd_max), the record layout KVD_REC and KVD_OFF_<section>,
 // KVD_SFX (name suffix); lloyd_max: KVD_KTH0..3 / KVD_KTL0..3 (K table levels, byte i of word i / 4 =
 // entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
-// V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Everything the host needs about the kernel's
+// V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Occupancy knobs for A/B runs, unset in the
+// shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
+// minimum blocks per SM of the G <= 4 / G <= 8 kernel). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
@@ -98,7 +100,15 @@ static_assert(OFF_CSTEP % 16 == 0 && OFF_CMIN % 16 == 0 && OFF_RS % 16 == 0 && O
 // --- shared memory of the tile blocks (the exact blocks use exact_smem(TE) from offset 0) ----------------
 constexpr int align128(int x) { return (x + 127) / 128 * 128; }
 constexpr int RSLOT = TPI * REC;                          // one ring slot: the records of one iteration
-constexpr int NS = RSLOT <= 8192 ? 4 : 3;                 // ring slots (2-3 iterations in flight)
+// Ring slots: NS - 1 iterations of records in flight while one is computed on. Default 4 for records of
+// <= 8 KB per iteration, else 3; KVD_NS (decode.DecodeVariant.ring, A/B runs) overrides it: NS = 2 keeps
+// one iteration in flight and frees a slot of shared memory for more resident blocks.
+#ifdef KVD_NS
+constexpr int NS = KVD_NS;
+#else
+constexpr int NS = RSLOT <= 8192 ? 4 : 3;
+#endif
+static_assert(NS >= 2, "the ring needs a slot to compute on and one to load into");
 constexpr int FRAG_WORDS = 72;                            // per (tile, n-block, k-step): 32 lanes x 2 words + 8 pad
 constexpr int SM_FRAG = align128(NS * RSLOT);             // u32 [TPI][2][KS][FRAG_WORDS]: score B fragments
 constexpr int SM_KCF = SM_FRAG + TPI * 2 * KS * FRAG_WORDS * 4;  // float4 [TPI][8]: score factors, bias
@@ -112,10 +122,22 @@ constexpr int TE = exact_smem(64) <= SMEM_TILE ? 64 : 32;
 constexpr int EX_NP = NT / TE;  // channel parts per token in the exact score phase: 2 or 4
 constexpr int SMEM = SMEM_TILE > exact_smem(TE) ? SMEM_TILE : exact_smem(TE);
 static_assert(NW * 8 * (D + 2) * 4 <= NS * RSLOT, "the warp merge buffers must fit in the ring");
-// Resident blocks per SM the register allocation is bounded for: 4 (128 registers) for the G <= 4 kernel,
-// 3 for G <= 8 (twice the score and output registers); head_dim 256 halves both.
+// Resident blocks per SM the register allocation is bounded for (__launch_bounds__' minimum): 4 (128
+// registers) for the G <= 4 kernel, 3 for G <= 8 (twice the score and output registers); head_dim 256
+// halves both. KVD_MINB1 / KVD_MINB2 (decode.DecodeVariant.min_blocks / min_blocks_g8, A/B runs) override
+// them: 5 blocks of 128 threads leave 96 registers per thread, 6 leave 80. (No namespace-scope constants
+// for them: NVRTC's -default-device makes each one a symbol of the CUBIN, so the shipped kernels' CUBINs
+// would change.)
 template <int NB>
-constexpr int minb() { return D >= 256 ? (NB == 1 ? 2 : 1) : (NB == 1 ? 4 : 3); }
+constexpr int minb() {
+#ifdef KVD_MINB1
+    if (NB == 1) return KVD_MINB1;
+#endif
+#ifdef KVD_MINB2
+    if (NB == 2) return KVD_MINB2;
+#endif
+    return D >= 256 ? (NB == 1 ? 2 : 1) : (NB == 1 ? 4 : 3);
+}
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
