@@ -79,3 +79,18 @@ def ref_model_on_cuda():
     tok = AutoTokenizer.from_pretrained(REF_MODEL_DIR)
     ids = tok(REF_TEXT.read_text(encoding="utf-8")[:40000], return_tensors="pt", add_special_tokens=False).input_ids
     return model, ids.cuda()
+
+
+def prefix_attention_f64(q, k, v, lengths, scale):
+    """Float64 attention of q [B, Hq, 1, D] over keys [0, lengths[b]) of k/v [B, Hkv, L, D] (query head j reads KV
+    head j // (Hq / Hkv), transformers' GQA order): [B, 1, Hq, D] on q's device. An independent loop, one softmax
+    per (sequence, head), for the fp16 decode baseline's tests."""
+    B, Hq, _, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, 1, Hq, D, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        n = int(lengths[b])
+        for j in range(Hq):
+            kk, vv = k[b, j // G, :n].double(), v[b, j // G, :n].double()
+            out[b, 0, j] = torch.softmax(kk @ q[b, j, 0].double() * scale, 0) @ vv
+    return out

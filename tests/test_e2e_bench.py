@@ -15,6 +15,8 @@ import torch
 from kvarn_cutlass.bench import e2e
 from kvarn_cutlass.cache import KVarNCache
 
+from _helpers import prefix_attention_f64
+
 H200_GIB = 139
 
 
@@ -345,20 +347,6 @@ def test_cli_lists_the_parts_and_checks_part_before_any_gpu_work(capsys):
 
 
 # --- the fp16 decode baseline: attention over the filled prefix of a StaticCache ------------------------------------------
-def _prefix_attention_f64(q, k, v, lengths, scale):
-    """Float64 attention of q [B, Hq, 1, D] over keys [0, lengths[b]) of k/v [B, Hkv, L, D], query head j reading KV
-    head j // (Hq / Hkv): [B, 1, Hq, D]."""
-    B, Hq, _, D = q.shape
-    G = Hq // k.shape[1]
-    out = torch.empty(B, 1, Hq, D, dtype=torch.float64)
-    for b in range(B):
-        n = int(lengths[b])
-        for j in range(Hq):
-            kk, vv = k[b, j // G, :n].double(), v[b, j // G, :n].double()
-            out[b, 0, j] = torch.softmax(kk @ q[b, j, 0].double() * scale, 0) @ vv
-    return out
-
-
 def _decode_problem(batch, q_heads, kv_heads, L, D, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, q_heads, 1, D, generator=g)
@@ -385,7 +373,7 @@ def test_fp16_decode_attention_is_attention_over_the_filled_prefix(q_heads, kv_h
     lengths = [p + 1 for p in positions]
     got, weights = e2e.fp16_decode_attention(None, q, k, v, None, scaling=scale, position_ids=pos)
     assert weights is None and got.shape == (3, 1, q_heads, D) and got.dtype == q.dtype
-    torch.testing.assert_close(got.double(), _prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.double(), prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=2e-6)
     bad_v = _poisoned(v, lengths)
     bad_v[torch.isnan(bad_v)] = 1e30
     poisoned, _ = e2e.fp16_decode_attention(None, q, _poisoned(k, lengths), bad_v, None, scaling=scale, position_ids=pos)
@@ -398,7 +386,7 @@ def test_fp16_decode_attention_shares_one_position_and_clamps_it_to_the_buffer()
     one, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[9]]))
     both, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[9], [9]]))
     assert torch.equal(one, both)
-    torch.testing.assert_close(one.double(), _prefix_attention_f64(q, k, v, [10, 10], D**-0.5), rtol=0, atol=2e-6)
+    torch.testing.assert_close(one.double(), prefix_attention_f64(q, k, v, [10, 10], D**-0.5), rtol=0, atol=2e-6)
     # a position past the buffer reads the whole buffer, never past it
     past, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[L + 7]]))
     last, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[L - 1]]))
@@ -436,7 +424,7 @@ def test_the_flash_varlen_problem_is_attention_over_the_filled_prefix(q_heads, k
         (B * kv_heads, q_heads // kv_heads, D), (B * kv_heads * L, 1, D), torch.int32, torch.int32, torch.int32)
     assert k3.data_ptr() == k.data_ptr() and v3.data_ptr() == v.data_ptr()  # views: the cache is not copied
     out = _varlen_flash_f64(*args, scale).reshape(B, 1, q_heads, D)
-    torch.testing.assert_close(out, _prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, prefix_attention_f64(q, k, v, lengths, scale), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="contiguous"):
         e2e._flash_varlen_args(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, used)
 

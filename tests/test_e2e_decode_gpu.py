@@ -17,20 +17,9 @@ pytest.importorskip("transformers")
 
 from kvarn_cutlass.bench import e2e  # noqa: E402
 
+from _helpers import prefix_attention_f64  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-
-
-def _reference(q, k, v, lengths, scale):
-    """Float64 attention of q [B, Hq, 1, D] over keys [0, lengths[b]) of k/v [B, Hkv, L, D]: [B, 1, Hq, D]."""
-    B, Hq, _, D = q.shape
-    G = Hq // k.shape[1]
-    out = torch.empty(B, 1, Hq, D, dtype=torch.float64, device=q.device)
-    for b in range(B):
-        n = int(lengths[b])
-        for j in range(Hq):
-            kk, vv = k[b, j // G, :n].double(), v[b, j // G, :n].double()
-            out[b, 0, j] = torch.softmax(kk @ q[b, j, 0].double() * scale, 0) @ vv
-    return out
 
 
 def _problem(batch, q_heads, kv_heads, L, dtype, seed):
@@ -57,13 +46,13 @@ def test_flash_decode_is_attention_over_the_filled_prefix(dtype, q_heads, kv_hea
     got, _ = e2e.fp16_decode_attention(None, q, k, v, None, scaling=scale,
                                        position_ids=torch.tensor(positions, device="cuda")[:, None])
     assert got.shape == (3, 1, q_heads, 128) and got.dtype == dtype and torch.isfinite(got).all()
-    want = _reference(q, k, v, lengths, scale)
+    want = prefix_attention_f64(q, k, v, lengths, scale)
     tol = 4e-3 if dtype == torch.float16 else 3e-2
     torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
     # one position for the whole batch ([1, 1], what StaticGreedy passes)
     shared, _ = e2e.fp16_decode_attention(None, q, k, v, None, scaling=scale,
                                           position_ids=torch.tensor([[0]], device="cuda"))
-    torch.testing.assert_close(shared.double(), _reference(q, k, v, [1, 1, 1], scale), rtol=0, atol=tol)
+    torch.testing.assert_close(shared.double(), prefix_attention_f64(q, k, v, [1, 1, 1], scale), rtol=0, atol=tol)
 
 
 def test_a_captured_flash_decode_follows_the_device_position():
@@ -87,7 +76,7 @@ def test_a_captured_flash_decode_follows_the_device_position():
         graph.replay()
         eager, _ = e2e.fp16_decode_attention(None, q, k, v, None, scaling=scale, position_ids=pos)
         assert torch.equal(out, eager), f"position {p}"
-        torch.testing.assert_close(out.double(), _reference(q, k, v, [p + 1] * B, scale), rtol=0, atol=4e-3)
+        torch.testing.assert_close(out.double(), prefix_attention_f64(q, k, v, [p + 1] * B, scale), rtol=0, atol=4e-3)
 
 
 def test_static_greedy_replays_the_flash_decode_to_its_eager_tokens():
