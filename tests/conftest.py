@@ -32,6 +32,9 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("tests/test_compress.py::test_compress_compiles_every_shape[*-sm_80]",
      "tests/test_compress.py::test_compress_compiles_every_shape[128-128-sm_80]",
      "sm_80 builds of every compression shape (~20 s cold); every shape builds for sm_90 by default"),
+    ("tests/test_prefill_int8.py::test_int8_variant_compiles[*]",
+     "tests/test_prefill_int8.py::test_int8_variant_compiles[sm_90]",
+     "sm_80 builds of the int8 K-operand variants and their f16 twins (~14 s cold); all build for sm_90 by default"),
 )
 
 
