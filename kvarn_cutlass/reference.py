@@ -47,7 +47,8 @@ def check_query(q, cache: KVarNCache, layer: int, name: str = "q", chunk: int | 
     if not isinstance(cache, KVarNCache):
         raise TypeError(f"cache must be a KVarNCache, got {type(cache).__name__}")
     if chunk is None:
-        n_q, why = (1, cache.seq_len(layer)), f"layer {layer} holds {cache.seq_len(layer)} tokens"
+        held = cache.seq_len(layer)
+        n_q, why = (1, held), f"layer {layer} holds {held} tokens"
     else:
         n_q, why = chunk, f"a chunk of {chunk} tokens (k, v)"
     _check_query(q, batch=cache.batch_size, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, n_q=n_q,
