@@ -86,6 +86,7 @@ def test_launch_uses_torch_current_stream():
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(result, 2.0 * x + y)
     out2 = _poisoned(n)
+    side.wait_stream(torch.cuda.current_stream())  # the poison fill runs on the current stream
     kernel.launch(1024, 256, (out2, x, y, 2.0, n), stream=side)
     side.synchronize()
     torch.testing.assert_close(out2, 2.0 * x + y)
