@@ -74,8 +74,14 @@ NUM_THREADS = 128
 # Fewest tiles one split block covers (the device computes tps = max(min_tps, ceil(n_tiles / S))).
 # Environment override for A/B runs: KVARN_DECODE_MIN_TPS.
 MIN_TILES_PER_SPLIT = 2
-# Upper bound on the waves of resident blocks the split choice may use (see choose_splits).
+# Upper bound on the waves of resident blocks the split model may use (see choose_splits).
 MAX_WAVES = 4
+# Most tiles one split block covers once a grid of such blocks fills the GPU (see plan_splits): at batch 16
+# the kernel ran 11% faster in ~4 waves of 15-tile blocks than in the model's one wave of 64-tile blocks
+# (docs/perf-notes.md, "Decode: split plan"); the waves model cannot see it (blocks are dispatched as slots free).
+MAX_TILES_PER_SPLIT = 16
+# Upper bound on the waves of resident blocks that MAX_TILES_PER_SPLIT may ask for.
+MAX_WAVES_SHORT_BLOCKS = 16
 Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GROUP = 8
 # Environment override of the kernel variant for A/B runs (DecodeVariant's text form, e.g. "ring=2,min_blocks=5").
@@ -435,12 +441,18 @@ def split_cost(s: int, pairs: int, cap_tiles: int, sms: int, occupancy: int, min
 
 def plan_splits(pairs: int, cap_tiles: int, sms: int, occupancy: int, min_tps: int,
                 saturation: float = SATURATING_BLOCKS) -> int:
-    """The S in 1..s_cap with the least :func:`split_cost` (the smallest on ties); s_cap is MAX_WAVES waves
-    of ``occupancy`` resident blocks on ``sms`` SMs for ``pairs`` (sequence, KV head) pairs, and at most
-    ceil(cap_tiles / min_tps)."""
+    """The S in 1..s_cap with the least :func:`split_cost` (the smallest on ties), raised to
+    ceil(cap_tiles / MAX_TILES_PER_SPLIT) where that fits in MAX_WAVES_SHORT_BLOCKS waves.
+
+    s_cap is MAX_WAVES waves of ``occupancy`` resident blocks on ``sms`` SMs for ``pairs`` (sequence, KV head)
+    pairs, and at most ceil(cap_tiles / min_tps). The raise binds only when the modelled choice's blocks
+    are long, i.e. at large batch x context: there the model's waves are not what the GPU runs (blocks start as
+    slots free, so shorter blocks balance the SMs' memory traffic and shorten the tail)."""
     s_cap = max(1, min(MAX_WAVES * sms * occupancy // pairs, math.ceil(cap_tiles / min_tps)))
-    return min(range(1, s_cap + 1),
-               key=lambda s: (split_cost(s, pairs, cap_tiles, sms, occupancy, min_tps, saturation), s))
+    modelled = min(range(1, s_cap + 1),
+                   key=lambda s: (split_cost(s, pairs, cap_tiles, sms, occupancy, min_tps, saturation), s))
+    short = min(math.ceil(cap_tiles / MAX_TILES_PER_SPLIT), max(1, MAX_WAVES_SHORT_BLOCKS * sms * occupancy // pairs))
+    return max(modelled, short)
 
 
 def split_saturation(variant: DecodeVariant, occupancy: int) -> float:
@@ -462,7 +474,8 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
     the busiest SM's tile count, slowed when too few blocks are resident to fill the SM's issue slots
     (a partial last wave). The residency is the one ``variant``'s compiled G <= 4 kernel has on ``device``
     (:func:`occupancy`; None: :func:`decode_variant`), its saturation :func:`split_saturation`.
-    S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps).
+    S is capped at MAX_WAVES waves of resident blocks and at ceil(cap / min_tps), then raised so that no
+    block covers more than MAX_TILES_PER_SPLIT tiles (within MAX_WAVES_SHORT_BLOCKS waves): :func:`plan_splits`.
     """
     min_tps = min_tps or min_tiles_per_split()
     variant = decode_variant() if variant is None else variant

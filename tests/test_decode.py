@@ -167,8 +167,9 @@ def test_exact_blocks_and_layout():
 
 
 def test_split_cost_model():
-    """The split choice model: batch 1 / 4k spreads to 2 tiles per split; batch 16 / 32k fills one wave of
-    4 resident blocks per SM (measured best, S = 4: a 3-block wave or a partial second wave is slower)."""
+    """The split cost model alone: batch 1 / 4k spreads to 2 tiles per split; batch 16 / 32k fills one wave of
+    4 resident blocks per SM (of S = 4..8 a 3-block wave or a partial second wave is slower; the shorter blocks
+    that were faster still are plan_splits' raise, tested below)."""
     def best(pairs, cap, occ=4, min_tps=2):
         cands = range(1, min(4 * 132 * occ // pairs, -(-cap // min_tps)) + 1)
         return min(cands, key=lambda s: (decode.split_cost(s, pairs, cap, 132, occ, min_tps), s))
@@ -310,16 +311,44 @@ def test_variants_keep_the_floating_point_operations():
 
 
 def test_split_plan_uses_the_variants_residency():
-    """b16 / 32k and b1 / 128k of the bench (8 KV heads, 132 SMs): the shipped kernel's plans (4 resident blocks,
-    SATURATING_BLOCKS) are unchanged; a 5- or 6-block variant, modelled as saturating at its residency, fills one
-    wave of its residency; the shipped saturation stays for the default whatever its residency (d64: 6)."""
+    """b1 / 4k and b1 / 128k of the bench (8 KV heads, 132 SMs): the shipped kernel's plans (4 resident blocks,
+    SATURATING_BLOCKS); a 6-block variant, modelled as saturating at its residency, fills one wave of its
+    residency; the shipped saturation stays for the default whatever its residency (d64: 6)."""
     V = decode.DecodeVariant
     plan = lambda pairs, cap, occ, v: decode.plan_splits(pairs, cap, 132, occ, 2, decode.split_saturation(v, occ))  # noqa: E731
-    assert plan(128, 257, 4, V()) == 4 and plan(8, 1025, 4, V()) == 65 and plan(8, 33, 4, V()) == 17
-    assert plan(128, 257, 5, V(ring=2, min_blocks=5)) == 5 and plan(128, 257, 6, V(ring=2, min_blocks=6)) == 6
+    assert plan(8, 1025, 4, V()) == 65 and plan(8, 33, 4, V()) == 17
     assert plan(8, 1025, 6, V(ring=2, min_blocks=6)) == 94 and plan(8, 33, 6, V(ring=2, min_blocks=6)) == 17
     assert decode.split_saturation(V(), 6) == decode.SATURATING_BLOCKS
     assert decode.split_saturation(V(ring=2), 3) == decode.SATURATING_BLOCKS
+
+
+@pytest.mark.parametrize("pairs", [1, 8, 16, 128, 256, 1024])
+@pytest.mark.parametrize("cap", [1, 2, 17, 33, 129, 257, 1025, 4097])
+@pytest.mark.parametrize("occ", [1, 4, 6])
+def test_split_plan_bounds_block_length(pairs, cap, occ):
+    """plan_splits: at least the split cost model's choice; no block longer than MAX_TILES_PER_SPLIT tiles
+    unless that would take more than MAX_WAVES_SHORT_BLOCKS waves; never more splits than ceil(cap / min_tps)
+    or than that wave bound needs; and the raise binds only where the model's blocks are long."""
+    sms, min_tps = 132, 2
+    s = decode.plan_splits(pairs, cap, sms, occ, min_tps)
+    s_cap = max(1, min(decode.MAX_WAVES * sms * occ // pairs, -(-cap // min_tps)))
+    modelled = min(range(1, s_cap + 1), key=lambda k: (decode.split_cost(k, pairs, cap, sms, occ, min_tps), k))
+    wave_bound = max(1, decode.MAX_WAVES_SHORT_BLOCKS * sms * occ // pairs)
+    assert s >= modelled
+    assert s <= max(modelled, wave_bound) and s <= max(modelled, -(-cap // min_tps))
+    if -(-cap // decode.MAX_TILES_PER_SPLIT) <= wave_bound:
+        assert -(-cap // s) <= decode.MAX_TILES_PER_SPLIT
+    if -(-cap // modelled) <= decode.MAX_TILES_PER_SPLIT:
+        assert s == modelled
+
+
+def test_split_plan_of_the_bench_shapes():
+    """The plans the decode bench and the e2e bench run (8 KV heads, 4 resident blocks, 132 SMs): batch 1 as the
+    cost model picks; batch 16 raised to blocks of at most 16 tiles (32k: 17 splits of 16 tiles, measured
+    157-158 us at S = 18 / 24 against 175 at the model's S = 4)."""
+    plan = lambda pairs, cap: decode.plan_splits(pairs, cap, 132, 4, 2)  # noqa: E731
+    assert [plan(8, c) for c in (33, 129, 257, 1025)] == [17, 65, 65, 65]
+    assert [plan(128, c) for c in (33, 129, 257, 1025)] == [4, 9, 17, 65]
 
 
 

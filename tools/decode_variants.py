@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Time the decode kernel's occupancy variants on the four bar shapes against the shipped kernel (GPU).
+"""Time the decode kernel's occupancy variants on the four bar shapes and b16/16k against the shipped kernel (GPU).
 
 ``python3 tools/decode_variants.py [--variant TEXT ...] [--runs N] [--json PATH] [--ncu PATH]``
 
 Variants are ``decode.DecodeVariant`` text forms (default: :data:`CANDIDATES`, the A/B candidates of
 docs/perf-notes.md "Decode occupancy"); the shipped kernel (``default``) is always timed first. Shapes: the
 bars of ``kvarn_cutlass/bench/decode.py`` (Qwen3-8B heads: 8 KV heads, G = 4, D = 128, k4v2_g128, window
-256, fp16 queries; b1/4k, b1/128k, b16/32k, b16/128k), each cache built once with layers rotated past L2 as
+256, fp16 queries; b1/4k, b1/128k, b16/32k, b16/128k; and b16/16k, the e2e bench's decode context), each cache built once with layers rotated past L2 as
 the bench does, every time a median of CUDA-graph replays of one launch per layer, per layer.
 
 1. Before any CUDA call every variant is compiled for sm_90 (the ptxas report, with the spills, survives only
@@ -50,10 +50,12 @@ from kvarn_cutlass.runtime import build  # noqa: E402
 # The A/B candidates of docs/perf-notes.md "Decode occupancy" (d128 k4v2_g128, G = 4): ring 2 alone (the
 # control: 4 blocks as now, one record in flight per block instead of two), 5 and 6 resident blocks.
 CANDIDATES = ("ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6")
-SHAPES = ((1, 4096), (1, 131072), (16, 32768), (16, 131072))
-# Split counts swept per shape (every variant): around the planned ones (4 at b16 for 4 blocks, 5-6 for 5-6
-# blocks; 65 / 79 / 94 at b1/128k) and the finer grids that were faster for the shipped kernel at b16/32k.
-SWEEPS = {(1, 131072): (33, 65, 79, 94, 130), (16, 32768): (4, 5, 6, 8, 12, 18, 24), (16, 131072): (4, 5, 6, 8, 12)}
+SHAPES = ((1, 4096), (1, 131072), (16, 16384), (16, 32768), (16, 131072))
+# Split counts swept per shape (every variant): the split cost model's choices (4 at b16 for 4 blocks, 5-6 for
+# 5-6 blocks; 65 / 79 / 94 at b1/128k) and the shorter blocks of decode.MAX_TILES_PER_SPLIT's raise around
+# its plans (b16: 9 at 16k, 17 at 32k, 65 at 128k) and beyond.
+SWEEPS = {(1, 131072): (33, 65, 79, 94, 130), (16, 16384): (4, 6, 9, 13, 17),
+          (16, 32768): (4, 6, 8, 12, 17, 24, 33), (16, 131072): (4, 8, 16, 33, 65, 97)}
 SDPA_SHAPES = ((1, 4096), (1, 131072))
 NCU_SHAPE = (16, 32768)
 NCU_TIMEOUT_S = 150
