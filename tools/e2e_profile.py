@@ -12,6 +12,9 @@ for each cache times, once unprofiled (CUDA events) and once under ``torch.profi
 * ``decode``: ``--steps`` graph-replayed decode steps continuing that prefill (KVarN: ``kvarn_step``; fp16: the
   FlashAttention-2 decode baseline, ``e2e.fp16_decode_attention``).
 
+``--host-top N``: the prefill once more on a fresh cache under ``cProfile`` (host time: which Python functions the
+GPU waits for when it idles), its N functions of most own time and of most cumulative time printed and written.
+
 Per phase it prints the wall time, the GPU-busy time (the union of the kernels' intervals) and the idle gaps (the
 GPU waiting for the host that launches it), and per kernel group (GEMM, KVarN prefill / append / decode / query
 rotation, flash attention, elementwise, norms and reductions, copies and indexing, other) the GPU time and launch
@@ -138,10 +141,40 @@ def prefilled(model, kind: str, ids, chunk: int, steps: int, cuda: bool):
     return prefill, decode
 
 
-def phases(model, kind: str, ids, chunk: int, steps: int, cuda: bool, top: int) -> dict:
+def host_profile(fn, cuda: bool, top: int) -> dict:
+    """``fn`` once under cProfile (one synchronization at the end): its wall ms and the ``top`` functions by own time
+    and by cumulative time, each [function, calls, own ms, cumulative ms]."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    wall_ms = (time.perf_counter() - t) * 1e3
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def rows(key):
+        best = sorted(stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [[f"{Path(f).name}:{line}({name})", calls, round(own * 1e3, 3), round(cum * 1e3, 3)]
+                for (f, line, name), (_, calls, own, cum, _) in best]
+
+    return {"wall_ms": round(wall_ms, 3), "by_own": rows(2), "by_cumulative": rows(3)}
+
+
+def phases(model, kind: str, ids, chunk: int, steps: int, cuda: bool, top: int, host_top: int = 0) -> dict:
     """{"prefill": ..., "decode": ...} of the cache ``kind``, each :func:`analyse`'s dict: the wall time from an
-    unprofiled run, the kernels from a profiled one on a fresh cache (the decode: per step)."""
+    unprofiled run, the kernels from a profiled one on a fresh cache (the decode: per step); with ``host_top``,
+    "prefill_host": :func:`host_profile` of the prefill on a third fresh cache."""
     out = {}
+    if host_top:
+        e2e._release()
+        prefill, _ = prefilled(model, kind, ids, chunk, steps, cuda)
+        out["prefill_host"] = host_profile(prefill, cuda, host_top)
+        prefill = None
     for mode in ("wall", "profile"):
         e2e._release()
         prefill, make_decode = prefilled(model, kind, ids, chunk, steps, cuda)
@@ -173,6 +206,14 @@ def report(kind: str, phase: str, r: dict, cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def host_report(kind: str, r: dict) -> str:
+    lines = [f"== {kind} prefill host (cProfile): wall {r['wall_ms']:.3f} ms"]
+    for title, key in (("own time", "by_own"), ("cumulative", "by_cumulative")):
+        lines += [f"  by {title}: calls, own ms, cumulative ms"]
+        lines += [f"    {c:8d} {o:10.3f} {cum:10.3f}  {f}" for f, c, o, cum in r[key]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -184,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small shape (hidden 256, 8 q / 2 KV heads) for a dry run")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per phase")
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("--host-top", type=int, default=0,
+                    help="also profile each prefill's host time (cProfile) and list this many functions")
     args = ap.parse_args(argv)
+    if args.host_top < 0:
+        ap.error("--host-top must be >= 0")
     for name in ("layers", "batch", "prompt", "chunk", "steps", "top"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be positive")
@@ -203,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, shape["vocab_size"], (args.batch, args.prompt), generator=g, device=args.device)
     results = {"args": vars(args), "torch": torch.__version__}
     for kind in e2e.KINDS:
-        results[kind] = phases(model, kind, ids, args.chunk, args.steps, cuda, args.top)
+        results[kind] = phases(model, kind, ids, args.chunk, args.steps, cuda, args.top, args.host_top)
         for phase, r in results[kind].items():
-            print(report(kind, phase, r, cuda), flush=True)
+            print(host_report(kind, r) if phase == "prefill_host" else report(kind, phase, r, cuda), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"wrote {args.json}")
