@@ -142,7 +142,8 @@ def test_failed_launch_raises_naming_the_kernel(drv):
 
 
 # ---- DeviceAppender ---------------------------------------------------------------------------------
-# an H200's cluster form at T=128: 8 CTAs of 128 threads a record half, 4 cluster CTAs on each of 132 SMs
+# a cluster form at T=128: 8 CTAs of 128 threads a record half, room for 66 halves (4 cluster CTAs on each
+# of 132 SMs; the shipped rule, ops.compress.cluster_halves, allows one: the selection logic is the same)
 RANKS, MAX_HALVES = 8, 4 * 132 // 8
 
 
