@@ -142,8 +142,7 @@ def test_failed_launch_raises_naming_the_kernel(drv):
 
 
 # ---- DeviceAppender ---------------------------------------------------------------------------------
-# a cluster form at T=128: 8 CTAs of 128 threads a record half, room for 66 halves (4 cluster CTAs on each
-# of 132 SMs; the shipped rule, ops.compress.cluster_halves, allows one: the selection logic is the same)
+# an H200's cluster form at T=128: 8 CTAs of 128 threads a record half, 4 cluster CTAs on each of 132 SMs
 RANKS, MAX_HALVES = 8, 4 * 132 // 8
 
 

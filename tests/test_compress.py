@@ -70,8 +70,8 @@ def test_compress_compiles_every_shape(arch, T, D):
         for kernel in (name, append_compress, append_cluster):
             assert m.resources[kernel].spill_store_bytes == 0, m.resources[kernel]
         if D <= 128:
-            # the append's cluster form: 4 of its CTAs fit an SM (4 x 128 threads in the 64K registers),
-            # so GPU tests that force clusters at any count, and launches co-resident with others, keep running
+            # the append's cluster form where it is picked by ops.compress.cluster_halves, which counts
+            # 4 cluster CTAs per SM: 4 x 128 threads fit the 64K registers of an SM
             assert m.resources[append_cluster].registers <= 128, m.resources[append_cluster]
         # the one-CTA layer kernel at D = 256 (64 elements a thread, at the 128-register cap of 512
         # threads) parks one value in local memory for the whole kernel: one store and one load

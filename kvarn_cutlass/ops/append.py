@@ -11,8 +11,8 @@ length and a CUDA graph can replay it while the sequence grows:
   every chunk token and, given backup buffers, copies the window into them. Two forms, chosen per
   launch like the layer kernel's (:func:`kvarn_cutlass.ops.compress.cluster_halves`): a thread-block
   cluster of ``tile_tokens / 16`` CTAs per record half (``append_compress_cluster``, sm_90) while the
-  launch's halves fit as clusters (at batch 1 with 8 KV heads one tile per head at T=128: a decode
-  step's), else one CTA per half (``append_compress``: a prefill chunk's tiles);
+  launch's halves fit as clusters (at batch 1 with 8 KV heads up to 4 tiles per head at T=128: a
+  512-token chunk), else one CTA per half (``append_compress``);
 * ``append_commit``: writes the sink and the window (checking the tokens itself when no tile
   completes) and commits the new lengths unless the error flag is set.
 

