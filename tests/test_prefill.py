@@ -388,6 +388,38 @@ def test_wgmma_d256_variant_compiles_for_sm90a(preset, scale_dtype, quantizer, d
         assert smem_bytes(m.cubin) <= MAX_SMEM_PER_BLOCK, cfg
 
 
+def test_get_kernel_resolves_once_per_arguments(monkeypatch):
+    """get_kernel resolves the device's arch and the tuned config once per (arguments, table override): later
+    calls return the same kernel without asking again; a new $KVARN_CUTLASS_GEMM_CONFIGS, another config or a
+    cleared kernel cache resolves again."""
+    from kvarn_cutlass.ops import prefill as OP
+    from kvarn_cutlass.runtime import arch as arch_mod
+    from kvarn_cutlass.runtime.configs import CONFIG_ENV
+
+    asked = []
+    monkeypatch.setattr(arch_mod, "device_arch", lambda index: asked.append(("arch", index)) or 90)
+    monkeypatch.setattr(OP, "select_config", lambda spec, arch: asked.append(("config", arch)) or OP.DEFAULT_CONFIGS[128])
+    monkeypatch.setattr(OP, "FusedPrefillKernel", lambda spec, cd, qd, cfg, dev: ("kernel", spec, cd, qd, cfg, dev.index))
+    monkeypatch.setattr(OP, "_kernels", {})
+    monkeypatch.setattr(OP, "_resolved", {})
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    spec, dev = kc.TileSpec(), torch.device("cuda", 0)
+    first = OP.get_kernel(spec, torch.float16, torch.float16, dev)
+    assert first == ("kernel", spec, torch.float16, torch.float16, OP.DEFAULT_CONFIGS[128], 0)
+    assert asked == [("arch", 0), ("config", "sm90")]
+    assert all(OP.get_kernel(spec, torch.float16, torch.float16, dev) is first for _ in range(3))
+    assert len(asked) == 2
+    monkeypatch.setenv(CONFIG_ENV, "/elsewhere")
+    assert OP.get_kernel(spec, torch.float16, torch.float16, dev) is first  # same config: the loaded kernel
+    assert asked[2:] == [("arch", 0), ("config", "sm90")]
+    other = OP.FusedConfig.from_name("r16c4n32")
+    assert OP.get_kernel(spec, torch.float16, torch.float16, dev, other)[4] == other
+    assert asked[4:] == [("arch", 0)]
+    OP._kernels.clear()  # e.g. tools/prefill_variants.py after swapping the kernel source
+    again = OP.get_kernel(spec, torch.float16, torch.float16, dev)
+    assert again == first and again is not first and asked[5:] == [("arch", 0), ("config", "sm90")]
+
+
 def test_every_candidate_fits_shared_memory_for_its_buckets():
     """Shared memory of the largest record (k4v4, f32 scales) for each candidate config that fits a head_dim:
     read from the compiled module, as the launcher does."""

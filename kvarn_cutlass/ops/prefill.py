@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import struct
 import warnings
 from dataclasses import dataclass
@@ -22,8 +23,7 @@ import torch
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ..runtime import KernelSpec, register
 from ..runtime.compiler import cutlass_include_dirs
-
-
+from ..runtime.configs import CONFIG_ENV
 
 __all__ = ["FusedConfig", "CANDIDATES", "DEFAULT_CONFIGS", "fused_spec", "fused_specs", "select_config",
            "table_path", "smem_bytes", "FusedPrefillKernel", "MAX_SMEM_PER_BLOCK"]
@@ -378,11 +378,27 @@ class FusedPrefillKernel:
 
 
 _kernels: dict[tuple, FusedPrefillKernel] = {}
+# get_kernel's arguments and the config-table directory's environment override -> the _kernels key they resolve
+# to: every chunk of every layer asks, and resolving the device's arch and the tuned config took ~100 us of host
+# time per call (cProfile of the e2e prefill, docs/perf-notes.md), as much as the kernel of a short-context chunk.
+_resolved: dict[tuple, tuple] = {}
 
 
 def get_kernel(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device,
                config: FusedConfig | None = None) -> FusedPrefillKernel:
-    """The loaded variant for (spec, dtypes, config) on ``device``; built and loaded once per process."""
+    """The loaded variant for (spec, dtypes, config) on ``device``; built and loaded once per process. With
+    ``config`` None, the tuned config of ``select_config`` (the table of ``$KVARN_CUTLASS_GEMM_CONFIGS`` as set
+    at the call)."""
+    asked = (spec, cache_dtype, q_dtype, device.index, config, os.environ.get(CONFIG_ENV))
+    k = _kernels.get(_resolved.get(asked))
+    if k is None:
+        key, k = _get_kernel(spec, cache_dtype, q_dtype, device, config)
+        _resolved[asked] = key
+    return k
+
+
+def _get_kernel(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device,
+                config: FusedConfig | None) -> tuple[tuple, FusedPrefillKernel]:
     from ..runtime.arch import device_arch
 
     arch = device_arch(device.index)
@@ -394,4 +410,4 @@ def get_kernel(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, d
     k = _kernels.get(key)
     if k is None:
         k = _kernels[key] = FusedPrefillKernel(spec, cache_dtype, q_dtype, config, device)
-    return k
+    return key, k
