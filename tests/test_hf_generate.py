@@ -66,7 +66,7 @@ def test_plain_model_generate_fills_the_cache_before_beam_search_fails(model):
     assert cache.get_seq_length() > 0
 
 
-@pytest.mark.parametrize("seed", [random.randrange(2**31)])
+@pytest.mark.parametrize("seed", [pytest.param(random.randrange(2**31), id="fresh_seed")])
 def test_greedy_and_sampling_run_and_a_window_larger_than_the_text_is_exact(model, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 96, (1, 50), generator=g)
