@@ -4,7 +4,7 @@
 * torch runs one intra-op thread (``OMP_NUM_THREADS=1`` unless already set), for this process and the
   command-line processes the tests start.
 * Slow extras (:data:`EXTRAS`) are left out of the default run and run with ``--extras`` (or ``-m extra``,
-  which runs only them). The default run is the README's ``python3 -m pytest -q -rs``, which CI runs on a
+  which runs only them). The default run is the README's ``python3 -m pytest -q -rs -n auto``, which CI runs on a
   2-core CPU machine and which must stay well under 10 minutes with a cold kernel cache, the accuracy
   gates (``tests/test_accuracy.py``) included.
 """
@@ -32,6 +32,9 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("tests/test_compress.py::test_compress_compiles_every_shape[*-sm_80]",
      "tests/test_compress.py::test_compress_compiles_every_shape[128-128-sm_80]",
      "sm_80 builds of every compression shape (~20 s cold); every shape builds for sm_90 by default"),
+    ("tests/test_compress.py::test_cluster_warps_variants_compile[*]",
+     "tests/test_compress.py::test_cluster_warps_variants_compile[8]",
+     "the 16-warp A/B variant's build (~12 s cold); the 8-warp one stays, the emulation covers both orders"),
     ("tests/test_prefill_int8.py::test_int8_variant_compiles[*]",
      "tests/test_prefill_int8.py::test_int8_variant_compiles[sm_90]",
      "sm_80 builds of the int8 K-operand variants and their f16 twins (~14 s cold); all build for sm_90 by default"),
@@ -96,3 +99,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if left_out:
         terminalreporter.write_line(f"{left_out} slow extras left out (python3 -m pytest --extras runs them too; "
                                     "tests/conftest.py says which and why)")
+    elif (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None)
+          and not config.getoption("--extras") and "extra" not in (config.getoption("markexpr") or "")):
+        # under pytest-xdist the workers collect and leave the extras out; this process never sees the items
+        terminalreporter.write_line("slow extras left out (python3 -m pytest --extras runs them too; "
+                                    "tests/conftest.py says which and why)")
+
+
+@pytest.fixture(scope="session")
+def kernel_cache_root(tmp_path_factory) -> str:
+    """A kernel cache for the session, never the user's: one directory for all pytest-xdist workers of the run
+    (their base temp directories share a parent), so a module is compiled once per run (a file lock per module)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kvarn-kernel-cache"
+    return str(root)

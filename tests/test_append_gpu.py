@@ -89,6 +89,19 @@ def test_gpu_append_is_byte_identical_to_the_host_path(quantizer, preset, D, sca
     assert dev.num_tiles(0) >= 8
 
 
+@pytest.mark.parametrize("cluster_warps", [8, 16])
+def test_gpu_append_cluster_warps_variants_are_byte_identical(monkeypatch, cluster_warps):
+    # the append's cluster form with 8 or 16 warps per CTA ($KVARN_COMPRESS_CLUSTER_WARPS), forced at every count
+    from kvarn_cutlass.ops import compress as C
+
+    monkeypatch.setenv(C.CLUSTER_WARPS_ENV, str(cluster_warps))
+    host, dev = _forced_pair("cluster", num_layers=1, batch_size=2, num_kv_heads=3, head_dim=128, window=256,
+                             sink_tokens=128, dtype=torch.float16)
+    assert dev._writer._cluster.threads == 32 * cluster_warps
+    feed_and_compare(host, dev, scenario_chunks(128, 256), seed=cluster_warps)
+    assert dev.num_tiles(0) >= 4
+
+
 @pytest.mark.parametrize("quantizer,preset,D", [("uniform", "k4v2_g128", 128), ("lloyd_max", "k4v4_g64", 256),
                                                 ("uniform", "k4v2_g64", 64)])
 def test_gpu_append_in_a_deferred_block_is_byte_identical(quantizer, preset, D):

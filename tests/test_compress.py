@@ -39,10 +39,8 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    # one kernel cache for the whole session, never the user's
-    root = tmp_path_factory.getbasetemp() / "kvarn-kernel-cache"
-    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(root))
+def _private_cache(kernel_cache_root, monkeypatch):
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", kernel_cache_root)
 
 
 # ================================================================ CPU: compilation ===============
@@ -130,6 +128,46 @@ def test_compress_quantizer_is_part_of_the_spec():
         assert ("KVARN_LM_THR2" in defines) == (v_bits == 2)
     with pytest.raises(KeyError):
         C.compress_spec(128, 128, torch.float16, torch.float16, 2, "nearest")
+
+
+@pytest.mark.parametrize("cluster_warps", [8, 16])
+def test_cluster_warps_variants_compile(cluster_warps):
+    """The A/B variants with more warps per cluster CTA (ops.compress.CLUSTER_WARPS): their own module and
+    name, their cluster kernels (the layer kernel's and the append's) at 32 x cluster_warps threads without
+    spills, the one-CTA kernels as in the shipped module; the shipped spec carries no KVARN_CW."""
+    base = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
+    spec = C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform", cluster_warps)
+    assert "KVARN_CW" not in dict(base.defines) and dict(spec.defines)["KVARN_CW"] == str(cluster_warps)
+    assert spec.name == base.name + f"_cw{cluster_warps}" and spec.kernel_names == base.kernel_names
+    m, m0 = build(spec, "sm_90"), build(base, "sm_90")
+    layer, cta, append_compress, append_cluster = spec.kernel_names[:4]
+    for kernel in (layer, append_cluster):
+        res = m.resources[kernel]
+        assert res.spill_store_bytes == 0 and res.stack_bytes == 0, res
+        assert res.registers <= (128 if cluster_warps == 16 else 255), res  # __launch_bounds__(32 * W, 1)
+    for kernel in (cta, append_compress):
+        a, b = m.resources[kernel], m0.resources[kernel]
+        assert (a.registers, a.spill_store_bytes, a.stack_bytes, a.shared_bytes) == (
+            b.registers, b.spill_store_bytes, b.stack_bytes, b.shared_bytes), kernel
+    smem, smem0 = C.kernel_smem_bytes(m.cubin), C.kernel_smem_bytes(m0.cubin)
+    assert smem["compress_cta"] == smem0["compress_cta"] and smem["compress"] > smem0["compress"]  # part[W][D] grows
+
+
+def test_cluster_warps_choice(monkeypatch):
+    monkeypatch.delenv(C.CLUSTER_WARPS_ENV, raising=False)
+    assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS == 4
+    monkeypatch.setenv(C.CLUSTER_WARPS_ENV, "8")
+    assert C.cluster_warps() == 8
+    for bad in ("3", "eight", "32"):
+        monkeypatch.setenv(C.CLUSTER_WARPS_ENV, bad)
+        with pytest.raises(ValueError, match=C.CLUSTER_WARPS_ENV):
+            C.cluster_warps()
+    with pytest.raises(ValueError, match="cluster_warps"):
+        C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform", 2)
+    # the cluster-form threshold counts cluster warps per SM: 4 CTAs of 4 warps, 2 of 8, 1 of 16
+    monkeypatch.setattr(C, "_sm_count", lambda index: 132)
+    assert [C.cluster_halves(8, 0, 32 * w) for w in (4, 8, 16)] == [66, 33, 16]
+    assert C.cluster_halves(8, 0) == 66
 
 
 # Every pair of values of (input dtype, scale dtype, V bits) once: 6 compiles instead of all 12
@@ -757,6 +795,26 @@ def test_gpu_rejected_half_writes_nothing(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90 (clusters)")
+@pytest.mark.parametrize("cluster_warps", [8, 16])
+@pytest.mark.parametrize("quantizer,preset,D", [("uniform", "k4v2_g128", 128), ("lloyd_max", "k4v4_g64", 256),
+                                                ("uniform", "k4v2_g64", 64)])
+def test_gpu_identity_of_the_cluster_warps_variants(monkeypatch, cluster_warps, quantizer, preset, D):
+    # the layer kernel's cluster form with 8 or 16 warps per CTA ($KVARN_COMPRESS_CLUSTER_WARPS), few records
+    monkeypatch.setenv(C.CLUSTER_WARPS_ENV, str(cluster_warps))
+    spec = TileSpec(preset=preset, head_dim=D, quantizer=quantizer)
+    T = spec.tile_tokens
+    seed = zlib.crc32(repr((cluster_warps, quantizer, preset, D)).encode())
+    g = torch.Generator().manual_seed(seed)
+    k = _sanitize(_gen("outliers", 3, T, D, g), torch.float16)
+    v = _sanitize(_gen("rope", 3, T, D, g), torch.float16)
+    _check_identity(k, v, spec, seed=seed)
+    kernel = C._kernel(torch.cuda.current_device(), C.compress_spec(T, D, torch.float16, spec.scale_dtype, spec.v_bits,
+                                                                    quantizer, cluster_warps))
+    assert C._layer_layout(kernel, torch.cuda.current_device()) == (T // 16, 32 * cluster_warps)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("preset,D", [("k4v2_g128", 128), ("k4v4_g64", 256), ("k4v2_g64", 64)])
@@ -767,7 +825,7 @@ def test_gpu_identity_cluster_and_one_cta_layer_kernels(quantizer, preset, D):
     T = spec.tile_tokens
     index = torch.cuda.current_device()
     ranks = T // 16 if torch.cuda.get_device_capability(index)[0] >= 9 else 1
-    many = C._CLUSTER_CTAS_PER_SM * C._sm_count(index) // (2 * ranks) + 1
+    many = C.cluster_halves(ranks, index) // 2 + 1
     seed = zlib.crc32(repr((quantizer, preset, D)).encode())
     g = torch.Generator().manual_seed(seed)
     for n in (3, many):

@@ -107,9 +107,10 @@ def _layer_kernel(spec, records: int) -> str:
     from ..ops import compress as C
 
     index = torch.cuda.current_device()
-    kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer)
-    ranks, _ = C._layer_layout(C._kernel(index, kspec), index)
-    if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index):
+    kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer,
+                            C.cluster_warps())
+    ranks, threads = C._layer_layout(C._kernel(index, kspec), index)
+    if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index, threads):
         return f"cluster x{ranks}"
     return "one CTA"
 

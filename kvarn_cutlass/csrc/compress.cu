@@ -71,6 +71,13 @@ typedef unsigned char u8;
 
 #define KVC_NT 512
 #define KVC_W 16
+// Warps per CTA of a cluster (KVARN_CW: 4, one per scheduler, the shipped form; 8 or 16 are A/B variants
+// that give each scheduler 2 or 4 independent chains, tokens t = rank + R * (w + W * k) as before, so the
+// halving trees keep their order: kvarn_cutlass.ops.compress.cluster_warps).
+#ifndef KVARN_CW
+#define KVARN_CW 4
+#endif
+static_assert(KVARN_CW == 4 || KVARN_CW == 8 || KVARN_CW == 16, "KVARN_CW: 4, 8 or 16 warps per cluster CTA");
 #define KVC_FULL 0xffffffffu
 
 enum {
@@ -576,10 +583,11 @@ __device__ __forceinline__ void column_node(float (&out)[NJ], const Zsq& zsq, co
 
 template <int T, int D, int R>
 struct Shape {
-  // 16 warps for a lone CTA; on a cluster 4 (one per scheduler): a CTA's tile is T / R = 16 tokens,
-  // and fewer warps with more elements each cut the work that every warp repeats per iteration
-  // (row RMS trees, reciprocals, the score) more than they lengthen the per-element chains.
-  static constexpr int W = R > 1 ? 4 : KVC_W;
+  // 16 warps for a lone CTA; on a cluster KVARN_CW (4: one per scheduler): a CTA's tile is T / R = 16
+  // tokens, and fewer warps with more elements each cut the work that every warp repeats per iteration
+  // (row RMS trees, reciprocals, the score); more warps give each scheduler independent chains (at 4 the
+  // kernel issues once every 6.3 cycles, latency-bound: docs/perf-notes.md).
+  static constexpr int W = R > 1 ? KVARN_CW : KVC_W;
   static constexpr int NT = 32 * W;
   static constexpr int NK = T / R / W;  // tokens per thread: t = rank + R * (w + W * k)
   static constexpr int NJ = D / 32;     // channels per thread: c = lane + 32 * j

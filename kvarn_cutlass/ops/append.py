@@ -216,7 +216,7 @@ class DeviceAppender:
         self.smem = 0
         if kernels is None:
             kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
-                                    spec.quantizer)
+                                    spec.quantizer, C.cluster_warps())
             name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype,  # noqa: E731
                                               spec.scale_dtype, spec.v_bits, spec.quantizer, role)
             idx = self.device.index
@@ -233,7 +233,7 @@ class DeviceAppender:
             ranks, threads = C._layer_layout(form, idx)
             # sm_90 (the kernel asks for a cluster); its CTAs' shared memory stays under 48 KB (tests/test_compress.py)
             cluster = None if ranks == 1 else ClusterForm(form, ranks, threads, smem["compress"],
-                                                          C.cluster_halves(ranks, idx))
+                                                          C.cluster_halves(ranks, idx, threads))
         self._compress, self._commit, self._snapshot = kernels
         self._cluster = cluster
         self._bh = cache.batch_size * cache.num_kv_heads

@@ -3,7 +3,7 @@
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
 thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
-and for launches of more halves than fit as clusters (:func:`cluster_halves`: over ~4 cluster CTAs per
+and for launches of more halves than fit as clusters (:func:`cluster_halves`: over 16 cluster warps per
 SM, ~33 records on an H200), on one 512-thread CTA. The cache's append kernels
 (:mod:`kvarn_cutlass.ops.append`) have both forms too and choose by the same rule. The launch reads the
 cluster width and CTA size from the compiled kernel, and each form's shared memory from the module
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 
 import torch
@@ -69,6 +70,8 @@ __all__ = [
     "SMEM_SYMBOLS",
     "kernel_smem_bytes",
     "cluster_halves",
+    "cluster_warps",
+    "CLUSTER_WARPS",
     "compress_tiles",
     "compress_layer",
     "check_error_flag",
@@ -76,6 +79,11 @@ __all__ = [
 ]
 
 THREADS = 512
+# Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 4, and the A/B variants 8 and 16
+# (two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
+DEFAULT_CLUSTER_WARPS = 4
+CLUSTER_WARPS = (4, 8, 16)
+CLUSTER_WARPS_ENV = "KVARN_COMPRESS_CLUSTER_WARPS"
 _IN_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _IN_NAME = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _SC_BITS = {torch.float16: 16, torch.float32: 32}
@@ -150,10 +158,21 @@ def _float_literals(values) -> str:
     return ",".join(f"{float(x).hex()}f" for x in values)
 
 
+def cluster_warps() -> int:
+    """Warps per cluster CTA of the compression kernels to launch: DEFAULT_CLUSTER_WARPS, or
+    ``$KVARN_COMPRESS_CLUSTER_WARPS`` (one of :data:`CLUSTER_WARPS`; A/B runs: tools/compress_variants.py)."""
+    text = os.environ.get(CLUSTER_WARPS_ENV, "").strip()
+    if not text:
+        return DEFAULT_CLUSTER_WARPS
+    if text not in {str(w) for w in CLUSTER_WARPS}:
+        raise ValueError(f"${CLUSTER_WARPS_ENV}={text!r}: choose one of {list(CLUSTER_WARPS)}")
+    return int(text)
+
+
 @functools.lru_cache(maxsize=None)
 def compress_spec(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
-    quantizer: str = "uniform",
+    quantizer: str = "uniform", cluster_warps: int = DEFAULT_CLUSTER_WARPS,
 ) -> KernelSpec:
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
 
@@ -161,7 +180,12 @@ def compress_spec(
     :func:`kvarn_cutlass.format.lloyd_max_thresholds` and the codebook of
     :func:`kvarn_cutlass.format.codebook` (the refit's sums) as defines, so the kernel cache keys of the
     two quantizers differ and both have one source. The uniform module has neither.
+    ``cluster_warps`` (one of :data:`CLUSTER_WARPS`): warps per CTA of the cluster forms; a value other
+    than DEFAULT_CLUSTER_WARPS is compiled in (``KVARN_CW``) and named (``_cw8``), so the shipped module's
+    spec, cache entry and CUBIN stay the same. The records are the same bytes for every value.
     """
+    if cluster_warps not in CLUSTER_WARPS:
+        raise ValueError(f"cluster_warps must be one of {list(CLUSTER_WARPS)}, got {cluster_warps!r}")
     defines = {
         "KVARN_T": tile_tokens,
         "KVARN_D": head_dim,
@@ -174,6 +198,8 @@ def compress_spec(
         for bits in (4, 2) if v_bits == 2 else (4,):  # K codes are 4-bit
             defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
             defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
+    if cluster_warps != DEFAULT_CLUSTER_WARPS:
+        defines["KVARN_CW"] = cluster_warps
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
     roles = LAYER_ROLES + (APPEND_ROLES if in_dtype in APPEND_DTYPES else ())
     names = tuple(kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role) for role in roles)
@@ -183,7 +209,7 @@ def compress_spec(
         defines=defines,
         # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
         options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),
-        name=name + _QUANT_SUFFIX[quantizer],
+        name=name + _QUANT_SUFFIX[quantizer] + ("" if cluster_warps == DEFAULT_CLUSTER_WARPS else f"_cw{cluster_warps}"),
     )
 
 
@@ -283,8 +309,10 @@ _sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
 # score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps; 106-109 registers
 # at D=128, sm_90, 2026-12) fits 4 times per SM by registers (6 at D=64, 3 at D=256); past ~4 per SM a
-# launch is throughput-bound and the one-CTA kernel is faster.
-_CLUSTER_CTAS_PER_SM = 4
+# launch is throughput-bound and the one-CTA kernel is faster. Counted in warps: 16 cluster warps per SM
+# (4 CTAs of the shipped 4 warps, 2 of 8, 1 of 16). (One CTA per SM was tried: the e2e prompt's 512-token
+# appends ran 17% slower in one CTA per half, docs/perf-notes.md "gpu-next on the H200".)
+_CLUSTER_WARPS_PER_SM = 16
 
 
 def _sm_count(index: int) -> int:
@@ -294,10 +322,10 @@ def _sm_count(index: int) -> int:
     return n
 
 
-def cluster_halves(ranks: int, device_index: int) -> int:
-    """The most record halves one launch runs as thread-block clusters of ``ranks`` CTAs on the device
-    (``_CLUSTER_CTAS_PER_SM`` cluster CTAs per SM); a launch of more halves takes the one-CTA form."""
-    return _CLUSTER_CTAS_PER_SM * _sm_count(device_index) // ranks
+def cluster_halves(ranks: int, device_index: int, threads: int = 32 * DEFAULT_CLUSTER_WARPS) -> int:
+    """The most record halves one launch runs as thread-block clusters of ``ranks`` CTAs of ``threads`` on the
+    device (``_CLUSTER_WARPS_PER_SM`` cluster warps per SM); a launch of more halves takes the one-CTA form."""
+    return max(1, _CLUSTER_WARPS_PER_SM * 32 // threads) * _sm_count(device_index) // ranks
 
 
 def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
@@ -400,12 +428,12 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     if n_records > 2**31 - 1:
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
-    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer)
+    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps())
     index = k.device.index
     kernel = _kernel(index, kspec)
     ranks, threads = _layer_layout(kernel, index)
     form = "compress"
-    if ranks > 1 and 2 * n_records > cluster_halves(ranks, index):
+    if ranks > 1 and 2 * n_records > cluster_halves(ranks, index, threads):
         kernel, ranks, threads, form = _kernel(index, kspec, "compress_cta"), 1, THREADS, "compress_cta"
     if n_records * ranks > 2**31 - 1:
         raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""A/B of the compression kernels' warps per cluster CTA (``ops.compress.CLUSTER_WARPS``: 4 shipped, 8, 16) (GPU).
+
+``python3 tools/compress_variants.py [--warps N ...] [--quick] [--json PATH]``
+
+Why: Nsight Compute of the shipped cluster kernel (docs/perf-notes.md, "gpu-next on the H200") found one warp per
+scheduler issuing once every 6.3 cycles, a dependent chain; the 8- and 16-warp variants give each scheduler two or
+four chains with ~0.63x / ~0.44x the instructions per warp (SASS 7,024 -> 4,424 -> 3,104 at D=128), same bytes.
+
+Per variant (``$KVARN_COMPRESS_CLUSTER_WARPS``, set before each case; the append reads it when a cache's writer
+is made, so every case builds its own caches):
+
+1. bytes: ``compress_layer`` of random layers (b1 and b2, D=128, both quantizers) equal to the shipped kernel's
+   records, bit for bit;
+2. ``layer``: the bench's layer case (``bench.compress._compress_case``: graph-replayed ``compress_layer``, 8 KV
+   heads, one tile each) at batch 1 for D = 64, 128, 256 and lloyd_max at D = 128, and batch 2 (32 halves);
+3. ``prompt``: the appends of a 16k prompt in 512-token chunks (one layer, 8 KV heads, D=128; 64 record halves a
+   chunk), the append's cluster form forced and the one-CTA form, each (a) back to back behind a sleep kernel (GPU
+   alone, as the bench's ``gpu_ms``) and (b) each append after a [512 x 4096] x [4096 x 4096] fp16 GEMM, as in a
+   model's prefill (the e2e profile measured the two forms in opposite order from (a)): ms over the 32 appends,
+   the GEMMs' own time subtracted.
+
+Prints one JSON line per measurement and a table; ``--json`` writes all. Device time: ~1-2 min with the builds
+(each variant compiles its D=64/128/256 modules on first use, ~10-30 s each on the device's CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvarn_cutlass.bench import BenchOptions  # noqa: E402
+from kvarn_cutlass.bench import compress as bench  # noqa: E402
+from kvarn_cutlass.bench.timing import time_queued  # noqa: E402
+from kvarn_cutlass.ops import compress as C  # noqa: E402
+
+P, CHUNK, H, D = 16384, 512, 8, 128
+
+
+def set_warps(w: int) -> None:
+    os.environ[C.CLUSTER_WARPS_ENV] = str(w)
+
+
+def layer_records(warps: int, quantizer: str, batch: int, seed: int):
+    import torch
+
+    from kvarn_cutlass.format import TileSpec
+
+    set_warps(warps)
+    spec = TileSpec(preset="k4v2_g128", head_dim=D, quantizer=quantizer)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(batch, H, spec.tile_tokens, D, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(batch, H, spec.tile_tokens, D, device="cuda", dtype=torch.float16, generator=g)
+    k[..., :4] *= 6
+    return C.compress_layer(k, v, spec).cpu()
+
+
+def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int) -> float:
+    """ms of the prompt's 32 appends: back to back behind a sleep kernel, or each after a GEMM (GEMMs subtracted)."""
+    import torch
+
+    from kvarn_cutlass.cache import KVarNCache
+    from kvarn_cutlass.ops.append import DeviceAppender
+
+    set_warps(warps)
+    g = torch.Generator(device="cuda").manual_seed(P + CHUNK)
+    k = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    k[..., :4] *= 6
+    v = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    a = torch.randn(CHUNK, 4096, device="cuda", dtype=torch.float16, generator=g)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, generator=g)
+    c = torch.empty(CHUNK, 4096, device="cuda", dtype=torch.float16)
+
+    def fresh() -> KVarNCache:
+        cache = KVarNCache(1, 1, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
+        cache._writer = DeviceAppender(cache)
+        cache._writer.cluster_tiles = (1 << 30) if cluster else 0
+        return cache
+
+    def run(cache, appends: bool, gemms: bool) -> None:
+        for s in range(0, P, CHUNK):
+            if gemms:
+                torch.mm(a, b, out=c)
+            if appends:
+                cache.append(0, k[:, :, s:s + CHUNK], v[:, :, s:s + CHUNK])
+
+    def timed(appends: bool, gemms: bool) -> float:
+        cache = fresh()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with cache.deferred_checks():
+            e0.record()
+            run(cache, appends, gemms)
+            e1.record()
+            e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    def queued(appends: bool, gemms: bool, lead: float) -> float:
+        cache = fresh()
+        with cache.deferred_checks():
+            return time_queued(lambda: run(cache, appends, gemms), lead_us=lead)[0] / 1000.0
+
+    timed(True, with_gemm)  # warm-up: modules, prepared launches
+    t0 = time.perf_counter()
+    timed(True, with_gemm)
+    lead = 4e6 * (time.perf_counter() - t0) + 2000.0
+    both = statistics.median(queued(True, with_gemm, lead) for _ in range(reps))
+    if not with_gemm:
+        return both
+    return both - statistics.median(queued(False, True, lead) for _ in range(reps))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warps", type=int, action="append", choices=C.CLUSTER_WARPS,
+                    help="variants to time (repeatable; default: all); the shipped 4 is always timed first")
+    ap.add_argument("--quick", action="store_true", help="fewer runs")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    variants = [C.DEFAULT_CLUSTER_WARPS] + [w for w in (args.warps or C.CLUSTER_WARPS) if w != C.DEFAULT_CLUSTER_WARPS]
+    opts = BenchOptions(quick=args.quick)
+    reps = 3 if args.quick else 7
+    rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    t0 = time.perf_counter()
+    for w in variants:
+        for quantizer in ("uniform", "lloyd_max"):
+            for batch in (1, 2):
+                seed = 1000 * batch + len(quantizer)
+                got = layer_records(w, quantizer, batch, seed)
+                want = got if w == C.DEFAULT_CLUSTER_WARPS else layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, batch, seed)
+                emit({"warps": w, "case": "bytes", "quantizer": quantizer, "batch": batch, "equal": bool((got == want).all())})
+        for batch, head_dim, quantizer in ((1, 64, "uniform"), (1, 128, "uniform"), (1, 256, "uniform"),
+                                           (1, 128, "lloyd_max"), (2, 128, "uniform")):
+            set_warps(w)
+            r = bench._compress_case(batch, head_dim, "k4v2_g128", opts, quantizer)
+            emit({"warps": w, "case": "layer", "batch": batch, "head_dim": head_dim, "quantizer": quantizer,
+                  "kernel": r["kernel"], "graph_us": r["graph_us"]})
+        for cluster in (True, False):
+            if not cluster and w != C.DEFAULT_CLUSTER_WARPS:
+                continue  # the one-CTA form does not depend on the variant
+            for with_gemm in (False, True):
+                emit({"warps": w, "case": "prompt", "form": "cluster" if cluster else "one CTA",
+                      "after_gemm": with_gemm, "ms": round(prompt_appends(w, cluster, with_gemm, reps), 3)})
+    os.environ.pop(C.CLUSTER_WARPS_ENV, None)
+    layer = [r for r in rows if r["case"] == "layer"]
+    print("warps | layer b1 D64 / D128 / D256 / D128 lm / b2 D128 (graph us)")
+    for w in variants:
+        print(w, "|", " / ".join(str(r["graph_us"]) for r in layer if r["warps"] == w))
+    print("warps, form | prompt appends ms: back to back / after GEMMs")
+    for r in rows:
+        if r["case"] == "prompt" and not r["after_gemm"]:
+            after = next(x["ms"] for x in rows if x["case"] == "prompt" and x["after_gemm"] and x["warps"] == r["warps"]
+                         and x["form"] == r["form"])
+            print(f"{r['warps']}, {r['form']} | {r['ms']} / {after}")
+    print("bytes equal to the shipped kernel:", all(r["equal"] for r in rows if r["case"] == "bytes"))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    return 0 if all(r["equal"] for r in rows if r["case"] == "bytes") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
