@@ -14,8 +14,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVARN_CUTLASS_CACHE", str(tmp_path_factory.getbasetemp() / "kvarn-kernel-cache"))
+def _private_cache(kernel_cache_root, monkeypatch):
+    monkeypatch.setenv("KVARN_CUTLASS_CACHE", kernel_cache_root)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
