@@ -388,6 +388,25 @@ def test_wgmma_d256_variant_compiles_for_sm90a(preset, scale_dtype, quantizer, d
         assert smem_bytes(m.cubin) <= MAX_SMEM_PER_BLOCK, cfg
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_aligned_rows_returns_kernel_ready_views(dtype):
+    """_aligned_rows: the same tensor when its rows are 16-byte aligned with unit channel stride, else a copy that
+    is; the values are unchanged either way (views that offset, slice or transpose the rows)."""
+    from kvarn_cutlass.prefill import _aligned_rows
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(2, 3, 40, 136, generator=g).to(dtype)
+    es = base.element_size()
+    views = [base[..., :128], base[..., 1:129], base[:, :, 3:35, :128], base.transpose(1, 2)[..., :64],
+             base[..., :128].transpose(-1, -2).contiguous().transpose(-1, -2), base.flatten()[8:8 + 2 * 3 * 40 * 128].view(2, 3, 40, 128)]
+    for x in views:
+        y = _aligned_rows(x)
+        ok = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in x.stride()[:-1])
+        assert (y is x) == ok
+        assert y.stride(-1) == 1 and y.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in y.stride()[:-1])
+        assert torch.equal(y, x)
+
+
 def test_get_kernel_resolves_once_per_arguments(monkeypatch):
     """get_kernel resolves the device's arch and the tuned config once per (arguments, table override): later
     calls return the same kernel without asking again; a new $KVARN_CUTLASS_GEMM_CONFIGS, another config or a
