@@ -15,6 +15,17 @@ import torch
 SHARED = Path(os.environ.get("KVARN_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
+def load_tool(name: str):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package), loaded afresh."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hadamard64(D: int) -> torch.Tensor:
     """Normalized Sylvester Hadamard matrix [D, D] in float64, built by Kronecker products."""
     H = torch.ones(1, 1, dtype=torch.float64)

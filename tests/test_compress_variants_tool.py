@@ -3,22 +3,16 @@ GPU command: ``GPU_COMPRESS_VARIANTS=1 bash tools/gpu_check.sh``, docs/perf-note
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from kvarn_cutlass.ops import compress as C
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compress_variants.py"
+from _helpers import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("compress_variants", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("compress_variants")
 
 
 def test_refuses_an_unknown_variant(tool, capsys):

@@ -4,9 +4,6 @@ stand-ins on a CPU cache (the real run is one GPU command: docs/perf-notes.md, "
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,15 +11,12 @@ import kvarn_cutlass as kc
 from kvarn_cutlass import decode
 from kvarn_cutlass.bench.timing import Timing
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "decode_variants.py"
+from _helpers import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("decode_variants", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("decode_variants")
 
 
 def test_candidates_and_their_resources(tool):

@@ -3,23 +3,18 @@ real kernel names, and a dry run of every phase on the CPU (a tiny shape; CPU op
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+from _helpers import load_tool
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "e2e_profile.py"
+pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("e2e_profile", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("e2e_profile")
 
 
 def test_busy_time_is_the_union_of_the_kernels_and_the_gaps_are_what_lies_between(tool):

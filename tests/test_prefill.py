@@ -580,6 +580,28 @@ def test_gpu_wgmma_d256(chunks, kw, consumer_warps):
         assert e < TOL, (chunks, kw, n, nt, e)
 
 
+def kernel_and_mirror_errors(seed: int, D: int, n: int, config=None, strided: bool = False) -> tuple[float, float, float]:
+    """Relative errors (kernel vs the float64 reference, torch path vs the reference, kernel vs torch path) of
+    one n-token chunk over a 2000-token history (1 sequence, 2 KV heads, 8 query heads, fp16, window 256) on the
+    GPU, with ``config`` for both paths (the torch path takes its k_operand); the kernel writes a NaN-poisoned
+    ``out=`` (checked finite); ``strided``: the chunk's tensors are transposed views."""
+    gen = torch.Generator().manual_seed(seed)
+    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
+    oc = outliers(gen, D)
+    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
+    c.append(0, k0.cuda(), v0.cuda())
+    q, k, v = make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35)
+    if strided:
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    ref = kc.reference.attention(q, c, 0, k=k, v=v)
+    out = torch.full((1, 8, n, D), float("nan"), dtype=torch.float16, device="cuda")
+    prefill_attention(q, k, v, c, 0, out=out, append=False, config=config)
+    assert torch.isfinite(out).all()
+    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False, config=config)
+    return rel(out, ref), rel(emu, ref), rel(out, emu.double())
+
+
 @gpu
 @pytest.mark.parametrize("consumer_warps", [4, 8])
 def test_gpu_wgmma_d256_matches_torch_path(consumer_warps):
@@ -592,17 +614,7 @@ def test_gpu_wgmma_d256_matches_torch_path(consumer_warps):
     cfg = FusedConfig(16, 32, consumer_warps, mma="wgmma")
     if not cfg.supported_on(device_arch()):
         pytest.skip("wgmma needs sm_90")
-    gen = torch.Generator().manual_seed(22)
-    D, n = 256, 600
-    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
-    oc = outliers(gen, D)
-    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
-    c.append(0, k0.cuda(), v0.cuda())
-    q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35))
-    ref = kc.reference.attention(q, c, 0, k=k, v=v)
-    out = prefill_attention(q, k, v, c, 0, append=False, config=cfg)
-    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
-    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    e_gpu, e_emu, e_both = kernel_and_mirror_errors(22, 256, 600, cfg)
     assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (cfg, e_gpu, e_emu, e_both)
 
 
@@ -618,17 +630,7 @@ def test_gpu_wgmma_regq_matches_torch_path(D, name):
     cfg = FusedConfig.from_name(name)
     if not cfg.supported_on(device_arch()):
         pytest.skip("wgmma needs sm_90")
-    gen = torch.Generator().manual_seed(23)
-    n = 700
-    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
-    oc = outliers(gen, D)
-    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
-    c.append(0, k0.cuda(), v0.cuda())
-    q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35))
-    ref = kc.reference.attention(q, c, 0, k=k, v=v)
-    out = prefill_attention(q, k, v, c, 0, append=False, config=cfg)
-    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
-    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    e_gpu, e_emu, e_both = kernel_and_mirror_errors(23, D, 700, cfg)
     assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (cfg, e_gpu, e_emu, e_both)
 
 
@@ -658,22 +660,7 @@ def test_gpu_matches_torch_path_poisoned_strided():
     """The kernel and the torch path on the same inputs agree more closely than either agrees with the
     reference (same operand roundings); out= poisoned; transposed-view inputs."""
     _gpu_skip()
-    gen = torch.Generator().manual_seed(10)
-    D, n = 128, 900
-    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
-    oc = outliers(gen, D)
-    q0, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
-    c.append(0, k0.cuda(), v0.cuda())
-    q, k, v = make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35)
-    q = q.transpose(1, 2).contiguous().transpose(1, 2).cuda()
-    k = k.transpose(1, 2).contiguous().transpose(1, 2).cuda()
-    v = v.transpose(1, 2).contiguous().transpose(1, 2).cuda()
-    ref = kc.reference.attention(q, c, 0, k=k, v=v)
-    out = torch.full((1, 8, n, D), float("nan"), dtype=torch.float16, device="cuda")
-    prefill_attention(q, k, v, c, 0, out=out, append=False)
-    assert torch.isfinite(out).all()
-    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False)
-    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    e_gpu, e_emu, e_both = kernel_and_mirror_errors(10, 128, 900, strided=True)
     assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (e_gpu, e_emu, e_both)
 
 

@@ -13,8 +13,8 @@ import kvarn_cutlass as kc
 from kvarn_cutlass.ops.prefill import DEFAULT_CONFIGS, FusedConfig
 from kvarn_cutlass.prefill import prefill_attention
 
-from test_prefill import ADVERSARIAL, CASES, GPU_CASES, HAS_CUDA, TOL, capture_qkv, make_chunk, outliers, rel, \
-    run_chunks
+from test_prefill import ADVERSARIAL, CASES, GPU_CASES, HAS_CUDA, TOL, capture_qkv, kernel_and_mirror_errors, \
+    make_chunk, outliers, rel, run_chunks
 
 gpu = pytest.mark.gpu
 I8 = FusedConfig(16, 64, k_operand="int8")
@@ -209,19 +209,7 @@ def test_gpu_int8_adversarial(case):
 def test_gpu_int8_matches_its_mirror(D):
     """Kernel and mirror on the same inputs agree more closely than either agrees with the reference."""
     _gpu_skip()
-    gen = torch.Generator().manual_seed(10 + D)
-    n, cfg = 900, i8_config(D)
-    c = kc.KVarNCache(1, 1, 2, D, window=256, dtype=torch.float16, device="cuda")
-    oc = outliers(gen, D)
-    _, k0, v0 = make_chunk(gen, 1, 2, 8, 2000, D, torch.float16, oc, 0.35)
-    c.append(0, k0.cuda(), v0.cuda())
-    q, k, v = (x.cuda() for x in make_chunk(gen, 1, 2, 8, n, D, torch.float16, oc, 0.35))
-    ref = kc.reference.attention(q, c, 0, k=k, v=v)
-    out = torch.full((1, 8, n, D), float("nan"), dtype=torch.float16, device="cuda")
-    prefill_attention(q, k, v, c, 0, out=out, append=False, config=cfg)
-    assert torch.isfinite(out).all()
-    emu = prefill_attention(q, k, v, c, 0, impl="torch", append=False, config=cfg)
-    e_gpu, e_emu, e_both = rel(out, ref), rel(emu, ref), rel(out, emu.double())
+    e_gpu, e_emu, e_both = kernel_and_mirror_errors(10 + D, D, 900, i8_config(D))
     assert e_gpu < TOL and e_both < max(e_gpu, e_emu), (e_gpu, e_emu, e_both)
 
 

@@ -4,14 +4,13 @@ window forces, every reported number is a finite probability or perplexity)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from _helpers import SHARED
+from _helpers import SHARED, load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = SHARED / "models" / "kvarn-ref-lm"
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEX
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("snapkv_accuracy", REPO / "tools" / "snapkv_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("snapkv_accuracy")
 
 
 @pytest.mark.parametrize("select", ["snapkv", "recent"])
