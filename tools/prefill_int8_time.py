@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, as the other tools
 
-import kvarn_cutlass as kc
-from kvarn_cutlass.ops.prefill import FusedConfig, select_config
-from kvarn_cutlass.ops.prefill_tune import HKV, HQ, parse_bucket
+import kvarn_cutlass as kc  # noqa: E402
+from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
+from kvarn_cutlass.ops.prefill_tune import bucket_inputs, parse_bucket, time_config  # noqa: E402
 
 DEFAULT = {128: ["r16c4n64", "r16c4n64i8", "r32c4n64", "r16c4n32", "r16c4n32i8", "r16c4n64g2i8"],
            64: ["r16c4n64", "r16c4n64i8", "r32c4n64"], 256: ["r16c4n32", "r16c4n32i8"]}
@@ -33,14 +34,7 @@ def main() -> None:
     for key in args.buckets:
         spec = parse_bucket(key)
         D = spec.head_dim
-        g = torch.Generator(device="cuda").manual_seed(0)
-        cache = kc.KVarNCache(1, 1, HKV, D, preset=spec.preset, window=256, quantizer=spec.quantizer, device="cuda",
-                              max_seq_len=args.context + args.chunk)
-        k = torch.randn(1, HKV, args.context, D, device="cuda", dtype=torch.float16, generator=g)
-        cache.append(0, k, torch.randn_like(k))
-        q = torch.randn(1, HQ, args.chunk, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
-        kn = torch.randn(1, HKV, args.chunk, D, device="cuda", dtype=torch.float16, generator=g)
-        vn = torch.randn_like(kn)
+        cache, q, kn, vn = bucket_inputs(spec, args.context, args.chunk)
         f16_ref = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
         names = list(args.configs or DEFAULT[D])
         tuned = select_config(spec).name
@@ -58,15 +52,7 @@ def main() -> None:
             out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
             row["err_vs_mirror"] = ((out.float() - mirror).norm() / mirror.norm()).item()
             row["err_vs_f16_torch"] = ((out.float() - f16_ref).norm() / f16_ref.norm()).item()
-            times = []
-            for _ in range(args.reps + 1):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg, out=out)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            row["time_ms"] = round(statistics.median(times[1:]), 4)
+            row["time_ms"] = round(time_config(cache, q, kn, vn, cfg, out, args.reps), 4)
             print(json.dumps(row), flush=True)
 
 

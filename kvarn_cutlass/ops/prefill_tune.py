@@ -39,10 +39,11 @@ def _spec_of(key: str) -> TileSpec:
     return TileSpec(preset, D, quantizer="lloyd_max" if parts[-1] == "lm" else "uniform")
 
 
-def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
+def bucket_inputs(spec: TileSpec, context: int, chunk: int):
+    """(cache, q, k, v) of the tuner's shape for ``spec``: one layer of a CUDA cache holding ``context`` random
+    tokens (Qwen3-8B heads: HQ query / HKV KV heads, window 256), and a ``chunk``-token chunk's fp16 q, k, v."""
     import kvarn_cutlass as kc
 
-    spec = _spec_of(key)
     D = spec.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
     cache = kc.KVarNCache(1, 1, HKV, D, preset=spec.preset, window=256, quantizer=spec.quantizer, device="cuda",
@@ -51,7 +52,31 @@ def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
     cache.append(0, k, torch.randn_like(k))
     q = torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
     kn = torch.randn(1, HKV, chunk, D, device="cuda", dtype=torch.float16, generator=g)
-    vn = torch.randn_like(kn)
+    return cache, q, kn, torch.randn_like(kn)
+
+
+def time_config(cache, q, k, v, cfg, out: torch.Tensor, reps: int) -> float:
+    """Median ms of ``reps`` calls of the fused kernel in ``cfg`` (attention only, into ``out``), each between
+    CUDA events and synchronized, after one warm-up call."""
+    import kvarn_cutlass as kc
+
+    times = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        kc.prefill_attention(q, k, v, cache, 0, append=False, config=cfg, out=out)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[1:])
+
+
+def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
+    import kvarn_cutlass as kc
+
+    spec = _spec_of(key)
+    D = spec.head_dim
+    cache, q, kn, vn = bucket_inputs(spec, context, chunk)
     want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
     rows = []
     major, minor = torch.cuda.get_device_capability()
@@ -64,15 +89,8 @@ def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
             err = ((out.float() - want).norm() / want.norm()).item()
             if not err < 5e-3:
                 raise RuntimeError(f"error {err:.2e} against the torch path")
-            times = []
-            for _ in range(reps + 1):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg, out=out)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            row.update(time_ms=round(statistics.median(times[1:]), 4), error=err, fields=vars(cfg).copy())
+            row.update(time_ms=round(time_config(cache, q, kn, vn, cfg, out, reps), 4), error=err,
+                       fields=vars(cfg).copy())
         except Exception as e:  # a failing candidate is recorded and skipped, never selected
             row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
