@@ -82,6 +82,8 @@ def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int) -> flo
     def fresh() -> KVarNCache:
         cache = KVarNCache(1, 1, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
         cache._writer = DeviceAppender(cache)
+        if cluster and cache._writer._cluster is None:
+            raise SystemExit(f"no cluster form of the append on {torch.cuda.get_device_name()} (sm_90 and later)")
         cache._writer.cluster_tiles = (1 << 30) if cluster else 0
         return cache
 
