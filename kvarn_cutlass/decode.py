@@ -78,7 +78,8 @@ MIN_TILES_PER_SPLIT = 2
 MAX_WAVES = 4
 # Most tiles one split block covers once a grid of such blocks fills the GPU (see plan_splits): at batch 16
 # the kernel ran 11% faster in ~4 waves of 15-tile blocks than in the model's one wave of 64-tile blocks
-# (docs/perf-notes.md, "Decode: split plan"); the waves model cannot see it (blocks are dispatched as slots free).
+# (docs/perf-notes.md, "Decode (issue 15): occupancy variants falsified, split plan raised"); the waves
+# model cannot see it (blocks are dispatched as slots free).
 MAX_TILES_PER_SPLIT = 16
 # Upper bound on the waves of resident blocks that MAX_TILES_PER_SPLIT may ask for.
 MAX_WAVES_SHORT_BLOCKS = 16
