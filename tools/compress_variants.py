@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn_cutlass.bench import BenchOptions  # noqa: E402
 from kvarn_cutlass.bench import compress as bench  # noqa: E402
-from kvarn_cutlass.bench.timing import time_queued  # noqa: E402
+from kvarn_cutlass.bench.timing import queue_lead_us, time_queued  # noqa: E402
 from kvarn_cutlass.ops import compress as C  # noqa: E402
 
 P, CHUNK, H, D = 16384, 512, 8, 128
@@ -112,7 +112,7 @@ def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int) -> flo
     timed(True, with_gemm)  # warm-up: modules, prepared launches
     t0 = time.perf_counter()
     timed(True, with_gemm)
-    lead = 4e6 * (time.perf_counter() - t0) + 2000.0
+    lead = queue_lead_us(time.perf_counter() - t0)
     both = statistics.median(queued(True, with_gemm, lead) for _ in range(reps))
     if not with_gemm:
         return both

@@ -47,7 +47,7 @@ import statistics
 import time
 
 from . import BenchOptions, register_section
-from .timing import rotation_count, time_cuda, time_queued
+from .timing import queue_lead_us, rotation_count, time_cuda, time_queued
 
 __all__ = ["run", "run_append"]
 
@@ -174,7 +174,7 @@ def _prefill_compress(opts: BenchOptions) -> dict[str, Any]:
     wall_ms()  # warm-up: module load, prepared launches
     t0 = time.perf_counter()
     wall_ms()
-    lead = 4e6 * (time.perf_counter() - t0) + 1000.0
+    lead = queue_lead_us(time.perf_counter() - t0)
     reps = 2 if opts.quick else 7
     walls = [wall_ms() for _ in range(reps)]
     q = [queued() for _ in range(reps)]
@@ -246,7 +246,7 @@ def _append_case(batch: int, opts: BenchOptions) -> dict[str, Any]:
         t0 = time.perf_counter()
         no_tile()
         completing()
-        lead = 4e6 * (time.perf_counter() - t0) + 500.0
+        lead = queue_lead_us(time.perf_counter() - t0)
     plain, amortized = [], []
     for _ in range(rounds):
         with cache.deferred_checks():
@@ -325,7 +325,7 @@ def _step_graph_case(batch: int, cluster: bool, opts: BenchOptions) -> dict[str,
     t0 = time.perf_counter()
     steps()  # warm-up round, which also sizes the lead
     torch.cuda.synchronize()
-    lead = 4e6 * (time.perf_counter() - t0) + 1000.0
+    lead = queue_lead_us(time.perf_counter() - t0)
     plain, completing, amortized = [], [], []
     for _ in range(rounds):
         time_queued(steps, lead)

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "l2_cache_bytes", "rotation_count", "time_cuda", "time_queued"]
+__all__ = ["Timing", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda", "time_queued"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,13 @@ def _cycles_per_us(device: int) -> float:
         b.synchronize()
         rate = _sleep_cycles_per_us[device] = cycles / (a.elapsed_time(b) * 1000.0)
     return rate
+
+
+def queue_lead_us(host_s: float) -> float:
+    """A :func:`time_queued` lead for work whose host side took ``host_s`` seconds in a warm-up: 10x that
+    plus 2 ms. (4x plus 0.5-1 ms was too short on a loaded host: an append round took 5.0 ms of host time
+    behind a 5.4 ms lead sized from a 1.2 ms warm-up.) A longer lead costs only sleep-kernel time."""
+    return 10e6 * host_s + 2000.0
 
 
 def time_queued(fn: Callable[[], Any], lead_us: float) -> tuple[float, float]:
