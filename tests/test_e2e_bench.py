@@ -477,3 +477,52 @@ def test_static_greedy_decodes_a_static_cache_through_decode_attn_only():
         assert model.config._attn_implementation == "sdpa"
     assert torch.equal(runs[None], runs[e2e.FP16_DECODE_ATTN]) and torch.equal(runs[None], runs["test_counting_decode"])
     assert seen == [1] * (8 * model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("reps", [1, 3, 5])
+def test_ttft_rounds_alternate_the_runs(reps):
+    """Every round times each prefill once; over len(TTFT_RUNS) rounds each run takes every position once."""
+    rounds = e2e.ttft_rounds(reps)
+    assert len(rounds) == reps and all(sorted(r) == sorted(e2e.TTFT_RUNS) for r in rounds)
+    n = len(e2e.TTFT_RUNS)
+    for name in e2e.TTFT_RUNS:
+        positions = [r.index(name) for r in rounds]
+        assert sorted(positions[:n]) == list(range(min(n, reps))) or reps < n and len(set(positions)) == reps
+
+
+def test_gen_row_interleaves_the_prefills_and_decodes_after_the_last_round(monkeypatch):
+    """_gen_row on stand-ins for the timed runs (no GPU): samples in call order, medians of them, the decode of
+    each cache only in the last round, an out-of-memory run recorded (error only) and not retried while the others
+    go on."""
+    import torch
+
+    calls, times, clock = [], {name: [] for name in e2e.TTFT_RUNS}, iter(range(1, 100))
+    plan = e2e.Plan(layers=2, prompt=16, new_tokens=4, batches=(1,), chunks=(8,), reps=3, sweep=(), sweep_steps=2)
+
+    def generation(model, kind, ids, chunk, new_tokens, decode):
+        calls.append((kind, decode))
+        assert ids.shape == (1, 16) and chunk == 8 and new_tokens == 4
+        times[kind].append(float(next(clock)))
+        return times[kind][-1], ({f"decode_tok_s_{kind}": 1.0} if decode else {})
+
+    def flash(model, ids, chunk, capacity):
+        calls.append(("fp16_flash", False))
+        if len(calls) == 5:  # its second run
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        times["fp16_flash"].append(float(next(clock)))
+        return times["fp16_flash"][-1], {"peak_mem_gib_fp16_flash_prefill": 1.0}
+
+    monkeypatch.setattr(e2e, "_generation", generation)
+    monkeypatch.setattr(e2e, "_flash_ttft", flash)
+    monkeypatch.setattr(e2e, "_release", lambda: None)
+    row = e2e._gen_row(None, plan, 1, 8, device="cpu")
+    # rounds: (kvarn, fp16, flash), (fp16, flash, kvarn), (flash, kvarn, fp16); the flash run's OOM ends it
+    assert calls == [("kvarn", False), ("fp16", False), ("fp16_flash", False), ("fp16", False), ("fp16_flash", False),
+                     ("kvarn", False), ("kvarn", True), ("fp16", True)]
+    assert row["ttft_ms_kvarn_samples"] == times["kvarn"] and row["ttft_ms_kvarn"] == sorted(times["kvarn"])[1]
+    assert row["ttft_ms_fp16_static_sdpa_samples"] == times["fp16"] and len(times["fp16"]) == 3
+    # a run that failed reports its error, not a median of the samples it had before
+    assert len(times["fp16_flash"]) == 1 and "ttft_ms_fp16_flash" not in row
+    assert "OutOfMemoryError" in row["error_fp16_flash"]
+    assert (row["ttft_ms_fp16"], row["ttft_fp16_baseline"]) == (row["ttft_ms_fp16_static_sdpa"], "static_sdpa")
+    assert row["decode_tok_s_kvarn"] == row["decode_tok_s_fp16"] == 1.0

@@ -28,8 +28,10 @@ captured once in a CUDA graph and replayed per token), in the same run:
 
 * ``ttft_ms_*``: time to first token, the whole chunked prefill (every chunk's forward pass with its
   appends and tile compression, the last position's LM head and argmax) between CUDA events, one
-  synchronization at the end; median of ``reps`` runs, each on a fresh cache (samples in ``*_samples``);
-  a warm-up generation of every (cache, chunk) precedes all timing;
+  synchronization at the end; median of ``reps`` runs, each on a fresh cache (samples in ``*_samples``),
+  the runs of both caches and of the flash baseline alternating round by round (:func:`ttft_rounds`: a
+  drifting host moves all three medians alike); a warm-up generation of every (cache, chunk) precedes all
+  timing;
 * ``decode_tok_s_*``: batch / median time of one graph-replayed decode step, per-step CUDA events over
   every replay after the first (eager) step, one synchronization at the end; the context grows from the
   prompt to prompt + new tokens over them (``decode_fp16_baseline``: the fp16 decode attention, a key of
@@ -568,57 +570,56 @@ def _step_ms(run, steps: int) -> list[float]:
     return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
 
 
-def _generation(model, kind: str, ids, chunk: int, new_tokens: int, reps: int, ttft: str) -> dict[str, Any]:
-    """TTFT (median of ``reps`` fresh prefills, as field ``ttft``), decode tokens/s and peak memory of one (cache,
-    batch, chunk), as the row's ``*_<kind>`` fields; fp16 decodes through :func:`fp16_decode_attention`
-    (``decode_fp16_baseline``)."""
+# The prefills a row times, in the order of its first round: both caches through StaticGreedy (the fp16 one over
+# transformers' StaticCache + SDPA), then SDPA flash over the fp16 cache's filled prefix (fp16_prefill).
+TTFT_RUNS = ("kvarn", "fp16", "fp16_flash")
+_TTFT_FIELD = {"kvarn": "ttft_ms_kvarn", "fp16": "ttft_ms_fp16_static_sdpa", "fp16_flash": "ttft_ms_fp16_flash"}
+
+
+def _generation(model, kind: str, ids, chunk: int, new_tokens: int, decode: bool) -> tuple[float, dict[str, Any]]:
+    """One fresh prefill of the cache ``kind`` through StaticGreedy: (its TTFT in ms, and with ``decode`` the decode
+    tokens/s, peak memory (prefill and decode) and cache bytes as the row's ``*_<kind>`` fields; fp16 decodes
+    through :func:`fp16_decode_attention`, named by ``decode_fp16_baseline``)."""
     import torch
 
     from ..hf.static_step import StaticGreedy
 
     batch, prompt = ids.shape
-    ttfts, run = [], None
-    for _ in range(reps):
-        run = None
-        _release()
-        torch.cuda.reset_peak_memory_stats()
-        run = StaticGreedy(model, ids, new_tokens, _cache_for(model, kind, prompt + new_tokens), chunk, graph=True,
-                           decode_attn=_decode_attn(kind))
-        ttfts.append(_elapsed_ms(run.prefill))
-    run.step()  # the eager first step and the capture
-    steps = _step_ms(run, new_tokens - 2)
+    _release()
+    torch.cuda.reset_peak_memory_stats()
+    run = StaticGreedy(model, ids, new_tokens, _cache_for(model, kind, prompt + new_tokens), chunk, graph=True,
+                       decode_attn=_decode_attn(kind))
+    ttft = _elapsed_ms(run.prefill)
+    out: dict[str, Any] = {}
+    if decode:
+        run.step()  # the eager first step and the capture
+        steps = _step_ms(run, new_tokens - 2)
+        out = {f"decode_step_ms_{kind}": round(statistics.median(steps), 4),
+               f"decode_tok_s_{kind}": round(batch * 1000.0 / statistics.median(steps), 1),
+               f"peak_mem_gib_{kind}": round(torch.cuda.max_memory_allocated() / GIB, 2),
+               f"cache_bytes_{kind}": _cache_bytes(run.cache, kind)}
+        if kind == "fp16":
+            out["decode_fp16_baseline"] = FP16_DECODE_BASELINE
     run.finish()
-    out = {ttft: round(statistics.median(ttfts), 2),
-           f"{ttft}_samples": [round(t, 2) for t in ttfts],
-           f"decode_step_ms_{kind}": round(statistics.median(steps), 4),
-           f"decode_tok_s_{kind}": round(batch * 1000.0 / statistics.median(steps), 1),
-           f"peak_mem_gib_{kind}": round(torch.cuda.max_memory_allocated() / GIB, 2),
-           f"cache_bytes_{kind}": _cache_bytes(run.cache, kind)}
-    if kind == "fp16":
-        out["decode_fp16_baseline"] = FP16_DECODE_BASELINE
     del run
     _release()
-    return out
+    return ttft, out
 
 
-def _flash_ttft(model, ids, chunk: int, capacity: int, reps: int) -> dict[str, Any]:
-    """TTFT of :func:`fp16_prefill` (the chunked prefill and the first argmax, timed as :func:`_generation` times
-    StaticGreedy's prefill) on fresh StaticCaches of ``capacity``: median of ``reps`` and the peak memory."""
+def _flash_ttft(model, ids, chunk: int, capacity: int) -> tuple[float, dict[str, Any]]:
+    """One TTFT of :func:`fp16_prefill` (the chunked prefill and the first argmax, timed as :func:`_generation` times
+    StaticGreedy's prefill) on a fresh StaticCache of ``capacity``, and the run's peak memory."""
     import torch
     from transformers import StaticCache
 
-    ttfts = []
-    for _ in range(reps):
-        _release()
-        torch.cuda.reset_peak_memory_stats()
-        cache = StaticCache(config=model.config, max_cache_len=capacity)
-        ttfts.append(_elapsed_ms(lambda c=cache: fp16_prefill(model, ids, c, chunk).argmax(-1)))
-        del cache
-    out = {"ttft_ms_fp16_flash": round(statistics.median(ttfts), 2),
-           "ttft_ms_fp16_flash_samples": [round(t, 2) for t in ttfts],
-           "peak_mem_gib_fp16_flash_prefill": round(torch.cuda.max_memory_allocated() / GIB, 2)}
     _release()
-    return out
+    torch.cuda.reset_peak_memory_stats()
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    ttft = _elapsed_ms(lambda c=cache: fp16_prefill(model, ids, c, chunk).argmax(-1))
+    del cache
+    out = {"peak_mem_gib_fp16_flash_prefill": round(torch.cuda.max_memory_allocated() / GIB, 2)}
+    _release()
+    return ttft, out
 
 
 def _fp16_ttft(row: dict[str, Any]) -> None:
@@ -630,27 +631,49 @@ def _fp16_ttft(row: dict[str, Any]) -> None:
         row["ttft_ms_fp16"], row["ttft_fp16_baseline"] = got[best], best
 
 
-def _gen_row(model, plan: Plan, batch: int, chunk: int) -> dict[str, Any]:
-    """One row: both caches' generation at ``batch`` and ``chunk``, and the flash fp16 prefill."""
+def ttft_rounds(reps: int) -> list[list[str]]:
+    """The order of a row's timed prefills: ``reps`` rounds of one prefill of each of :data:`TTFT_RUNS`, the order
+    rotated one place each round, so that a host or clock that drifts during the row moves every run's median
+    alike (the samples of one run are never all before or all after another's)."""
+    n = len(TTFT_RUNS)
+    return [[TTFT_RUNS[(r + i) % n] for i in range(n)] for r in range(reps)]
+
+
+def _gen_row(model, plan: Plan, batch: int, chunk: int, device: str = "cuda") -> dict[str, Any]:
+    """One row: both caches' generation at ``batch`` and ``chunk``, and the flash fp16 prefill. The TTFT samples of
+    the three prefills alternate (:func:`ttft_rounds`); each cache's decode continues its last round's prefill."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(batch)
-    ids = torch.randint(0, QWEN3_8B["vocab_size"], (batch, plan.prompt), generator=g, device="cuda")
+    g = torch.Generator(device=device).manual_seed(batch)
+    ids = torch.randint(0, QWEN3_8B["vocab_size"], (batch, plan.prompt), generator=g, device=device)
     capacity = plan.prompt + plan.new_tokens
     row: dict[str, Any] = {"batch": batch, "prompt": plan.prompt, "chunk": chunk, "new_tokens": plan.new_tokens}
     for kind in KINDS:
         row[f"est_peak_gib_{kind}"] = round(estimate_bytes(kind, plan.layers, batch, capacity, chunk) / GIB, 2)
-        ttft = "ttft_ms_kvarn" if kind == "kvarn" else "ttft_ms_fp16_static_sdpa"
-        try:
-            row.update(_generation(model, kind, ids, chunk, plan.new_tokens, plan.reps, ttft))
-        except torch.cuda.OutOfMemoryError as e:  # recorded; the other rows still run
-            row[f"error_{kind}"] = _oom(e)
-            _release()
-    try:
-        row.update(_flash_ttft(model, ids, chunk, capacity, plan.reps))
-    except torch.cuda.OutOfMemoryError as e:
-        row["error_fp16_flash"] = _oom(e)
-        _release()
+    samples: dict[str, list[float]] = {name: [] for name in TTFT_RUNS}
+    failed: dict[str, str] = {}
+    rounds = ttft_rounds(plan.reps)
+    for r, order in enumerate(rounds):
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                if name == "fp16_flash":
+                    t, extra = _flash_ttft(model, ids, chunk, capacity)
+                else:
+                    t, extra = _generation(model, name, ids, chunk, plan.new_tokens, decode=r == len(rounds) - 1)
+            except torch.cuda.OutOfMemoryError as e:  # recorded; the other runs and rows still run
+                failed[name] = _oom(e)
+                _release()
+                continue
+            samples[name].append(t)
+            row.update(extra)
+    for name in TTFT_RUNS:
+        if name in failed:
+            row[f"error_{name}"] = failed[name]
+        elif samples[name]:
+            row[_TTFT_FIELD[name]] = round(statistics.median(samples[name]), 2)
+            row[f"{_TTFT_FIELD[name]}_samples"] = [round(t, 2) for t in samples[name]]
     _fp16_ttft(row)
     return row
 
@@ -849,7 +872,8 @@ def run_plan(plan: Plan, parts: list[str] | None = None, log=None) -> dict[str, 
         "plan": asdict(plan),
         "method": "one model, both caches through kvarn_cutlass.hf.static_step.StaticGreedy; TTFT: whole chunked "
                   "prefill + first argmax between CUDA events, one sync, median of reps on fresh caches after a "
-                  "warm-up; ttft_ms_fp16: the faster of SDPA flash (causal_lower_right) over the filled prefix of a "
+                  "warm-up, the prefills of both caches and the flash baseline alternating round by round; "
+                  "ttft_ms_fp16: the faster of SDPA flash (causal_lower_right) over the filled prefix of a "
                   "static fp16 cache and transformers StaticCache + sdpa, named by ttft_fp16_baseline; decode: "
                   "batch / median per-step time of CUDA-graph replays (per-step events, one sync); fp16 decode: "
                   "FlashAttention-2 varlen (seqused_k on the device) over the filled prefix of the StaticCache, "
