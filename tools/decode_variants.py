@@ -52,9 +52,10 @@ from kvarn_cutlass.runtime import build  # noqa: E402
 CANDIDATES = ("ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6")
 SHAPES = ((1, 4096), (1, 131072), (16, 16384), (16, 32768), (16, 131072))
 # Split counts swept per shape (every variant): the split cost model's choices (4 at b16 for 4 blocks, 5-6 for
-# 5-6 blocks; 65 / 79 / 94 at b1/128k) and the shorter blocks of decode.MAX_TILES_PER_SPLIT's raise around
-# its plans (b16: 9 at 16k, 17 at 32k, 65 at 128k) and beyond.
-SWEEPS = {(1, 131072): (33, 65, 79, 94, 130), (16, 16384): (4, 6, 9, 13, 17),
+# 5-6 blocks; 65 / 79 / 94 at b1/128k), at b1/128k also 58, the most whose split blocks and 8 exact blocks per
+# (sequence, KV head) fit one wave of 4 x 132 (65 leaves 56 blocks to a second wave), and the shorter blocks of
+# decode.MAX_TILES_PER_SPLIT's raise around its plans (b16: 9 at 16k, 17 at 32k, 65 at 128k) and beyond.
+SWEEPS = {(1, 131072): (33, 58, 65, 79, 94, 130), (16, 16384): (4, 6, 9, 13, 17),
           (16, 32768): (4, 6, 8, 12, 17, 24, 33), (16, 131072): (4, 8, 16, 33, 65, 97)}
 SDPA_SHAPES = ((1, 4096), (1, 131072))
 NCU_SHAPE = (16, 32768)
