@@ -393,6 +393,28 @@ def test_fp16_decode_attention_shares_one_position_and_clamps_it_to_the_buffer()
     assert torch.equal(past, last)
 
 
+def test_fp16_decode_attention_computes_the_lengths_once_per_step_and_follows_the_positions(monkeypatch):
+    """The lengths of a step are computed for its first layer and reused by the later ones (the same position_ids
+    tensor); a step's new positions, in a new tensor or written in place into the same one, are never served
+    stale (each checked against float64 attention over the new prefix)."""
+    L, D = 48, 16
+    q, k, v = _decode_problem(2, 8, 2, L, D, seed=11)
+    adds = []
+    real_add = torch.add
+    monkeypatch.setattr(torch, "add", lambda *a, **kw: adds.append(1) or real_add(*a, **kw))
+    pos = torch.tensor([[6], [20]])
+    for _ in range(3):  # three layers of one step
+        got, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=pos)
+    assert len(adds) == 1
+    torch.testing.assert_close(got.double(), prefix_attention_f64(q, k, v, [7, 21], D**-0.5), rtol=0, atol=2e-6)
+    pos.add_(1)  # the next step in place (a captured graph's static input is updated so)
+    got, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=pos)
+    torch.testing.assert_close(got.double(), prefix_attention_f64(q, k, v, [8, 22], D**-0.5), rtol=0, atol=2e-6)
+    got, _ = e2e.fp16_decode_attention(None, q, k, v, None, position_ids=torch.tensor([[30], [2]]))
+    torch.testing.assert_close(got.double(), prefix_attention_f64(q, k, v, [31, 3], D**-0.5), rtol=0, atol=2e-6)
+    assert len(adds) == 3
+
+
 def _varlen_flash_f64(q, k, v, cu_q, cu_k, used, max_q, max_k, scale):
     """FlashAttention-2's varlen forward as its API documents it, in float64: sequence i's queries q[cu_q[i]:cu_q[i+1]]
     (total_q, Hq, D) attend, not causally, to keys k[cu_k[i] : cu_k[i] + used[i]] (seqused_k) of (total_k, Hkv, D),

@@ -427,6 +427,31 @@ def _flash_varlen_args(query, key, value, lengths):
     return q, key.view(n * L, 1, D), value.view(n * L, 1, D), cu_q, cu_k, lengths.view(n), 1, L
 
 
+# _prefix_lengths' one entry: (position_ids, its version, B, Hkv, L, capturing) -> the lengths it computed
+_lengths_memo: list = [None, None]
+
+
+def _prefix_lengths(position_ids, B: int, Hkv: int, L: int):
+    """Keys [0, p + 1) per (sequence, KV head), int32 [B, Hkv] on the device, clamped to [1, L]: two small kernels,
+    no host read, computed once per step: every layer of a forward pass gets the same ``position_ids`` tensor, so
+    later layers (and a captured graph's later nodes) reuse the first layer's result (36 layers: 70 kernels fewer
+    per step). The entry is keyed by the tensor (held weakly), its version counter (an in-place update of the
+    positions recomputes), the shapes and whether a graph is being captured."""
+    import weakref
+
+    import torch
+
+    key = (position_ids._version, B, Hkv, L, position_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    ref, entry = _lengths_memo
+    if ref is not None and ref() is position_ids and entry[0] == key:
+        return entry[1]
+    lengths = torch.empty(B, Hkv, dtype=torch.int32, device=position_ids.device)
+    torch.add(position_ids[:, -1:].expand(B, Hkv), 1, out=lengths)
+    lengths.clamp_(1, L)
+    _lengths_memo[:] = [weakref.ref(position_ids), (key, lengths)]
+    return lengths
+
+
 def fp16_decode_attention(module, query, key, value, attention_mask, scaling: float | None = None,
                           dropout: float = 0.0, position_ids=None, sliding_window: int | None = None, **kwargs):
     """Attention of one decode step over the filled prefix of a transformers StaticCache layer (transformers attention
@@ -466,10 +491,7 @@ def fp16_decode_attention(module, query, key, value, attention_mask, scaling: fl
         raise ValueError("attention_mask must be None: this attention reads the filled prefix from position_ids")
     if dropout or sliding_window is not None:
         raise ValueError(f"dropout must be 0 and sliding_window None, got {dropout!r} and {sliding_window!r}")
-    # keys [0, p + 1) per (sequence, KV head), int32 on the device: two small kernels, no host read
-    lengths = torch.empty(B, Hkv, dtype=torch.int32, device=query.device)
-    torch.add(position_ids[:, -1:].expand(B, Hkv), 1, out=lengths)
-    lengths.clamp_(1, L)
+    lengths = _prefix_lengths(position_ids, B, Hkv, L)
     if query.is_cuda:
         if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
             raise ValueError(f"query, key and value must share float16 or bfloat16 on CUDA (FlashAttention-2), got "
