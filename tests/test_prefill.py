@@ -235,19 +235,25 @@ ADVERSARIAL = dict(
 )
 
 
+def check_constant_tiles(**prefill_kw) -> None:
+    """A chunk over two constant tiles (K 0.5, V -2: zero-variance axes everywhere) within TOL of the reference
+    and finite, through prefill_attention with ``prefill_kw``."""
+    gen = torch.Generator().manual_seed(7)
+    cache = kc.KVarNCache(1, 1, 1, 128, window=128, dtype=torch.float16)
+    cache.append(0, torch.full((1, 1, 384, 128), 0.5).half(), torch.full((1, 1, 384, 128), -2.0).half())
+    q, k, v = make_chunk(gen, 1, 1, 2, 50, 128, torch.float16, outliers(gen, 128), 0.3)
+    ref = kc.reference.attention(q, cache, 0, k=k, v=v)
+    out = prefill_attention(q, k, v, cache, 0, **prefill_kw)
+    assert torch.isfinite(out).all() and rel(out, ref) < TOL
+
+
 @pytest.mark.parametrize("case", [*ADVERSARIAL, "constant_tiles"])
 def test_cpu_adversarial(case):
     """Within TOL of the reference (plus what rounding the reference to the output dtype costs) where f16
     operands would overflow or underflow without the per-tile and per-row power-of-two ranges."""
     kw = ADVERSARIAL.get(case, {})
     if case == "constant_tiles":
-        gen = torch.Generator().manual_seed(7)
-        cache = kc.KVarNCache(1, 1, 1, 128, window=128, dtype=torch.float16)
-        cache.append(0, torch.full((1, 1, 384, 128), 0.5).half(), torch.full((1, 1, 384, 128), -2.0).half())
-        q, k, v = make_chunk(gen, 1, 1, 2, 50, 128, torch.float16, outliers(gen, 128), 0.3)
-        ref = kc.reference.attention(q, cache, 0, k=k, v=v)
-        out = prefill_attention(q, k, v, cache, 0)
-        assert torch.isfinite(out).all() and rel(out, ref) < TOL
+        check_constant_tiles()
         return
     for n, nt, e, e_out in run_chunks([600, 200], seed=8, floor=True, **kw):
         assert e < TOL + e_out, (case, n, nt, e, e_out)

@@ -13,8 +13,8 @@ import kvarn_cutlass as kc
 from kvarn_cutlass.ops.prefill import DEFAULT_CONFIGS, FusedConfig
 from kvarn_cutlass.prefill import prefill_attention
 
-from test_prefill import ADVERSARIAL, CASES, GPU_CASES, HAS_CUDA, TOL, capture_qkv, kernel_and_mirror_errors, \
-    make_chunk, outliers, rel, run_chunks
+from test_prefill import ADVERSARIAL, CASES, GPU_CASES, HAS_CUDA, TOL, capture_qkv, check_constant_tiles, \
+    kernel_and_mirror_errors, make_chunk, outliers, rel, run_chunks
 
 gpu = pytest.mark.gpu
 I8 = FusedConfig(16, 64, k_operand="int8")
@@ -94,13 +94,7 @@ def test_cpu_int8_largest_chunk():
 def test_cpu_int8_adversarial(case):
     kw = ADVERSARIAL.get(case, {})
     if case == "constant_tiles":
-        gen = torch.Generator().manual_seed(7)
-        cache = kc.KVarNCache(1, 1, 1, 128, window=128, dtype=torch.float16)
-        cache.append(0, torch.full((1, 1, 384, 128), 0.5).half(), torch.full((1, 1, 384, 128), -2.0).half())
-        q, k, v = make_chunk(gen, 1, 1, 2, 50, 128, torch.float16, outliers(gen, 128), 0.3)
-        ref = kc.reference.attention(q, cache, 0, k=k, v=v)
-        out = prefill_attention(q, k, v, cache, 0, impl="torch", config=I8)
-        assert torch.isfinite(out).all() and rel(out, ref) < TOL
+        check_constant_tiles(impl="torch", config=I8)
         return
     for n, nt, e, e_out in run_chunks([600, 200], seed=8, floor=True, config=I8, **kw):
         assert e < TOL + e_out, (case, n, nt, e, e_out)
