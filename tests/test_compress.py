@@ -170,6 +170,24 @@ def test_cluster_warps_choice(monkeypatch):
     assert C.cluster_halves(8, 0) == 66
 
 
+def test_layer_layout_is_read_per_kernel_not_per_name():
+    # the cluster-warps variants' modules share function names; the 4-warp layout must not be reused for
+    # the 8-warp kernel (launched with 128 threads it would deadlock at its first 256-thread barrier)
+    class FakeKernel:
+        name = "kvarn_compress_t128_d128_f16_s16_v2"
+
+        def __init__(self, threads):
+            self.threads = threads
+
+        def attribute(self, attr):
+            return {"REQUIRED_CLUSTER_WIDTH": 8, "MAX_THREADS_PER_BLOCK": self.threads}[attr]
+
+    four, eight = FakeKernel(128), FakeKernel(256)
+    assert C._layer_layout(four) == (8, 128)
+    assert C._layer_layout(eight) == (8, 256)
+    assert C._layer_layout(four) == (8, 128)
+
+
 # Every pair of values of (input dtype, scale dtype, V bits) once: 6 compiles instead of all 12
 # combinations; each axis changes its own part of the kernel (loads, scale stores, V packing), and
 # the GPU identity tests below compile and run all 12.
@@ -811,7 +829,7 @@ def test_gpu_identity_of_the_cluster_warps_variants(monkeypatch, cluster_warps, 
     _check_identity(k, v, spec, seed=seed)
     kernel = C._kernel(torch.cuda.current_device(), C.compress_spec(T, D, torch.float16, spec.scale_dtype, spec.v_bits,
                                                                     quantizer, cluster_warps))
-    assert C._layer_layout(kernel, torch.cuda.current_device()) == (T // 16, 32 * cluster_warps)
+    assert C._layer_layout(kernel) == (T // 16, 32 * cluster_warps)
 
 
 @pytest.mark.gpu

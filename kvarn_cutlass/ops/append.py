@@ -230,7 +230,7 @@ class DeviceAppender:
                 raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "
                                  f"of shared memory per block, {self.device} has {limit}")
             form = get_kernel(kspec, name("append_compress_cluster"), APPEND_COMPRESS_SIGNATURE, idx)
-            ranks, threads = C._layer_layout(form, idx)
+            ranks, threads = C._layer_layout(form)
             # sm_90 (the kernel asks for a cluster); its CTAs' shared memory stays under 48 KB (tests/test_compress.py)
             cluster = None if ranks == 1 else ClusterForm(form, ranks, threads, smem["compress"],
                                                           C.cluster_halves(ranks, idx, threads))

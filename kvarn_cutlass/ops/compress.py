@@ -49,6 +49,7 @@ import functools
 import math
 import os
 import threading
+import weakref
 
 import torch
 
@@ -304,7 +305,8 @@ def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
     return smem
 
 
-_layouts: dict[tuple[int, str], tuple[int, int]] = {}
+# Keyed by the Kernel itself: the cluster-warps variants share function names across their modules.
+_layouts: "weakref.WeakKeyDictionary[object, tuple[int, int]]" = weakref.WeakKeyDictionary()
 _sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
 # score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps; 106-109 registers
@@ -328,15 +330,14 @@ def cluster_halves(ranks: int, device_index: int, threads: int = 32 * DEFAULT_CL
     return max(1, _CLUSTER_WARPS_PER_SM * 32 // threads) * _sm_count(device_index) // ranks
 
 
-def _layer_layout(kernel, device_index: int) -> tuple[int, int]:
+def _layer_layout(kernel) -> tuple[int, int]:
     """(CTAs per record half, threads per CTA) of a cluster-form kernel (the layer kernel or the append's
     append_compress_cluster), as compiled: its cluster width (sm_90: T / 16 CTAs of 128 threads; without
     a cluster one CTA of ``THREADS``)."""
-    key = (device_index, kernel.name)
-    layout = _layouts.get(key)
+    layout = _layouts.get(kernel)
     if layout is None:
         ranks = max(1, int(kernel.attribute("REQUIRED_CLUSTER_WIDTH")))
-        layout = _layouts[key] = (ranks, int(kernel.attribute("MAX_THREADS_PER_BLOCK")))
+        layout = _layouts[kernel] = (ranks, int(kernel.attribute("MAX_THREADS_PER_BLOCK")))
     return layout
 
 
@@ -431,7 +432,7 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps())
     index = k.device.index
     kernel = _kernel(index, kspec)
-    ranks, threads = _layer_layout(kernel, index)
+    ranks, threads = _layer_layout(kernel)
     form = "compress"
     if ranks > 1 and 2 * n_records > cluster_halves(ranks, index, threads):
         kernel, ranks, threads, form = _kernel(index, kspec, "compress_cta"), 1, THREADS, "compress_cta"
