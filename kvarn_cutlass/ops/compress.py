@@ -82,7 +82,7 @@ __all__ = [
 THREADS = 512
 # Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 4, and the A/B variants 8 and 16
 # (two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
-DEFAULT_CLUSTER_WARPS = 4
+DEFAULT_CLUSTER_WARPS = 8
 CLUSTER_WARPS = (4, 8, 16)
 CLUSTER_WARPS_ENV = "KVARN_COMPRESS_CLUSTER_WARPS"
 _IN_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -309,12 +309,13 @@ def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
 _layouts: "weakref.WeakKeyDictionary[object, tuple[int, int]]" = weakref.WeakKeyDictionary()
 _sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
-# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA (4 warps; 106-109 registers
-# at D=128, sm_90, 2026-12) fits 4 times per SM by registers (6 at D=64, 3 at D=256); past ~4 per SM a
-# launch is throughput-bound and the one-CTA kernel is faster. Counted in warps: 16 cluster warps per SM
-# (4 CTAs of the shipped 4 warps, 2 of 8, 1 of 16). (One CTA per SM was tried: the e2e prompt's 512-token
-# appends ran 17% slower in one CTA per half, docs/perf-notes.md "gpu-next on the H200".)
-_CLUSTER_WARPS_PER_SM = 16
+# score steps): ~1.8x the instructions of one CTA per half. A cluster CTA of the shipped 8 warps (64
+# registers at D=128, sm_90, 2026-12) fits 4 times per SM by registers; past that a launch is
+# throughput-bound and the one-CTA kernel is faster. Counted in warps: 32 cluster warps per SM (4 CTAs of
+# 8 warps, 8 of 4, 2 of 16), so a 512-token chunk of 8 KV heads (64 halves) runs as clusters: its
+# appends took 1.444 ms per 16k prompt as 8-warp clusters against 1.704 one-CTA, after GEMMs
+# (docs/perf-notes.md "Compression with more warps per cluster CTA: measured").
+_CLUSTER_WARPS_PER_SM = 32
 
 
 def _sm_count(index: int) -> int:
