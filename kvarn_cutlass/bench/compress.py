@@ -6,7 +6,7 @@ Main case (Qwen3-8B shape): one layer, 8 KV heads, head_dim 128, one 128-token t
 graph (``graph_us``: GPU time) and of the eager call with a deferred error flag (``eager_us``: host
 launch overhead included, no sync); ``checked_us`` is the default call, which reads the error flag
 back (one sync) as ``KVarNCache`` does. ``kernel`` says which layer kernel ran: ``cluster xR`` (a
-thread-block cluster of R = T/16 CTAs of 128 threads per record half, sm_90) or ``one CTA`` (512
+thread-block cluster of R = T/16 CTAs of 256 threads per record half, sm_90) or ``one CTA`` (512
 threads per half; ops.compress picks it for launches of more halves than fit as clusters).
 
 Bytes floor per record: read 2 * T * D * 2 bytes (K and V, fp16) and write ``tile_nbytes``

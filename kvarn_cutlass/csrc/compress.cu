@@ -5,7 +5,7 @@
 // whole pipeline on its own input: WHT along head_dim, Sinkhorn-like variance normalization
 // (lowest-imbalance candidate), power-of-two balance, zero lines, stored scales, codes, packing.
 // The layer kernel and the append's append_compress_cluster run a half on a thread-block cluster of
-// R = T / 16 CTAs of 4 warps on sm_90 (one CTA of 16 warps on sm_80); their one-CTA forms
+// R = T / 16 CTAs of KVARN_CW warps (8 shipped) on sm_90 (one CTA of 16 warps on sm_80); their one-CTA forms
 // (compress_cta, append_compress) on one CTA of 16 warps (ops/compress.py and ops/append.py pick the
 // form per launch). compress_impl is the same code for all: the "ranks" of a lone CTA are itself.
 // The codes come from the quantizer compiled in (KVARN_QUANT): 0 = uniform (asymmetric
@@ -71,11 +71,11 @@ typedef unsigned char u8;
 
 #define KVC_NT 512
 #define KVC_W 16
-// Warps per CTA of a cluster (KVARN_CW: 4, one per scheduler, the shipped form; 8 or 16 are A/B variants
-// that give each scheduler 2 or 4 independent chains, tokens t = rank + R * (w + W * k) as before, so the
-// halving trees keep their order: kvarn_cutlass.ops.compress.cluster_warps).
+// Warps per CTA of a cluster (KVARN_CW, from kvarn_cutlass.ops.compress.compress_spec: 8 shipped, two
+// independent chains per scheduler; 4 and 16 are A/B variants), tokens t = rank + R * (w + W * k), so the
+// halving trees keep the codec's order for every width.
 #ifndef KVARN_CW
-#define KVARN_CW 4
+#error "KVARN_CW (warps per cluster CTA) is defined by kvarn_cutlass.ops.compress.compress_spec"
 #endif
 static_assert(KVARN_CW == 4 || KVARN_CW == 8 || KVARN_CW == 16, "KVARN_CW: 4, 8 or 16 warps per cluster CTA");
 #define KVC_FULL 0xffffffffu
@@ -583,7 +583,7 @@ __device__ __forceinline__ void column_node(float (&out)[NJ], const Zsq& zsq, co
 
 template <int T, int D, int R>
 struct Shape {
-  // 16 warps for a lone CTA; on a cluster KVARN_CW (4: one per scheduler): a CTA's tile is T / R = 16
+  // 16 warps for a lone CTA; on a cluster KVARN_CW (8 shipped: two per scheduler): a CTA's tile is T / R = 16
   // tokens, and fewer warps with more elements each cut the work that every warp repeats per iteration
   // (row RMS trees, reciprocals, the score); more warps give each scheduler independent chains (at 4 the
   // kernel issues once every 6.3 cycles, latency-bound: docs/perf-notes.md).

@@ -1,7 +1,7 @@
 """GPU tile compression (``csrc/compress.cu``), byte-identical to :func:`kvarn_cutlass.codec.encode_tiles`.
 
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
-thread-block cluster of ``tile_tokens / 16`` CTAs of 128 threads that exchange their column sums
+thread-block cluster of ``tile_tokens / 16`` CTAs of 256 threads (8 warps) that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
 and for launches of more halves than fit as clusters (:func:`cluster_halves`: over 16 cluster warps per
 SM, ~33 records on an H200), on one 512-thread CTA. The cache's append kernels
@@ -80,8 +80,8 @@ __all__ = [
 ]
 
 THREADS = 512
-# Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 4, and the A/B variants 8 and 16
-# (two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
+# Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 8, and the A/B variants 4 and 16
+# (one, two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
 DEFAULT_CLUSTER_WARPS = 8
 CLUSTER_WARPS = (4, 8, 16)
 CLUSTER_WARPS_ENV = "KVARN_COMPRESS_CLUSTER_WARPS"
@@ -181,9 +181,9 @@ def compress_spec(
     :func:`kvarn_cutlass.format.lloyd_max_thresholds` and the codebook of
     :func:`kvarn_cutlass.format.codebook` (the refit's sums) as defines, so the kernel cache keys of the
     two quantizers differ and both have one source. The uniform module has neither.
-    ``cluster_warps`` (one of :data:`CLUSTER_WARPS`): warps per CTA of the cluster forms; a value other
-    than DEFAULT_CLUSTER_WARPS is compiled in (``KVARN_CW``) and named (``_cw8``), so the shipped module's
-    spec, cache entry and CUBIN stay the same. The records are the same bytes for every value.
+    ``cluster_warps`` (one of :data:`CLUSTER_WARPS`): warps per CTA of the cluster forms, compiled in
+    (``KVARN_CW``); a value other than DEFAULT_CLUSTER_WARPS is named (``_cw4``) as an A/B variant. The
+    records are the same bytes for every value.
     """
     if cluster_warps not in CLUSTER_WARPS:
         raise ValueError(f"cluster_warps must be one of {list(CLUSTER_WARPS)}, got {cluster_warps!r}")
@@ -199,8 +199,7 @@ def compress_spec(
         for bits in (4, 2) if v_bits == 2 else (4,):  # K codes are 4-bit
             defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
             defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
-    if cluster_warps != DEFAULT_CLUSTER_WARPS:
-        defines["KVARN_CW"] = cluster_warps
+    defines["KVARN_CW"] = cluster_warps
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
     roles = LAYER_ROLES + (APPEND_ROLES if in_dtype in APPEND_DTYPES else ())
     names = tuple(kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role) for role in roles)
@@ -333,7 +332,7 @@ def cluster_halves(ranks: int, device_index: int, threads: int = 32 * DEFAULT_CL
 
 def _layer_layout(kernel) -> tuple[int, int]:
     """(CTAs per record half, threads per CTA) of a cluster-form kernel (the layer kernel or the append's
-    append_compress_cluster), as compiled: its cluster width (sm_90: T / 16 CTAs of 128 threads; without
+    append_compress_cluster), as compiled: its cluster width (sm_90: T / 16 CTAs of 32 x KVARN_CW threads; without
     a cluster one CTA of ``THREADS``)."""
     layout = _layouts.get(kernel)
     if layout is None:
