@@ -299,6 +299,20 @@ def test_merge_keeps_the_recorded_parts_and_replaces_the_remeasured():
     assert e2e.merge_results(recorded, other) == other
 
 
+def test_headline_names_each_commit_of_a_merged_record():
+    r = lambda b, c: {"batch": b, "prompt": 16384, "chunk": c, "ttft_ms_kvarn": 40.0, "ttft_ms_fp16": 50.0,  # noqa: E731
+                      "decode_tok_s_kvarn": 30.0, "decode_tok_s_fp16": 20.0}
+    res = _part_results(rows=[r(1, 512), r(16, 512)], parts=["gen-b1-c512", "gen-b16-c512"])
+    prov = {"gpu": "NVIDIA H200", "date": "2026-12-02T00:00:00+00:00", "git_commit": "bbbb"}
+    res["parts"] = {"gen-b1-c512": {"git_commit": "bbbb", "date": "2026-12-02T00:00:00+00:00"},
+                    "gen-b16-c512": {"git_commit": "aaaa", "date": "2026-12-01T21:00:00+00:00"}}
+    text = e2e.headline_markdown({"sections": {"e2e": {"results": res, "provenance": prov}}})
+    assert "2026-12-01 to 2026-12-02, commits aaaa (gen-b16-c512); bbbb (gen-b1-c512)" in text
+    res["parts"]["gen-b16-c512"]["git_commit"] = "bbbb"  # one commit: the provenance's date and commit alone
+    text = e2e.headline_markdown({"sections": {"e2e": {"results": res, "provenance": prov}}})
+    assert "2026-12-02, commit bbbb." in text and "commits" not in text
+
+
 def test_record_section_merges_with_the_sections_merge(tmp_path):
     from kvarn_cutlass.bench.record import record_section
 

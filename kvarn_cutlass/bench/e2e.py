@@ -940,6 +940,22 @@ def merge_results(recorded: dict[str, Any], new: dict[str, Any]) -> dict[str, An
     return out
 
 
+def _measured_text(results: dict[str, Any], provenance: dict[str, Any]) -> str:
+    """When and at which commit the record's parts were measured: one date and commit, or, for a record merged from
+    runs of several commits, each commit with its parts (``parts``: part -> date, commit)."""
+    by_commit: dict[str, list[str]] = {}
+    first: dict[str, str] = {}
+    for name, part in sorted(results.get("parts", {}).items()):
+        commit, date = part.get("git_commit"), str(part.get("date", ""))
+        by_commit.setdefault(commit, []).append(name)
+        first[commit] = min(first.get(commit, date), date)
+    if len(by_commit) <= 1:
+        return f"{str(provenance.get('date', ''))[:10]}, commit {provenance.get('git_commit')}"
+    days = sorted({d[:10] for d in first.values()})
+    span = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+    return f"{span}, commits " + "; ".join(f"{c} ({', '.join(by_commit[c])})" for c in sorted(by_commit, key=first.get))
+
+
 def _bars(results: dict[str, Any]) -> dict[str, bool]:
     """Issue 17's bars at prompt 16384, and its goals (batch 16 / 32k decode, granted context)."""
     bars: dict[str, bool] = {}
@@ -1031,7 +1047,7 @@ def headline_markdown(doc: dict[str, Any], plot: str | None = None) -> str:
     lines.append(f"Qwen3-8B-shaped decoder ({shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, "
                  f"{shape.get('num_attention_heads')} q / {shape.get('num_key_value_heads')} KV heads, head_dim "
                  f"{shape.get('head_dim')}, random weights, fp16) on an {prov.get('gpu', 'unknown GPU')}, "
-                 f"{str(prov.get('date', ''))[:10]}, commit {prov.get('git_commit')}. KVarN {shape.get('preset')} "
+                 f"{_measured_text(res, prov)}. KVarN {shape.get('preset')} "
                  f"(window {shape.get('window')}) against an fp16 cache; both decode from one CUDA graph per step. "
                  "TTFT: the whole chunked prefill; fp16 TTFT: the faster of SDPA flash (causal_lower_right) over the "
                  "filled prefix of a static fp16 cache and transformers' StaticCache with SDPA, named beside it; "
