@@ -22,6 +22,8 @@
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
 #    reasons too; GPU_NCU_TARGETS picks the kernels)
+# 6b0. GPU_PREFILL_PHASES=1 (or CONFIG): tools/prefill_phases.py, the fused prefill kernel's tile and exact phases
+#    per query-key pair against SDPA flash -> $OUT/prefill_phases.json
 # 6b'''. GPU_E2E_PROFILE=1: tools/e2e_profile.py (the e2e bench's time per kernel group, both caches)
 #    -> $OUT/e2e_profile.json (GPU_E2E_PROFILE_ARGS: more arguments)
 # 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
@@ -177,6 +179,13 @@ if [ -n "${GPU_NCU:-}" ]; then
   done
 fi
 
+# 6b0. GPU_PREFILL_PHASES=1 (or a config name): the fused prefill kernel's per-pair time in its tile and exact
+#     phases against SDPA flash (tools/prefill_phases.py) -> $OUT/prefill_phases.json
+if [ -n "${GPU_PREFILL_PHASES:-}" ]; then
+  phase_args=(--json "$OUT/prefill_phases.json")
+  [ "$GPU_PREFILL_PHASES" = 1 ] || phase_args+=(--config "$GPU_PREFILL_PHASES")
+  step prefill_phases timeout "${GPU_PREFILL_PHASES_LIMIT:-180}" python3 tools/prefill_phases.py "${phase_args[@]}"
+fi
 # 6b'. GPU_PREFILL_VARIANTS="CONFIG ..." (or "tuned"): which role of the fused prefill kernel sets its
 #     pace (tools/prefill_variants.py: variants that leave one role's work out)
 if [ -n "${GPU_PREFILL_VARIANTS:-}" ]; then

@@ -48,8 +48,9 @@ def bucket_inputs(spec: TileSpec, context: int, chunk: int):
     g = torch.Generator(device="cuda").manual_seed(0)
     cache = kc.KVarNCache(1, 1, HKV, D, preset=spec.preset, window=256, quantizer=spec.quantizer, device="cuda",
                           max_seq_len=context + chunk)
-    k = torch.randn(1, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
-    cache.append(0, k, torch.randn_like(k))
+    if context:
+        k = torch.randn(1, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+        cache.append(0, k, torch.randn_like(k))
     q = torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
     kn = torch.randn(1, HKV, chunk, D, device="cuda", dtype=torch.float16, generator=g)
     return cache, q, kn, torch.randn_like(kn)

@@ -1,0 +1,123 @@
+"""How fast each phase of the fused prefill kernel runs per query-key pair, against SDPA flash on the same pairs.
+
+The kernel's work is two phases: the cache's tiles (dequantized in shared memory) and the exact tokens (sink,
+window and the chunk itself, causal). A whole prompt in 2048-token chunks has ~2.5x the exact pairs of one in
+512-token chunks, and KVarN's attention was slower there relative to SDPA (docs/perf-notes.md, "Fused prefill:
+the exact phase's rate"). This tool times one chunk's attention (``append=False``) for shapes that weigh the two
+phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over an fp16 cache holding the same
+tokens, both with CUDA events over back-to-back calls (``bench.timing.time_cuda``: warm-up, median, input sets -
+caches and chunks - rotated so that the L2 holds none of them); it fits per-pair times of the two phases plus a per-launch cost by
+least squares and prints them beside SDPA's per-pair time. GPU only:
+
+    python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--json PATH]
+    (through tools/gpu_check.sh: GPU_PREFILL_PHASES=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, as the other tools
+
+import kvarn_cutlass as kc  # noqa: E402
+from kvarn_cutlass.bench.timing import rotation_count, time_cuda  # noqa: E402
+from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
+from kvarn_cutlass.ops.prefill_tune import HKV, HQ, bucket_inputs, parse_bucket  # noqa: E402
+
+# (context, chunk): exact only (an empty cache), mixed (the tuner's shapes and the e2e chunks), tile-heavy
+SHAPES = ((0, 512), (0, 2048), (0, 4096), (16384, 512), (16384, 2048), (32768, 512), (32768, 128))
+
+
+def pairs(tile_tokens: int, exact_before: int, chunk: int) -> tuple[int, int]:
+    """(tile pairs, exact pairs) per query head of one chunk: every query sees every tile token, the
+    ``exact_before`` sink and window tokens, and the chunk causally (query i sees chunk tokens 0..i)."""
+    return chunk * tile_tokens, chunk * exact_before + chunk * (chunk + 1) // 2
+
+
+def fit(rows: list[dict]) -> dict:
+    """Least squares of ``kvarn_us = launch_us + tile_ps * tile_pairs + exact_ps * exact_pairs`` (pairs summed
+    over the query heads; ps: picoseconds per pair) over ``rows``, and SDPA's picoseconds per pair."""
+    a = np.array([[1.0, r["tile_pairs"] * 1e-6, r["exact_pairs"] * 1e-6] for r in rows])
+    y = np.array([r["kvarn_us"] for r in rows])
+    (launch, tile, exact), *_ = np.linalg.lstsq(a, y, rcond=None)
+    sdpa = np.array([r["sdpa_us"] / ((r["tile_pairs"] + r["exact_pairs"]) * 1e-6) for r in rows])
+    return {"launch_us": round(float(launch), 2), "tile_ps_per_pair": round(float(tile), 4),
+            "exact_ps_per_pair": round(float(exact), 4), "exact_over_tile": round(float(exact / tile), 3),
+            "sdpa_ps_per_pair_median": round(float(np.median(sdpa)), 4),
+            "residual_us_max": round(float(np.abs(a @ [launch, tile, exact] - y).max()), 2)}
+
+
+def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    sets = [bucket_inputs(spec, context, chunk)]
+    cache, q, kn, vn = sets[0]
+    layer = cache._layer(0)
+    tile_tokens = layer.n_tiles * spec.tile_tokens
+    exact_before = layer.window_len + layer.sink_len
+    assert tile_tokens + exact_before == context
+    want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
+    got = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg).float()
+    err = ((got - want).norm() / want.norm()).item()
+    if not err < 5e-3:
+        raise RuntimeError(f"context={context} chunk={chunk}: error {err:.2e} against the torch path")
+    # Input sets rotated so that no call finds its operands in L2 (in a model the other layers evict them):
+    # KVarN's caches (records, window, sink) and chunk; for SDPA the same tokens as an fp16 cache.
+    D, s = spec.head_dim, context + chunk
+    chunk_bytes = 4 * HQ * chunk * D + 2 * 2 * HKV * chunk * D
+    kvarn_bytes = HKV * layer.n_tiles * spec.tile_nbytes + 2 * 2 * HKV * exact_before * D + chunk_bytes
+    sets += [bucket_inputs(spec, context, chunk) for _ in range(rotation_count(kvarn_bytes) - 1)]
+    fp16 = [(torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16),
+             torch.randn(1, HKV, s, D, device="cuda", dtype=torch.float16),
+             torch.randn(1, HKV, s, D, device="cuda", dtype=torch.float16))
+            for _ in range(rotation_count(2 * 2 * HKV * s * D + chunk_bytes))]
+    mask = causal_lower_right(chunk, s)
+    out = torch.empty_like(q)
+
+    def sdpa(x):
+        qq, kk, vv = x
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+
+    def fused(x):
+        c, qq, kk, vv = x
+        return kc.prefill_attention(qq, kk, vv, c, 0, append=False, config=cfg, out=out)
+
+    kvarn = time_cuda(fused, sets, warmup=3, runs=runs)
+    base = time_cuda(sdpa, fp16, warmup=3, runs=runs)
+    tp, ep = pairs(tile_tokens, exact_before, chunk)
+    return {"context": context, "chunk": chunk, "tile_tokens": tile_tokens, "exact_before": exact_before,
+            "tile_pairs": HQ * tp, "exact_pairs": HQ * ep, "kvarn_us": round(kvarn.median_us, 2),
+            "sdpa_us": round(base.median_us, 2), "kvarn_over_sdpa": round(kvarn.median_us / base.median_us, 3),
+            "error": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bucket", default="D128_T128_V2")
+    ap.add_argument("--config", default=None, help="a FusedConfig name (default: the tuned one)")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--json", default=None, help="also write the rows and the fit here")
+    args = ap.parse_args()
+    spec = parse_bucket(args.bucket)
+    cfg = FusedConfig.from_name(args.config) if args.config else select_config(spec)
+    rows = []
+    for context, chunk in SHAPES:
+        row = {"bucket": args.bucket, "config": cfg.name, **measure(spec, cfg, context, chunk, args.runs)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    result = {"rows": rows, "fit": fit(rows)}
+    print(json.dumps({"fit": result["fit"]}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
