@@ -71,3 +71,29 @@ def test_a_failing_bucket_is_the_exit_status(monkeypatch, tuner_calls):
     monkeypatch.setattr(tune, "require_gpu", lambda: "fake GPU")
     monkeypatch.setattr(prefill_tune, "run_tune", lambda *a, **k: 1)
     assert main(["tune", "--buckets", "D128_T128_V2"]) == 1
+
+
+@pytest.mark.parametrize("context", [0, 200, 1000])
+def test_call_bytes_are_the_operands_one_call_touches(context):
+    # what the rotation is sized from: the layer's live records, sink and window tokens, and the chunk's q, k, v
+    # and output, counted from the cache's own buffers
+    import torch
+
+    import kvarn_cutlass as kc
+    from kvarn_cutlass.ops.prefill_tune import HKV, HQ, call_bytes
+
+    spec = prefill_tune.parse_bucket("D64_T128_V2")
+    cache = kc.KVarNCache(1, 1, HKV, 64, preset=spec.preset, window=256, sink_tokens=128,
+                          max_seq_len=context + 64)
+    if context:
+        g = torch.Generator().manual_seed(context)
+        k = torch.randn(1, HKV, context, 64, generator=g, dtype=torch.float16)
+        cache.append(0, k, torch.randn(1, HKV, context, 64, generator=g, dtype=torch.float16))
+    st = cache._layer(0)
+    live = (st.tiles[:, : st.n_tiles].nbytes + 2 * st.window_k[:, :, : st.window_len].nbytes
+            + 2 * st.sink_k[:, :, : st.sink_len].nbytes)
+    chunk = 64
+    q_out = 2 * torch.empty(1, HQ, chunk, 64, dtype=torch.float16).nbytes
+    kv = 2 * torch.empty(1, HKV, chunk, 64, dtype=torch.float16).nbytes
+    assert call_bytes(spec, cache, chunk) == live + q_out + kv
+    assert (st.n_tiles > 0) == (context >= 128 + 256 + 128)

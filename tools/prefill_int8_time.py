@@ -1,6 +1,6 @@
 """Times the int8 K-operand configs of the fused prefill kernel against f16 configs on the tuner's shape
-(one --chunk-token chunk over a --context-token cache, Qwen3-8B heads: 32 q / 8 KV; attention only; CUDA
-events, median of --reps after a warm-up), each checked against the torch path (its own K operand's mirror
+(one --chunk-token chunk over a --context-token cache, Qwen3-8B heads: 32 q / 8 KV; attention only; median
+of --reps back-to-back calls between CUDA events, inputs rotated past L2), each checked against the torch path (its own K operand's mirror
 for int8, the f16 path otherwise) and the f16 torch path. GPU only; for docs/perf-notes.md.
 
     python tools/prefill_int8_time.py [--buckets D128_T128_V2 D256_T128_V2] [--configs NAME ...]
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 import kvarn_cutlass as kc  # noqa: E402
 from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
-from kvarn_cutlass.ops.prefill_tune import bucket_inputs, parse_bucket, time_config  # noqa: E402
+from kvarn_cutlass.ops.prefill_tune import parse_bucket, rotated_inputs, time_config  # noqa: E402
 
 DEFAULT = {128: ["r16c4n64", "r16c4n64i8", "r32c4n64", "r16c4n32", "r16c4n32i8", "r16c4n64g2i8"],
            64: ["r16c4n64", "r16c4n64i8", "r32c4n64"], 256: ["r16c4n32", "r16c4n32i8"]}
@@ -34,7 +34,8 @@ def main() -> None:
     for key in args.buckets:
         spec = parse_bucket(key)
         D = spec.head_dim
-        cache, q, kn, vn = bucket_inputs(spec, args.context, args.chunk)
+        sets = rotated_inputs(spec, args.context, args.chunk)
+        cache, q, kn, vn = sets[0]
         f16_ref = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
         names = list(args.configs or DEFAULT[D])
         tuned = select_config(spec).name
@@ -52,7 +53,7 @@ def main() -> None:
             out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
             row["err_vs_mirror"] = ((out.float() - mirror).norm() / mirror.norm()).item()
             row["err_vs_f16_torch"] = ((out.float() - f16_ref).norm() / f16_ref.norm()).item()
-            row["time_ms"] = round(time_config(cache, q, kn, vn, cfg, out, args.reps), 4)
+            row["time_ms"] = round(time_config(sets, cfg, out, args.reps), 4)
             print(json.dumps(row), flush=True)
 
 

@@ -5,8 +5,8 @@ window and the chunk itself, causal). A whole prompt in 2048-token chunks has ~2
 512-token chunks, and KVarN's attention was slower there relative to SDPA (docs/perf-notes.md, "Fused prefill:
 the exact phase's rate"). This tool times one chunk's attention (``append=False``) for shapes that weigh the two
 phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over an fp16 cache holding the same
-tokens, both with CUDA events over back-to-back calls (``bench.timing.time_cuda``: warm-up, median, input sets -
-caches and chunks - rotated so that the L2 holds none of them); it fits per-pair times of the two phases plus a per-launch cost by
+tokens, both timed as the tuner times (``ops.prefill_tune.time_config``: back-to-back calls between CUDA events,
+warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two phases plus a per-launch cost by
 least squares and prints them beside SDPA's per-pair time. GPU only:
 
     python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--json PATH]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 import kvarn_cutlass as kc  # noqa: E402
 from kvarn_cutlass.bench.timing import rotation_count, time_cuda  # noqa: E402
 from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
-from kvarn_cutlass.ops.prefill_tune import HKV, HQ, bucket_inputs, parse_bucket  # noqa: E402
+from kvarn_cutlass.ops.prefill_tune import HKV, HQ, parse_bucket, rotated_inputs, time_config  # noqa: E402
 
 # (context, chunk): exact only (an empty cache), mixed (the tuner's shapes and the e2e chunks), tile-heavy
 SHAPES = ((0, 512), (0, 2048), (0, 4096), (16384, 512), (16384, 2048), (32768, 512), (32768, 128))
@@ -57,7 +57,7 @@ def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    sets = [bucket_inputs(spec, context, chunk)]
+    sets = rotated_inputs(spec, context, chunk)  # KVarN's caches and chunks, rotated past L2
     cache, q, kn, vn = sets[0]
     layer = cache._layer(0)
     tile_tokens = layer.n_tiles * spec.tile_tokens
@@ -68,16 +68,12 @@ def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
     err = ((got - want).norm() / want.norm()).item()
     if not err < 5e-3:
         raise RuntimeError(f"context={context} chunk={chunk}: error {err:.2e} against the torch path")
-    # Input sets rotated so that no call finds its operands in L2 (in a model the other layers evict them):
-    # KVarN's caches (records, window, sink) and chunk; for SDPA the same tokens as an fp16 cache.
+    # SDPA over the same tokens as an fp16 cache (its values do not change its time), rotated the same way
     D, s = spec.head_dim, context + chunk
-    chunk_bytes = 4 * HQ * chunk * D + 2 * 2 * HKV * chunk * D
-    kvarn_bytes = HKV * layer.n_tiles * spec.tile_nbytes + 2 * 2 * HKV * exact_before * D + chunk_bytes
-    sets += [bucket_inputs(spec, context, chunk) for _ in range(rotation_count(kvarn_bytes) - 1)]
     fp16 = [(torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16),
              torch.randn(1, HKV, s, D, device="cuda", dtype=torch.float16),
              torch.randn(1, HKV, s, D, device="cuda", dtype=torch.float16))
-            for _ in range(rotation_count(2 * 2 * HKV * s * D + chunk_bytes))]
+            for _ in range(rotation_count(2 * 2 * HKV * s * D + (2 * HQ + 2 * HKV) * chunk * D * 2))]
     mask = causal_lower_right(chunk, s)
     out = torch.empty_like(q)
 
@@ -86,16 +82,12 @@ def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
 
-    def fused(x):
-        c, qq, kk, vv = x
-        return kc.prefill_attention(qq, kk, vv, c, 0, append=False, config=cfg, out=out)
-
-    kvarn = time_cuda(fused, sets, warmup=3, runs=runs)
+    kvarn_ms = time_config(sets, cfg, out, runs)
     base = time_cuda(sdpa, fp16, warmup=3, runs=runs)
     tp, ep = pairs(tile_tokens, exact_before, chunk)
     return {"context": context, "chunk": chunk, "tile_tokens": tile_tokens, "exact_before": exact_before,
-            "tile_pairs": HQ * tp, "exact_pairs": HQ * ep, "kvarn_us": round(kvarn.median_us, 2),
-            "sdpa_us": round(base.median_us, 2), "kvarn_over_sdpa": round(kvarn.median_us / base.median_us, 3),
+            "tile_pairs": HQ * tp, "exact_pairs": HQ * ep, "kvarn_us": round(1000 * kvarn_ms, 2),
+            "sdpa_us": round(base.median_us, 2), "kvarn_over_sdpa": round(1000 * kvarn_ms / base.median_us, 3),
             "error": err}
 
 

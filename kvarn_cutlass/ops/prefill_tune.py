@@ -4,8 +4,8 @@
 on a GPU: for each bucket
 (``ops.prefill.bucket_key``: head_dim, tile tokens, V bits, quantizer) builds a cache of
 ``--context`` tokens (Qwen3-8B heads: 8 KV heads, 32 q heads) and times ``prefill_attention`` of one
-``--chunk``-token chunk over it (attention only, ``append=False``; CUDA events, median of ``--reps``
-after a warm-up) for every :data:`CANDIDATES` config that fits, checks each result against the torch
+``--chunk``-token chunk over it (attention only, ``append=False``; median of ``--reps`` back-to-back calls
+between CUDA events after a warm-up, rotating through copies of the inputs so that L2 holds none of them) for every :data:`CANDIDATES` config that fits, checks each result against the torch
 path of the same inputs, and writes the fastest correct one into ``gemm_configs/prefill_sm<arch>.json``
 with the measured times and provenance, atomically after each bucket. A bucket whose candidates all
 fail keeps its old entry (never written as tuned from failed measurements).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -56,20 +55,40 @@ def bucket_inputs(spec: TileSpec, context: int, chunk: int):
     return cache, q, kn, torch.randn_like(kn)
 
 
-def time_config(cache, q, k, v, cfg, out: torch.Tensor, reps: int) -> float:
-    """Median ms of ``reps`` calls of the fused kernel in ``cfg`` (attention only, into ``out``), each between
-    CUDA events and synchronized, after one warm-up call."""
+def call_bytes(spec: TileSpec, cache, chunk: int) -> int:
+    """Bytes one ``prefill_attention`` call of a ``chunk``-token chunk over layer 0 of ``cache`` reads and
+    writes: the layer's records, its sink and window tokens, the chunk's q, k, v and the output."""
+    layer = cache._layer(0)
+    D, item = spec.head_dim, cache.dtype.itemsize
+    exact = 2 * HKV * (layer.window_len + layer.sink_len) * D * item
+    return HKV * layer.n_tiles * spec.tile_nbytes + exact + (2 * HQ + 2 * HKV) * chunk * D * 2
+
+
+def rotated_inputs(spec: TileSpec, context: int, chunk: int) -> list[tuple]:
+    """:func:`bucket_inputs` sets, as many as ``bench.timing.rotation_count`` asks for one call's bytes, so that
+    a timed call finds none of its operands in L2 (in a model every other layer runs between two uses of a
+    layer's records). The sets hold the same values in different memory."""
+    from ..bench.timing import rotation_count
+
+    first = bucket_inputs(spec, context, chunk)
+    count = rotation_count(call_bytes(spec, first[0], chunk))
+    return [first] + [bucket_inputs(spec, context, chunk) for _ in range(count - 1)]
+
+
+def time_config(sets: list[tuple], cfg, out: torch.Tensor, reps: int) -> float:
+    """Median ms per call of the fused kernel in ``cfg`` (attention only, into ``out``) over ``reps`` calls that
+    rotate through ``sets`` of (cache, q, k, v) (:func:`rotated_inputs`), back to back between CUDA events
+    (``bench.timing.time_cuda``: no synchronization between calls, so the host's launch time is not counted
+    while it stays under the kernel's), after 3 warm-up calls."""
     import kvarn_cutlass as kc
 
-    times = []
-    for _ in range(reps + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        kc.prefill_attention(q, k, v, cache, 0, append=False, config=cfg, out=out)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[1:])
+    from ..bench.timing import time_cuda
+
+    def call(x):
+        cache, q, k, v = x
+        return kc.prefill_attention(q, k, v, cache, 0, append=False, config=cfg, out=out)
+
+    return time_cuda(call, sets, warmup=3, runs=reps).median_us / 1000.0
 
 
 def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
@@ -77,7 +96,8 @@ def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
 
     spec = _spec_of(key)
     D = spec.head_dim
-    cache, q, kn, vn = bucket_inputs(spec, context, chunk)
+    sets = rotated_inputs(spec, context, chunk)
+    cache, q, kn, vn = sets[0]
     want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
     rows = []
     major, minor = torch.cuda.get_device_capability()
@@ -90,7 +110,7 @@ def tune_bucket(key: str, context: int, chunk: int, reps: int) -> dict:
             err = ((out.float() - want).norm() / want.norm()).item()
             if not err < 5e-3:
                 raise RuntimeError(f"error {err:.2e} against the torch path")
-            row.update(time_ms=round(time_config(cache, q, kn, vn, cfg, out, reps), 4), error=err,
+            row.update(time_ms=round(time_config(sets, cfg, out, reps), 4), error=err,
                        fields=vars(cfg).copy())
         except Exception as e:  # a failing candidate is recorded and skipped, never selected
             row["error"] = f"{type(e).__name__}: {e}"
@@ -126,7 +146,8 @@ def run_tune(buckets, context: int = 16384, chunk: int = 512, reps: int = 10, ou
     table = json.loads(path.read_text()) if path.exists() else {"schema": 1, "arch": arch, "buckets": {}}
     prov = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": datetime.date.today().isoformat(), "tool": "kvarn-cutlass tune --kernel prefill",
-            "shape": f"context {context}, chunk {chunk}, {HQ} q / {HKV} KV heads"}
+            "shape": f"context {context}, chunk {chunk}, {HQ} q / {HKV} KV heads",
+            "method": "median of back-to-back calls between CUDA events, inputs rotated past L2"}
     failed = 0
     for key in buckets:
         res = tune_bucket(key, context, chunk, reps)
