@@ -49,3 +49,16 @@ def test_fit_recovers_the_per_pair_times(tool):
     assert f["exact_ps_per_pair"] == pytest.approx(0.11, abs=1e-4)
     assert f["exact_over_tile"] == pytest.approx(2.2, abs=0.01)
     assert f["sdpa_ps_per_pair_median"] == pytest.approx(0.055, abs=1e-4) and f["residual_us_max"] < 0.01
+
+
+def test_every_source_variant_applies_to_the_shipped_source(tool):
+    src = tool.SHIPPED_SOURCE.read_text()
+    for name, subs in tool.SOURCE_VARIANTS.items():
+        for a, b in subs:
+            assert src.count(a) == 1 and a != b, name  # exactly one place, and a real change
+
+
+def test_refuses_an_unknown_variant(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--variants", "nope"])
+    assert e.value.code == 2 and "--variants" in capsys.readouterr().err

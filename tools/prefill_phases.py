@@ -7,9 +7,11 @@ the exact phase's rate"). This tool times one chunk's attention (``append=False`
 phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over an fp16 cache holding the same
 tokens, both timed as the tuner times (``ops.prefill_tune.time_config``: back-to-back calls between CUDA events,
 warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two phases plus a per-launch cost by
-least squares and prints them beside SDPA's per-pair time. GPU only:
+least squares and prints them beside SDPA's per-pair time, for the shipped source and its A/B variants
+(``SOURCE_VARIANTS``). GPU only:
 
-    python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--json PATH]
+    python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--variants shipped exact_serial]
+                                    [--json PATH]
     (through tools/gpu_check.sh: GPU_PREFILL_PHASES=1)
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +30,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 import kvarn_cutlass as kc  # noqa: E402
 from kvarn_cutlass.bench.timing import rotation_count, time_cuda  # noqa: E402
+import kvarn_cutlass.ops.prefill as OP  # noqa: E402
 from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
 from kvarn_cutlass.ops.prefill_tune import HKV, HQ, parse_bucket, rotated_inputs, time_config  # noqa: E402
 
 # (context, chunk): exact only (an empty cache), mixed (the tuner's shapes and the e2e chunks), tile-heavy
 SHAPES = ((0, 512), (0, 2048), (0, 4096), (16384, 512), (16384, 2048), (32768, 512), (32768, 128))
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_SOURCE = ROOT / "kvarn_cutlass/csrc/prefill_fused.cu"
+# Source variants (text substitutions of the shipped kernel, built under their own module names), for an A/B in
+# one run. exact_serial: the producers wait for each exact block's copies before issuing the next (one block in
+# flight per producer group), as before the exact phase's hand-over was deferred.
+SOURCE_VARIANTS = {
+    "shipped": [],
+    "exact_serial": [("                if (pend >= 0) hand_over(pend, true);\n                pend = s;\n",
+                      "                hand_over(s, false);\n")],
+}
+_shipped_spec = OP.fused_spec
+
+
+def use_source(name: str) -> None:
+    """Build the fused kernel from the ``SOURCE_VARIANTS[name]`` form of its source from now on."""
+    OP._kernels.clear()
+    if not SOURCE_VARIANTS[name]:
+        OP.fused_spec = _shipped_spec
+        return
+    src = SHIPPED_SOURCE.read_text()
+    for a, b in SOURCE_VARIANTS[name]:
+        if a not in src:
+            raise RuntimeError(f"source variant {name}: {a!r} is not in {SHIPPED_SOURCE.name}")
+        src = src.replace(a, b)
+    path = Path(f"/tmp/prefill_fused_{name}.cu")
+    path.write_text(src)
+
+    def spec(*args, **kw):
+        base = _shipped_spec(*args, **kw)  # the variant's headers stay in csrc: found through include_dirs
+        return replace(base, source_file=str(path), name=f"{base.name}_{name}",
+                       include_dirs=(str(SHIPPED_SOURCE.parent), *base.include_dirs))
+
+    OP.fused_spec = spec
 
 
 def pairs(tile_tokens: int, exact_before: int, chunk: int) -> tuple[int, int]:
@@ -53,7 +90,8 @@ def fit(rows: list[dict]) -> dict:
             "residual_us_max": round(float(np.abs(a @ [launch, tile, exact] - y).max()), 2)}
 
 
-def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
+def measure(spec, cfg, context: int, chunk: int, runs: int, variants: list[str]) -> list[dict]:
+    """One row per source variant for the (context, chunk) shape: KVarN's time and SDPA's (timed once)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -64,10 +102,6 @@ def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
     exact_before = layer.window_len + layer.sink_len
     assert tile_tokens + exact_before == context
     want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
-    got = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg).float()
-    err = ((got - want).norm() / want.norm()).item()
-    if not err < 5e-3:
-        raise RuntimeError(f"context={context} chunk={chunk}: error {err:.2e} against the torch path")
     # SDPA over the same tokens as an fp16 cache (its values do not change its time), rotated the same way
     D, s = spec.head_dim, context + chunk
     fp16 = [(torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.float16),
@@ -82,33 +116,44 @@ def measure(spec, cfg, context: int, chunk: int, runs: int) -> dict:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
 
-    kvarn_ms = time_config(sets, cfg, out, runs)
-    base = time_cuda(sdpa, fp16, warmup=3, runs=runs)
+    sdpa_us = time_cuda(sdpa, fp16, warmup=3, runs=runs).median_us
     tp, ep = pairs(tile_tokens, exact_before, chunk)
-    return {"context": context, "chunk": chunk, "tile_tokens": tile_tokens, "exact_before": exact_before,
-            "tile_pairs": HQ * tp, "exact_pairs": HQ * ep, "kvarn_us": round(1000 * kvarn_ms, 2),
-            "sdpa_us": round(base.median_us, 2), "kvarn_over_sdpa": round(1000 * kvarn_ms / base.median_us, 3),
-            "error": err}
+    rows = []
+    for variant in variants:
+        use_source(variant)
+        got = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg).float()
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 5e-3:
+            raise RuntimeError(f"{variant}, context={context} chunk={chunk}: error {err:.2e} against the torch path")
+        kvarn_us = 1000 * time_config(sets, cfg, out, runs)
+        rows.append({"variant": variant, "context": context, "chunk": chunk, "tile_tokens": tile_tokens,
+                     "exact_before": exact_before, "tile_pairs": HQ * tp, "exact_pairs": HQ * ep,
+                     "kvarn_us": round(kvarn_us, 2), "sdpa_us": round(sdpa_us, 2),
+                     "kvarn_over_sdpa": round(kvarn_us / sdpa_us, 3), "error": err})
+    use_source("shipped")
+    return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bucket", default="D128_T128_V2")
     ap.add_argument("--config", default=None, help="a FusedConfig name (default: the tuned one)")
+    ap.add_argument("--variants", nargs="+", choices=list(SOURCE_VARIANTS), default=list(SOURCE_VARIANTS))
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--json", default=None, help="also write the rows and the fit here")
-    args = ap.parse_args()
+    ap.add_argument("--json", default=None, help="also write the rows and the fits here")
+    args = ap.parse_args(argv)
     spec = parse_bucket(args.bucket)
     cfg = FusedConfig.from_name(args.config) if args.config else select_config(spec)
     rows = []
     for context, chunk in SHAPES:
-        row = {"bucket": args.bucket, "config": cfg.name, **measure(spec, cfg, context, chunk, args.runs)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    result = {"rows": rows, "fit": fit(rows)}
-    print(json.dumps({"fit": result["fit"]}), flush=True)
+        for row in measure(spec, cfg, context, chunk, args.runs, args.variants):
+            row = {"bucket": args.bucket, "config": cfg.name, **row}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    fits = {v: fit([r for r in rows if r["variant"] == v]) for v in args.variants}
+    print(json.dumps({"fit": fits}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"rows": rows, "fit": fits}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1201,6 +1201,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
         const u8* rec = sRec;
+        // An exact block's copies are waited for (and its stage handed over) only after the group's next
+        // block has been issued, so two of a group's blocks are in flight instead of one (a block's copies take
+        // a memory latency to land, about as long as the consumers' MMAs on it). `pend`: the group's stage
+        // whose exact block is issued and not yet handed over (-1: none).
+        int pend = -1;
+        auto hand_over = [&](int stage, bool newest_in_flight) {
+            if (newest_in_flight) cp_async_wait_group<1>();  // all but the block just issued have landed
+            else cp_async_wait_all();
+            fence_operands_for_wgmma();
+            bar_arrive(BAR_FULL + stage, HANDOFF);
+        };
         for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
             if (NG > 1 && s / BPT != pg) continue;  // another group's stage
             u8* st = sStage + s * ST_BYTES;
@@ -1238,13 +1249,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
                 bar_arrive(BAR_FULL + s, HANDOFF);
             } else {
+                // A group with one stage (NG = 2, one block per tile) reuses it for its next block: that block
+                // must be handed over first, the consumers free the stage only after reading it. With two or
+                // more stages the pending block is newer than the one the consumers must finish to free this
+                // stage (a group's consecutive blocks are less than NSTAGE apart), so waiting here is safe.
+                if (pend == s) {
+                    hand_over(pend, false);
+                    pend = -1;
+                }
                 if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + ST_EK, gtid);
-                cp_async_wait_all();
-                fence_operands_for_wgmma();
-                bar_arrive(BAR_FULL + s, HANDOFF);
+                if (pend >= 0) hand_over(pend, true);
+                pend = s;
             }
         }
+        if (pend >= 0) hand_over(pend, false);
         return;
     }
 
