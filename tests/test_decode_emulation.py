@@ -295,3 +295,21 @@ def test_single_level_fold_would_fail():
     finally:
         globals()["_two_levels"] = orig
     assert one > 10 * two and one > 1e-3, (one, two)
+
+
+def test_single_level_lloyd_max_k_table_would_fail(monkeypatch):
+    """The reason for the lloyd_max K table's second level (and so for its second MMA): with tl = 0 the
+    centroids are rounded to 1/(2 SC) and the error exceeds the bar by 10x even at ordinary logits."""
+    c = _cache(1, 2, 128, "k4v2_g128", 3000, 5, "lloyd_max")
+    q = torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+    ref = reference.attention(q, c, 0)
+    two = _rel(emulate(q, c, splits=4), ref)
+    orig = decode.lm_tables
+
+    def k_one_level(book):
+        sc, th, tl = orig(book)
+        return (sc, th, [0] * len(tl)) if tuple(book) == tuple(c.spec.k_codebook) else (sc, th, tl)
+
+    monkeypatch.setattr(decode, "lm_tables", k_one_level)
+    one = _rel(emulate(q, c, splits=4), ref)
+    assert two < 3e-4 and one > 10 * two and one > 3e-3, (one, two)
