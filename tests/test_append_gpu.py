@@ -89,9 +89,9 @@ def test_gpu_append_is_byte_identical_to_the_host_path(quantizer, preset, D, sca
     assert dev.num_tiles(0) >= 8
 
 
-@pytest.mark.parametrize("cluster_warps", [8, 16])
+@pytest.mark.parametrize("cluster_warps", [4, 16])
 def test_gpu_append_cluster_warps_variants_are_byte_identical(monkeypatch, cluster_warps):
-    # the append's cluster form with 8 or 16 warps per CTA ($KVARN_COMPRESS_CLUSTER_WARPS), forced at every count
+    # the append's cluster form with 4 or 16 warps per CTA ($KVARN_COMPRESS_CLUSTER_WARPS), forced at every count
     from kvarn_cutlass.ops import compress as C
 
     monkeypatch.setenv(C.CLUSTER_WARPS_ENV, str(cluster_warps))
@@ -99,6 +99,18 @@ def test_gpu_append_cluster_warps_variants_are_byte_identical(monkeypatch, clust
                              sink_tokens=128, dtype=torch.float16)
     assert dev._writer._cluster.threads == 32 * cluster_warps
     feed_and_compare(host, dev, scenario_chunks(128, 256), seed=cluster_warps)
+    assert dev.num_tiles(0) >= 4
+
+
+def test_gpu_append_cta_warps_variant_is_byte_identical(monkeypatch):
+    # the append's one-CTA form with 32 warps ($KVARN_COMPRESS_CTA_WARPS), forced at every count
+    from kvarn_cutlass.ops import compress as C
+
+    monkeypatch.setenv(C.CTA_WARPS_ENV, "32")
+    host, dev = _forced_pair("cta", num_layers=1, batch_size=2, num_kv_heads=3, head_dim=128, window=256,
+                             sink_tokens=128, dtype=torch.float16)
+    assert dev._writer.cta_threads == 1024
+    feed_and_compare(host, dev, scenario_chunks(128, 256), seed=32)
     assert dev.num_tiles(0) >= 4
 
 

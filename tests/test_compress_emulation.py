@@ -1,8 +1,8 @@
 """CPU mirror of the GPU compression kernel (``csrc/compress.cu``), operation for operation.
 
 ``emulate_records`` replays the kernel in numpy float32 with its thread layout, for a record half on
-one CTA of 16 warps (the append kernels, sm_80, big launches) or on a cluster of R = T/16 CTAs of 4
-warps (the layer kernel on sm_90): rank q, warp w, lane l hold tokens t = q + R*(w + W*k) and
+one CTA of 16 warps (32 in the A/B variant; the append kernels, sm_80, big launches) or on a cluster of
+R = T/16 CTAs of 8 warps (4 and 16 in the variants; the layer kernel on sm_90): rank q, warp w, lane l hold tokens t = q + R*(w + W*k) and
 channels c = l + 32*j; arrays are indexed ``[q, w, l, k, j]`` like the registers. Every in-thread
 halving tree, ``__shfl_xor`` butterfly (WHT stages h < 32, ``warp_tree``), the tree over the warps
 (shared memory) and over the ranks (distributed shared memory), and the K half's per-channel trees
@@ -36,12 +36,12 @@ import torch
 
 from kvarn_cutlass import codec
 from kvarn_cutlass.format import TileSpec, codebook, lloyd_max_thresholds
+from kvarn_cutlass.ops import compress as C
 from kvarn_cutlass.ops.compress import _inv_sqrt
 
 from _helpers import realistic_kv
 
 f32 = np.float32
-WARPS = 16  # KVC_W: warps of a lone CTA (KVC_NT = 512 threads)
 LANES = np.arange(32)
 
 
@@ -134,13 +134,13 @@ def lloyd_max_fit(u, total, bcast, n: int, bits: int, sd: torch.dtype):
 
 # ---- one record half -------------------------------------------------------------------------------
 def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, ranks: int, trace: dict | None = None,
-                 cluster_warps: int = 4) -> dict:
+                 cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int = C.DEFAULT_CTA_WARPS) -> dict:
     """The kernel's record half on a float32 tile x [T, D] (the K half if not is_v) when it runs on
-    ``ranks`` CTAs (1: one CTA of 16 warps; T / 16: the layer kernel's cluster on sm_90, ``cluster_warps``
-    warps per CTA: compress.cu's KVARN_CW). Arrays are indexed [q, w, l, k, j] like the registers: rank q,
+    ``ranks`` CTAs (1: one CTA of ``cta_warps`` warps, compress.cu's KVARN_OW; T / 16: the layer kernel's cluster
+    on sm_90, ``cluster_warps`` warps per CTA: KVARN_CW). Arrays are indexed [q, w, l, k, j] like the registers: rank q,
     warp w, lane l hold tokens t = q + R*(w + W*k) and channels c = l + 32*j."""
     T, D, sd, iters, R = spec.tile_tokens, spec.head_dim, spec.scale_dtype, spec.sinkhorn_iters, ranks
-    W = cluster_warps if R > 1 else WARPS  # kvc::Shape::W: KVARN_CW warps per CTA of a cluster, 16 for a lone CTA
+    W = cluster_warps if R > 1 else cta_warps  # kvc::Shape::W: KVARN_CW warps per CTA of a cluster, KVARN_OW alone
     NK, NJ = T // (R * W), D // 32
     q_ax, w_ax, k_ax = np.arange(R), np.arange(W), np.arange(NK)
     t_of = q_ax[:, None, None, None, None] + R * (w_ax[None, :, None, None, None] + W * k_ax[None, None, None, :, None])
@@ -265,14 +265,15 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return (c << (np.arange(per, dtype=np.uint32) * bits)).sum(-1).astype(np.uint8).reshape(-1)
 
 
-def emulate_records(k: torch.Tensor, v: torch.Tensor, spec: TileSpec, ranks: int, cluster_warps: int = 4) -> torch.Tensor:
+def emulate_records(k: torch.Tensor, v: torch.Tensor, spec: TileSpec, ranks: int,
+                    cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int = C.DEFAULT_CTA_WARPS) -> torch.Tensor:
     """The kernel's records for k, v [n, T, D] (any float dtype; finite, in range) when each record
-    half runs on ``ranks`` CTAs (of ``cluster_warps`` warps when ranks > 1)."""
+    half runs on ``ranks`` CTAs (of ``cluster_warps`` warps when ranks > 1, else one of ``cta_warps``)."""
     sd = np.float16 if spec.scale_dtype == torch.float16 else np.float32
     recs = []
     for kt, vt in zip(k.float().numpy(), v.float().numpy()):
-        f = (emulate_half(kt, spec, False, ranks, cluster_warps=cluster_warps)
-             | emulate_half(vt, spec, True, ranks, cluster_warps=cluster_warps))
+        f = (emulate_half(kt, spec, False, ranks, cluster_warps=cluster_warps, cta_warps=cta_warps)
+             | emulate_half(vt, spec, True, ranks, cluster_warps=cluster_warps, cta_warps=cta_warps))
         rec = np.zeros(spec.tile_nbytes, np.uint8)
         for name in spec.section_names():
             off, n = spec.section(name)
@@ -340,10 +341,10 @@ def test_kernel_mirror_matches_codec_lloyd_max(preset, D, scale_dtype, in_dtype,
 
 @pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", CASES[1::2])
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
-@pytest.mark.parametrize("cluster_warps", [8, 16])
+@pytest.mark.parametrize("cluster_warps", [4, 16])
 def test_kernel_mirror_of_the_cluster_warps_variants_matches_codec(preset, D, scale_dtype, in_dtype, kind, quantizer,
                                                                   cluster_warps):
-    """The A/B variants with 8 or 16 warps per cluster CTA (ops.compress.CLUSTER_WARPS) keep the codec's bytes:
+    """The A/B variants with 4 or 16 warps per cluster CTA (ops.compress.CLUSTER_WARPS) keep the codec's bytes:
     their warps hold tokens rank + R * (w + W * k), so the halving trees over the tokens keep their order."""
     spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer=quantizer)
     seed = zlib.crc32(repr((preset, D, kind, quantizer, cluster_warps)).encode())
@@ -352,10 +353,22 @@ def test_kernel_mirror_of_the_cluster_warps_variants_matches_codec(preset, D, sc
     assert not _diff(got, codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
 
 
+@pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", [c for c in CASES if c[1] <= 128])
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_kernel_mirror_of_the_cta_warps_variant_matches_codec(preset, D, scale_dtype, in_dtype, kind, quantizer):
+    """The one-CTA forms with 32 warps (ops.compress.CTA_WARPS, head_dim <= 128) keep the codec's bytes: tokens
+    w + 32 k, four a thread, one more level of the tree over the warps."""
+    spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer=quantizer)
+    seed = zlib.crc32(repr((preset, D, kind, quantizer, "ow32")).encode())
+    k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, seed)
+    got = emulate_records(k, v, spec, 1, cta_warps=32)
+    assert not _diff(got, codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
+
+
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("ranks,cluster_warps", [(1, 4), (4, 4), (4, 16)])
-def test_kernel_mirror_degenerate_tiles(quantizer, scale_dtype, ranks, cluster_warps):
+@pytest.mark.parametrize("ranks,cluster_warps,cta_warps", [(1, 8, 16), (1, 8, 32), (4, 4, 16), (4, 16, 16)])
+def test_kernel_mirror_degenerate_tiles(quantizer, scale_dtype, ranks, cluster_warps, cta_warps):
     # constant axes (stored step 0 -> code 0), zero lines (smallest scale), a lone nonzero channel or
     # token, two-valued tiles, tiny and float16-subnormal values (the lloyd_max refit's sparse axes)
     spec = TileSpec(preset="k4v2_g64", head_dim=64, scale_dtype=scale_dtype, quantizer=quantizer)
@@ -374,7 +387,7 @@ def test_kernel_mirror_degenerate_tiles(quantizer, scale_dtype, ranks, cluster_w
     ])
     k, v = tiles, tiles.flip(0)
     want = codec.encode_tiles(k, v, spec)
-    assert not _diff(emulate_records(k, v, spec, ranks, cluster_warps), want, spec)
+    assert not _diff(emulate_records(k, v, spec, ranks, cluster_warps, cta_warps), want, spec)
     fields = codec.unpack_fields(want, spec)
     assert bool((fields.chan_step == 0).any()) and bool((fields.tok_step == 0).any())  # the scale-0 path ran
     smallest = torch.finfo(scale_dtype).smallest_normal * torch.finfo(scale_dtype).eps

@@ -19,12 +19,18 @@ def test_refuses_an_unknown_variant(tool, capsys):
     with pytest.raises(SystemExit) as e:
         tool.main(["--warps", "3"])
     assert e.value.code == 2 and "--warps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--cta-warps", "8"])
+    assert e.value.code == 2 and "--cta-warps" in capsys.readouterr().err
 
 
 def test_set_warps_is_what_the_kernels_read(tool, monkeypatch):
     monkeypatch.delenv(C.CLUSTER_WARPS_ENV, raising=False)
+    monkeypatch.delenv(C.CTA_WARPS_ENV, raising=False)
     for w in C.CLUSTER_WARPS:
-        tool.set_warps(w)
-        assert C.cluster_warps() == w
+        for o in C.CTA_WARPS:
+            tool.set_warps(w, o)
+            assert C.cluster_warps() == w and C.cta_warps(128) == o
     monkeypatch.delenv(C.CLUSTER_WARPS_ENV)
-    assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS
+    monkeypatch.delenv(C.CTA_WARPS_ENV)
+    assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS and C.cta_warps(128) == C.DEFAULT_CTA_WARPS

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""A/B of the compression kernels' warps per cluster CTA (``ops.compress.CLUSTER_WARPS``: 4 shipped, 8, 16) (GPU).
+"""A/B of the compression kernels' widths: warps per cluster CTA (``ops.compress.CLUSTER_WARPS``: 8 shipped, 4, 16)
+and per lone CTA (``CTA_WARPS``: 16 shipped, 32) (GPU).
 
-``python3 tools/compress_variants.py [--warps N ...] [--quick] [--json PATH]``
+``python3 tools/compress_variants.py [--warps N ...] [--cta-warps N ...] [--quick] [--json PATH]``
 
 Why: Nsight Compute of the shipped cluster kernel (docs/perf-notes.md, "gpu-next on the H200") found one warp per
 scheduler issuing once every 6.3 cycles, a dependent chain; the 8- and 16-warp variants give each scheduler two or
-four chains with ~0.63x / ~0.44x the instructions per warp (SASS 7,024 -> 4,424 -> 3,104 at D=128), same bytes.
+four chains with ~0.63x / ~0.44x the instructions per warp (SASS 7,024 -> 4,424 -> 3,104 at D=128), same bytes
+(measured 2026-12-02: 8 is the fastest and ships). The one-CTA forms set the throughput of large launches (the
+batch-16 prefill's appends): at 32 warps a thread holds half the tokens, within 64 registers (111 at 16), so each
+scheduler has eight warps instead of four.
 
 Per variant (``$KVARN_COMPRESS_CLUSTER_WARPS``, set before each case; the append reads it when a cache's writer
 is made, so every case builds its own caches):
@@ -19,6 +23,11 @@ is made, so every case builds its own caches):
    alone, as the bench's ``gpu_ms``) and (b) each append after a [512 x 4096] x [4096 x 4096] fp16 GEMM, as in a
    model's prefill (the e2e profile measured the two forms in opposite order from (a)): ms over the 32 appends,
    the GEMMs' own time subtracted.
+
+4. per one-CTA width (``$KVARN_COMPRESS_CTA_WARPS``): the bytes of batch-16 layers (128 records: the one-CTA
+   form) against the shipped width's, the batch-16 layer case at D = 64, 128 and lloyd_max, and the prompt's
+   appends in the one-CTA form at batch 1 and 16 (the e2e b16 prefill's chunks: 512 records an append), back to
+   back and after GEMMs.
 
 Prints one JSON line per measurement and a table; ``--json`` writes all. Device time: ~1-2 min with the builds
 (each variant compiles its D=64/128/256 modules on first use, ~10-30 s each on the device's CPU).
@@ -45,16 +54,18 @@ from kvarn_cutlass.ops import compress as C  # noqa: E402
 P, CHUNK, H, D = 16384, 512, 8, 128
 
 
-def set_warps(w: int) -> None:
+def set_warps(w: int, cta: int = C.DEFAULT_CTA_WARPS) -> None:
+    """The widths the next kernels are built and launched with: ``w`` warps per cluster CTA, ``cta`` per lone CTA."""
     os.environ[C.CLUSTER_WARPS_ENV] = str(w)
+    os.environ[C.CTA_WARPS_ENV] = str(cta)
 
 
-def layer_records(warps: int, quantizer: str, batch: int, seed: int):
+def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int = C.DEFAULT_CTA_WARPS):
     import torch
 
     from kvarn_cutlass.format import TileSpec
 
-    set_warps(warps)
+    set_warps(warps, cta)
     spec = TileSpec(preset="k4v2_g128", head_dim=D, quantizer=quantizer)
     g = torch.Generator(device="cuda").manual_seed(seed)
     k = torch.randn(batch, H, spec.tile_tokens, D, device="cuda", dtype=torch.float16, generator=g)
@@ -63,24 +74,26 @@ def layer_records(warps: int, quantizer: str, batch: int, seed: int):
     return C.compress_layer(k, v, spec).cpu()
 
 
-def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int) -> float:
-    """ms of the prompt's 32 appends: back to back behind a sleep kernel, or each after a GEMM (GEMMs subtracted)."""
+def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int, batch: int = 1,
+                   cta: int = C.DEFAULT_CTA_WARPS) -> float:
+    """ms of the prompt's 32 appends (``batch`` sequences): back to back behind a sleep kernel, or each after a GEMM
+    of the batch's chunk rows (GEMMs subtracted)."""
     import torch
 
     from kvarn_cutlass.cache import KVarNCache
     from kvarn_cutlass.ops.append import DeviceAppender
 
-    set_warps(warps)
+    set_warps(warps, cta)
     g = torch.Generator(device="cuda").manual_seed(P + CHUNK)
-    k = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    k = torch.randn(batch, H, P, D, device="cuda", dtype=torch.float16, generator=g)
     k[..., :4] *= 6
-    v = torch.randn(1, H, P, D, device="cuda", dtype=torch.float16, generator=g)
-    a = torch.randn(CHUNK, 4096, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(batch, H, P, D, device="cuda", dtype=torch.float16, generator=g)
+    a = torch.randn(batch * CHUNK, 4096, device="cuda", dtype=torch.float16, generator=g)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16, generator=g)
-    c = torch.empty(CHUNK, 4096, device="cuda", dtype=torch.float16)
+    c = torch.empty(batch * CHUNK, 4096, device="cuda", dtype=torch.float16)
 
     def fresh() -> KVarNCache:
-        cache = KVarNCache(1, 1, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
+        cache = KVarNCache(1, batch, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
         cache._writer = DeviceAppender(cache)
         if cluster and cache._writer._cluster is None:
             raise SystemExit(f"no cluster form of the append on {torch.cuda.get_device_name()} (sm_90 and later)")
@@ -122,7 +135,9 @@ def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int) -> flo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warps", type=int, action="append", choices=C.CLUSTER_WARPS,
-                    help="variants to time (repeatable; default: all); the shipped 4 is always timed first")
+                    help="variants to time (repeatable; default: all); the shipped width is always timed first")
+    ap.add_argument("--cta-warps", type=int, action="append", choices=C.CTA_WARPS,
+                    help="one-CTA widths to time (repeatable; default: all); the shipped 16 is always timed first")
     ap.add_argument("--quick", action="store_true", help="fewer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -155,17 +170,42 @@ def main(argv=None) -> int:
             for with_gemm in (False, True):
                 emit({"warps": w, "case": "prompt", "form": "cluster" if cluster else "one CTA",
                       "after_gemm": with_gemm, "ms": round(prompt_appends(w, cluster, with_gemm, reps), 3)})
+    ctas = [C.DEFAULT_CTA_WARPS] + [w for w in (args.cta_warps or C.CTA_WARPS) if w != C.DEFAULT_CTA_WARPS]
+    for o in ctas:
+        # the one-CTA forms: launches of more halves than fit as clusters (batch 16 layers, batch 16 prompt chunks)
+        for quantizer in ("uniform", "lloyd_max"):
+            seed = 16000 + len(quantizer)
+            got = layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, 16, seed, o)
+            want = got if o == C.DEFAULT_CTA_WARPS else layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, 16, seed)
+            emit({"cta_warps": o, "case": "bytes", "quantizer": quantizer, "batch": 16,
+                  "equal": bool((got == want).all())})
+        for batch, head_dim, quantizer in ((16, 64, "uniform"), (16, 128, "uniform"), (16, 128, "lloyd_max")):
+            set_warps(C.DEFAULT_CLUSTER_WARPS, o)
+            r = bench._compress_case(batch, head_dim, "k4v2_g128", opts, quantizer)
+            emit({"cta_warps": o, "case": "layer", "batch": batch, "head_dim": head_dim, "quantizer": quantizer,
+                  "kernel": r["kernel"], "graph_us": r["graph_us"]})
+        for batch in (1, 16):
+            for with_gemm in (False, True):
+                emit({"cta_warps": o, "case": "prompt", "form": "one CTA", "batch": batch, "after_gemm": with_gemm,
+                      "ms": round(prompt_appends(C.DEFAULT_CLUSTER_WARPS, False, with_gemm, reps, batch, o), 3)})
     os.environ.pop(C.CLUSTER_WARPS_ENV, None)
-    layer = [r for r in rows if r["case"] == "layer"]
+    os.environ.pop(C.CTA_WARPS_ENV, None)
+    layer = [r for r in rows if r["case"] == "layer" and "warps" in r]
     print("warps | layer b1 D64 / D128 / D256 / D128 lm / b2 D128 (graph us)")
     for w in variants:
         print(w, "|", " / ".join(str(r["graph_us"]) for r in layer if r["warps"] == w))
     print("warps, form | prompt appends ms: back to back / after GEMMs")
     for r in rows:
-        if r["case"] == "prompt" and not r["after_gemm"]:
+        if r["case"] == "prompt" and not r["after_gemm"] and "warps" in r:
             after = next(x["ms"] for x in rows if x["case"] == "prompt" and x["after_gemm"] and x["warps"] == r["warps"]
                          and x["form"] == r["form"])
             print(f"{r['warps']}, {r['form']} | {r['ms']} / {after}")
+    print("one-CTA warps | layer b16 D64 / D128 / D128 lm (graph us) | prompt appends ms b1, b16: back to back / after GEMMs")
+    for o in ctas:
+        lay = " / ".join(str(r["graph_us"]) for r in rows if r["case"] == "layer" and r.get("cta_warps") == o)
+        pr = ", ".join(" / ".join(str(r["ms"]) for r in rows if r["case"] == "prompt" and r.get("cta_warps") == o
+                                  and r["batch"] == b) for b in (1, 16))
+        print(o, "|", lay, "|", pr)
     print("bytes equal to the shipped kernel:", all(r["equal"] for r in rows if r["case"] == "bytes"))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - t0, 1)}, indent=1))

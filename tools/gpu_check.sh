@@ -29,9 +29,10 @@
 # 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt)
-# 6b5. GPU_COMPRESS_VARIANTS=1: tools/compress_variants.py, the compression kernels' warps per cluster CTA (4
-#    shipped, 8, 16): bytes against the shipped kernel, layer graph_us, the prompt's appends by form, back to
-#    back and after GEMMs -> $OUT/compress_variants.json
+# 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
+#    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (16 shipped, 32): bytes
+#    against the shipped kernel, layer graph_us, the prompt's appends by form (b1, and b16 for the one-CTA
+#    widths), back to back and after GEMMs -> $OUT/compress_variants.json
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl
 #    (GPU_PPL_ROWS=REGEX: only the rows whose step name matches, e.g. w128)
 #    (needs the reference model: .carry/shared/{models,data} carried, or $KVARN_SHARED_DIR)
@@ -217,8 +218,10 @@ if [ -n "${GPU_DECODE_VARIANTS:-}" ]; then
 fi
 
 if [ -n "${GPU_COMPRESS_VARIANTS:-}" ]; then
+  cv_args=()
+  [ "$GPU_COMPRESS_VARIANTS" = 1 ] || cv_args=($GPU_COMPRESS_VARIANTS)
   step compress_variants timeout "${GPU_COMPRESS_VARIANTS_LIMIT:-300}" python3 tools/compress_variants.py \
-    --json "$OUT/compress_variants.json"
+    --json "$OUT/compress_variants.json" "${cv_args[@]}"
 fi
 
 # 6c. GPU_SANITIZE="TARGET ...": compute-sanitizer memcheck and racecheck over tools/ncu_targets.py TARGET

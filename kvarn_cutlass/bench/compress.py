@@ -6,8 +6,8 @@ Main case (Qwen3-8B shape): one layer, 8 KV heads, head_dim 128, one 128-token t
 graph (``graph_us``: GPU time) and of the eager call with a deferred error flag (``eager_us``: host
 launch overhead included, no sync); ``checked_us`` is the default call, which reads the error flag
 back (one sync) as ``KVarNCache`` does. ``kernel`` says which layer kernel ran: ``cluster xR`` (a
-thread-block cluster of R = T/16 CTAs of 256 threads per record half, sm_90) or ``one CTA`` (512
-threads per half; ops.compress picks it for launches of more halves than fit as clusters).
+thread-block cluster of R = T/16 CTAs of 256 threads per record half, sm_90) or ``one CTA`` (512 threads per
+half as shipped; ops.compress picks it for launches of more halves than fit as clusters).
 
 Bytes floor per record: read 2 * T * D * 2 bytes (K and V, fp16) and write ``tile_nbytes``
 (13,824 B for k4v2_g128, D=128, f16 scales): 8 records move 0.63 MB, 0.15 us at 4.25 TB/s. The
@@ -108,7 +108,7 @@ def _layer_kernel(spec, records: int) -> str:
 
     index = torch.cuda.current_device()
     kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer,
-                            C.cluster_warps())
+                            C.cluster_warps(), C.cta_warps(spec.head_dim))
     ranks, threads = C._layer_layout(C._kernel(index, kspec))
     if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index, threads):
         return f"cluster x{ranks}"

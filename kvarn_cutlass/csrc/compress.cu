@@ -5,9 +5,9 @@
 // whole pipeline on its own input: WHT along head_dim, Sinkhorn-like variance normalization
 // (lowest-imbalance candidate), power-of-two balance, zero lines, stored scales, codes, packing.
 // The layer kernel and the append's append_compress_cluster run a half on a thread-block cluster of
-// R = T / 16 CTAs of KVARN_CW warps (8 shipped) on sm_90 (one CTA of 16 warps on sm_80); their one-CTA forms
-// (compress_cta, append_compress) on one CTA of 16 warps (ops/compress.py and ops/append.py pick the
-// form per launch). compress_impl is the same code for all: the "ranks" of a lone CTA are itself.
+// R = T / 16 CTAs of KVARN_CW warps (8 shipped) on sm_90 (one CTA of KVARN_OW warps on sm_80); their
+// one-CTA forms (compress_cta, append_compress) on one CTA of KVARN_OW warps (16 shipped; ops/compress.py
+// and ops/append.py pick the form per launch). compress_impl is the same code for all: the "ranks" of a lone CTA are itself.
 // The codes come from the quantizer compiled in (KVARN_QUANT): 0 = uniform (asymmetric
 // round-to-nearest-even: *_min = axis minimum, *_step = range / (2^bits - 1)), 1 = lloyd_max (codes
 // of the Gaussian fit (mean, RMS about the stored mean), then (min, step) = the stored least-squares
@@ -69,8 +69,15 @@ typedef unsigned char u8;
 #define KVARN_QUANT 0
 #endif
 
-#define KVC_NT 512
-#define KVC_W 16
+// Warps of a lone CTA (the one-CTA forms, and every form before sm_90; KVARN_OW from
+// kvarn_cutlass.ops.compress.compress_spec: 16 shipped, 32 an A/B variant for head_dim <= 128, where a thread of
+// the 1024 fits its state in the 64 registers it may hold).
+#ifndef KVARN_OW
+#error "KVARN_OW (warps of a lone compression CTA) is defined by kvarn_cutlass.ops.compress.compress_spec"
+#endif
+static_assert(KVARN_OW == 16 || KVARN_OW == 32, "KVARN_OW: 16 or 32 warps per lone CTA");
+#define KVC_W KVARN_OW
+#define KVC_NT (32 * KVARN_OW)
 // Warps per CTA of a cluster (KVARN_CW, from kvarn_cutlass.ops.compress.compress_spec: 8 shipped, two
 // independent chains per scheduler; 4 and 16 are A/B variants), tokens t = rank + R * (w + W * k), so the
 // halving trees keep the codec's order for every width.
@@ -583,7 +590,7 @@ __device__ __forceinline__ void column_node(float (&out)[NJ], const Zsq& zsq, co
 
 template <int T, int D, int R>
 struct Shape {
-  // 16 warps for a lone CTA; on a cluster KVARN_CW (8 shipped: two per scheduler): a CTA's tile is T / R = 16
+  // KVARN_OW warps for a lone CTA (16 shipped); on a cluster KVARN_CW (8 shipped: two per scheduler): a CTA's tile is T / R = 16
   // tokens, and fewer warps with more elements each cut the work that every warp repeats per iteration
   // (row RMS trees, reciprocals, the score); more warps give each scheduler independent chains (at 4 the
   // kernel issues once every 6.3 cycles, latency-bound: docs/perf-notes.md).

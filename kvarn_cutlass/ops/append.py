@@ -212,11 +212,12 @@ class DeviceAppender:
         self.cache = cache
         self.spec = spec
         self.device = cache.device
-        # stand-in kernels have no module to report their shared memory, and launch nothing
+        # stand-in kernels have no module to report their shared memory and CTA size, and launch nothing
         self.smem = 0
+        self.cta_threads = 32 * C.DEFAULT_CTA_WARPS
         if kernels is None:
             kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
-                                    spec.quantizer, C.cluster_warps())
+                                    spec.quantizer, C.cluster_warps(), C.cta_warps(spec.head_dim))
             name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype,  # noqa: E731
                                               spec.scale_dtype, spec.v_bits, spec.quantizer, role)
             idx = self.device.index
@@ -225,6 +226,7 @@ class DeviceAppender:
                        get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
             smem = C._module_smem_bytes(kspec, idx)
             self.smem = smem["compress_cta"]  # append_compress is one-CTA compression
+            self.cta_threads = C._layer_layout(kernels[0])[1]
             limit = C._smem_limit(idx)
             if self.smem > limit:
                 raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "
@@ -247,7 +249,7 @@ class DeviceAppender:
         """append_compress in ``form`` (None: one CTA per record half) for up to ``max_new`` tiles per
         sequence and head."""
         c = self.cache
-        kernel, ranks, threads, smem = ((self._compress, 1, C.THREADS, self.smem) if form is None
+        kernel, ranks, threads, smem = ((self._compress, 1, self.cta_threads, self.smem) if form is None
                                         else (form.kernel, form.ranks, form.threads, form.smem))
         aux_parts = -(-n // AUX_ROWS)
         return kernel.prepare(

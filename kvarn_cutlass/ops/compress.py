@@ -63,7 +63,6 @@ from ..runtime.spec import KernelSpec, build, get_kernel
 __all__ = [
     "COMPRESS_SIGNATURE",
     "LAYER_ROLES",
-    "THREADS",
     "ERROR_BITS",
     "ERROR_BITS_LLOYD_MAX",
     "compress_spec",
@@ -73,13 +72,22 @@ __all__ = [
     "cluster_halves",
     "cluster_warps",
     "CLUSTER_WARPS",
+    "cta_warps",
+    "CTA_WARPS",
     "compress_tiles",
     "compress_layer",
     "check_error_flag",
     "error_message",
 ]
 
-THREADS = 512
+# Warps of a lone CTA (the one-CTA forms; compress.cu's KVARN_OW): the shipped 16, and the A/B variant 32 (eight
+# warps a scheduler where a launch has more halves than clusters: b16 prefill chunks), chosen with
+# $KVARN_COMPRESS_CTA_WARPS (cta_warps). 32 only up to head_dim 128: a thread of 1024 may hold 64 registers,
+# and at head_dim 256 its state spills.
+DEFAULT_CTA_WARPS = 16
+CTA_WARPS = (16, 32)
+CTA_WARPS_ENV = "KVARN_COMPRESS_CTA_WARPS"
+CTA_WARPS_MAX_HEAD_DIM = {16: 256, 32: 128}
 # Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 8, and the A/B variants 4 and 16
 # (one, two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
 DEFAULT_CLUSTER_WARPS = 8
@@ -170,10 +178,22 @@ def cluster_warps() -> int:
     return int(text)
 
 
+def cta_warps(head_dim: int) -> int:
+    """Warps of a lone CTA of the compression kernels to launch for ``head_dim``: DEFAULT_CTA_WARPS, or
+    ``$KVARN_COMPRESS_CTA_WARPS`` (one of :data:`CTA_WARPS`; A/B runs: tools/compress_variants.py) where that
+    width compiles for the head_dim (:data:`CTA_WARPS_MAX_HEAD_DIM`; a wider head_dim keeps the default)."""
+    text = os.environ.get(CTA_WARPS_ENV, "").strip()
+    if not text:
+        return DEFAULT_CTA_WARPS
+    if text not in {str(w) for w in CTA_WARPS}:
+        raise ValueError(f"${CTA_WARPS_ENV}={text!r}: choose one of {list(CTA_WARPS)}")
+    return int(text) if head_dim <= CTA_WARPS_MAX_HEAD_DIM[int(text)] else DEFAULT_CTA_WARPS
+
+
 @functools.lru_cache(maxsize=None)
 def compress_spec(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
-    quantizer: str = "uniform", cluster_warps: int = DEFAULT_CLUSTER_WARPS,
+    quantizer: str = "uniform", cluster_warps: int = DEFAULT_CLUSTER_WARPS, cta_warps: int = DEFAULT_CTA_WARPS,
 ) -> KernelSpec:
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
 
@@ -182,11 +202,18 @@ def compress_spec(
     :func:`kvarn_cutlass.format.codebook` (the refit's sums) as defines, so the kernel cache keys of the
     two quantizers differ and both have one source. The uniform module has neither.
     ``cluster_warps`` (one of :data:`CLUSTER_WARPS`): warps per CTA of the cluster forms, compiled in
-    (``KVARN_CW``); a value other than DEFAULT_CLUSTER_WARPS is named (``_cw4``) as an A/B variant. The
-    records are the same bytes for every value.
+    (``KVARN_CW``); a value other than DEFAULT_CLUSTER_WARPS is named (``_cw4``) as an A/B variant.
+    ``cta_warps`` (one of :data:`CTA_WARPS`, up to its :data:`CTA_WARPS_MAX_HEAD_DIM`): warps of the one-CTA
+    forms (``KVARN_OW``), named (``_ow32``) when not DEFAULT_CTA_WARPS. The records are the same bytes for every
+    value of either.
     """
     if cluster_warps not in CLUSTER_WARPS:
         raise ValueError(f"cluster_warps must be one of {list(CLUSTER_WARPS)}, got {cluster_warps!r}")
+    if cta_warps not in CTA_WARPS:
+        raise ValueError(f"cta_warps must be one of {list(CTA_WARPS)}, got {cta_warps!r}")
+    if head_dim > CTA_WARPS_MAX_HEAD_DIM[cta_warps]:
+        raise ValueError(f"cta_warps={cta_warps} compiles only up to head_dim {CTA_WARPS_MAX_HEAD_DIM[cta_warps]} "
+                         f"(registers), got head_dim={head_dim}")
     defines = {
         "KVARN_T": tile_tokens,
         "KVARN_D": head_dim,
@@ -200,6 +227,7 @@ def compress_spec(
             defines[f"KVARN_LM_THR{bits}"] = _float_literals(lloyd_max_thresholds(bits))
             defines[f"KVARN_LM_BOOK{bits}"] = _float_literals(codebook("lloyd_max", bits))
     defines["KVARN_CW"] = cluster_warps
+    defines["KVARN_OW"] = cta_warps
     name = f"compress_t{tile_tokens}_d{head_dim}_{_IN_NAME[in_dtype]}_s{_SC_BITS[scale_dtype]}_v{v_bits}"
     roles = LAYER_ROLES + (APPEND_ROLES if in_dtype in APPEND_DTYPES else ())
     names = tuple(kernel_name(tile_tokens, head_dim, in_dtype, scale_dtype, v_bits, quantizer, role) for role in roles)
@@ -209,7 +237,8 @@ def compress_spec(
         defines=defines,
         # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
         options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),
-        name=name + _QUANT_SUFFIX[quantizer] + ("" if cluster_warps == DEFAULT_CLUSTER_WARPS else f"_cw{cluster_warps}"),
+        name=name + _QUANT_SUFFIX[quantizer] + ("" if cluster_warps == DEFAULT_CLUSTER_WARPS else f"_cw{cluster_warps}")
+        + ("" if cta_warps == DEFAULT_CTA_WARPS else f"_ow{cta_warps}"),
     )
 
 
@@ -230,7 +259,7 @@ register("compress", _all_specs)
 # The module globals in which compress.cu reports the dynamic shared memory per CTA of each launch
 # form (its Shape<T, D, R>::kSmemBytes): ``compress``, the cluster forms as compiled (a cluster CTA on
 # sm_90, one CTA before: the layer kernel and the append's append_compress_cluster); ``compress_cta``,
-# one CTA of THREADS (the one-CTA layer kernel and the append's append_compress).
+# one CTA of 32 x KVARN_OW threads (the one-CTA layer kernel and the append's append_compress).
 SMEM_SYMBOLS = {"compress": "kvarn_compress_smem_bytes", "compress_cta": "kvarn_compress_cta_smem_bytes"}
 
 
@@ -331,9 +360,9 @@ def cluster_halves(ranks: int, device_index: int, threads: int = 32 * DEFAULT_CL
 
 
 def _layer_layout(kernel) -> tuple[int, int]:
-    """(CTAs per record half, threads per CTA) of a cluster-form kernel (the layer kernel or the append's
-    append_compress_cluster), as compiled: its cluster width (sm_90: T / 16 CTAs of 32 x KVARN_CW threads; without
-    a cluster one CTA of ``THREADS``)."""
+    """(CTAs per record half, threads per CTA) of a compression kernel (the layer kernel, the append's
+    append_compress_cluster, or a one-CTA form), as compiled: its cluster width (sm_90: T / 16 CTAs of 32 x
+    KVARN_CW threads; without a cluster, one CTA of 32 x KVARN_OW)."""
     layout = _layouts.get(kernel)
     if layout is None:
         ranks = max(1, int(kernel.attribute("REQUIRED_CLUSTER_WIDTH")))
@@ -429,13 +458,14 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     if n_records > 2**31 - 1:
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
-    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps())
+    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps(), cta_warps(D))
     index = k.device.index
     kernel = _kernel(index, kspec)
     ranks, threads = _layer_layout(kernel)
     form = "compress"
     if ranks > 1 and 2 * n_records > cluster_halves(ranks, index, threads):
-        kernel, ranks, threads, form = _kernel(index, kspec, "compress_cta"), 1, THREADS, "compress_cta"
+        kernel, form = _kernel(index, kspec, "compress_cta"), "compress_cta"
+        ranks, threads = _layer_layout(kernel)
     if n_records * ranks > 2**31 - 1:
         raise ValueError(f"{n_records} records of {ranks} CTAs each exceed one launch's grid (2^31 - 1)")
     smem = _module_smem_bytes(kspec, index)[form]
