@@ -187,6 +187,7 @@ if [ -n "${GPU_PREFILL_PHASES:-}" ]; then
   [ "$GPU_PREFILL_PHASES" = 1 ] || phase_args+=(--config "$GPU_PREFILL_PHASES")
   step prefill_phases timeout "${GPU_PREFILL_PHASES_LIMIT:-180}" python3 tools/prefill_phases.py "${phase_args[@]}"
 fi
+
 # 6b'. GPU_PREFILL_VARIANTS="CONFIG ..." (or "tuned"): which role of the fused prefill kernel sets its
 #     pace (tools/prefill_variants.py: variants that leave one role's work out)
 if [ -n "${GPU_PREFILL_VARIANTS:-}" ]; then

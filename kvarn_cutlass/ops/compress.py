@@ -3,8 +3,8 @@
 One launch compresses every record of a layer. On sm_90 each (record, K or V half) runs on a
 thread-block cluster of ``tile_tokens / 16`` CTAs of 256 threads (8 warps) that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
-and for launches of more halves than fit as clusters (:func:`cluster_halves`: over 16 cluster warps per
-SM, ~33 records on an H200), on one 512-thread CTA. The cache's append kernels
+and for launches of more halves than fit as clusters (:func:`cluster_halves`: over 32 cluster warps per
+SM, ~33 records on an H200), on one CTA of 16 warps (:data:`CTA_WARPS`). The cache's append kernels
 (:mod:`kvarn_cutlass.ops.append`) have both forms too and choose by the same rule. The launch reads the
 cluster width and CTA size from the compiled kernel, and each form's shared memory from the module
 (:data:`SMEM_SYMBOLS`). Entry points:
