@@ -341,6 +341,26 @@ def residency(spec: TileSpec, variant: DecodeVariant = DEFAULT_VARIANT,
     return out[0], out[1]
 
 
+PDL_ENV = "KVARN_DECODE_PDL"
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether decode launches use programmatic dependent launch (``Kernel.prepare(programmatic=True)``): on sm_90
+    and later when ``$KVARN_DECODE_PDL`` is 1. Off by default until measured (an A/B knob:
+    tools/decode_variants.py --pdl); the kernel waits for the previous kernel before any read either way."""
+    text = os.environ.get(PDL_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"${PDL_ENV}={text!r}: choose 0 or 1")
+    return text == "1" and _arch_of(device.index) >= 90
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(index: int) -> int:
+    from .runtime.arch import device_arch
+
+    return device_arch(index)
+
+
 def min_tiles_per_split() -> int:
     """MIN_TILES_PER_SPLIT, or the KVARN_DECODE_MIN_TPS environment override (A/B runs)."""
     v = os.environ.get("KVARN_DECODE_MIN_TPS")
@@ -627,12 +647,13 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
     args = (q, tiles, tile_table, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
             workspace.pm, workspace.pl, workspace.tickets, out, Hkv, G, cap, B * cap, window_k.shape[2],
             sink_k.shape[2], S, E, workspace.min_tps, flags, scale)
-    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + (spec, variant)
+    pdl = programmatic_launch(device)
+    key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + (spec, variant, pdl)
     launch = None if _prepared is None else _prepared.get(key)
     if launch is None:
         kernel = _kernels(spec, device, variant)[0 if G <= 4 else 1]
         launch = kernel.prepare((S + E, Hkv, B), NUM_THREADS, args,
-                                shared_mem=kernel_layout(spec, device, variant).smem_bytes)
+                                shared_mem=kernel_layout(spec, device, variant).smem_bytes, programmatic=pdl)
         if _prepared is not None:
             if len(_prepared) > 256:
                 _prepared.clear()

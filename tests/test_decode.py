@@ -187,6 +187,42 @@ def test_min_tps_env(monkeypatch):
     assert decode.min_tiles_per_split() == decode.MIN_TILES_PER_SPLIT
 
 
+def test_programmatic_launch_choice(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(decode, "_arch_of", lambda index: 90)
+    monkeypatch.delenv(decode.PDL_ENV, raising=False)
+    assert decode.programmatic_launch(dev) is False  # off until measured
+    monkeypatch.setenv(decode.PDL_ENV, "1")
+    assert decode.programmatic_launch(dev) is True
+    monkeypatch.setattr(decode, "_arch_of", lambda index: 80)  # no griddepcontrol before sm_90
+    assert decode.programmatic_launch(dev) is False
+    monkeypatch.setenv(decode.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match=decode.PDL_ENV):
+        decode.programmatic_launch(dev)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_kernel_waits_for_the_previous_kernel_before_any_memory_read(which):
+    """Programmatic dependent launch is safe only if the kernel reads nothing before griddepcontrol.wait (SASS
+    ACQBULK on sm_90): no global or shared load, atomic or cp.async comes first; launch_dependents (PREEXIT)
+    follows it. The sm_80 build has neither."""
+    import re
+
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.cli.sass import disassemble
+
+    ks = decode.decode_spec(TileSpec("k4v2_g128", 128))
+    fn = ks.kernel_names[which]
+    for arch, has in (("sm90", True), ("sm80", False)):
+        body = disassemble(build(ks, arch).cubin).split("Function : " + fn)[1].split("Function :")[0]
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+        assert ("ACQBULK" in ops) == has and ("PREEXIT" in ops) == has, (arch, fn)
+        if has:
+            first = ops.index("ACQBULK")
+            reads = [o for o in ops[:first] if o.startswith(("LDG", "LDS", "LD.", "LDSM", "ATOM", "RED", "LDGSTS"))]
+            assert not reads and first < ops.index("PREEXIT"), (fn, ops[:first + 2])
+
+
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
 # What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
 # resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are

@@ -237,6 +237,44 @@ def test_graph_replay_matches_eager_over_1000_steps(quantizer):
     assert len(tiles_seen) >= 15
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90")
+def test_programmatic_launch_replays_bit_identical_to_eager(monkeypatch):
+    """$KVARN_DECODE_PDL=1: one graph of two layers' programmatically launched kernels, back to back on the plan's
+    shared workspace as in a model step, equals the plain eager launches bit for bit while the context grows."""
+    B, Hkv, G, D = 2, 2, 4, 128
+    c = make_cache(B, Hkv, D, preset="k4v2_g64", n=300, window=64, max_seq_len=2048, seed=5, layers=2)
+    monkeypatch.setenv(decode.PDL_ENV, "1")
+    assert decode.programmatic_launch(torch.device("cuda"))
+    plan = decode.DecodePlan(c)
+    q = torch.zeros(B, Hkv * G, 1, D, dtype=torch.float16, device="cuda")
+    outs = [torch.empty_like(q) for _ in range(2)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm: the prepared launches exist before the capture
+        for layer in (0, 1):
+            plan.launch(q, layer, outs[layer])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in (0, 1):
+            plan.launch(q, layer, outs[layer])
+    S = 13
+    gen = _gen(S)
+    for step in range(200):
+        for layer in (0, 1):
+            c.append(layer, _kv(gen, B, Hkv, 1, D, torch.float16), _kv(gen, B, Hkv, 1, D, torch.float16))
+        q.copy_(_randn(gen, B, Hkv * G, 1, D))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        got = [o.clone() for o in outs]
+        monkeypatch.setenv(decode.PDL_ENV, "0")
+        want = [run_decode(q, c, layer) for layer in (0, 1)]
+        monkeypatch.setenv(decode.PDL_ENV, "1")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={S}, step {step}"
+
+
 def test_two_caches_with_their_own_graphs():
     """Two caches, one of each quantizer (two kernel modules), each with its own graph."""
     c1 = make_cache(2, 2, 128, n=500, max_seq_len=4096, seed=1)

@@ -570,6 +570,16 @@ def test_prepare_validates_launch_configuration():
         k.prepare(1, 1, (None, 3), shared_mem=-1)
     with pytest.raises(TypeError, match="cluster"):
         k.prepare(1, 1, (None, 3), cluster="2")
+    from cuda.bindings import driver
+
+    pdl = k.prepare(8, 128, (None, 3), cluster=2, programmatic=True)._config
+    ids = [a.id for a in pdl.attrs]
+    assert pdl.numAttrs == 2 and ids == [driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                                         driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert pdl.attrs[1].value.programmaticStreamSerializationAllowed == 1
+    assert k.prepare(1, 1, (None, 3))._config.numAttrs == 0
+    with pytest.raises(TypeError, match="programmatic"):
+        k.prepare(1, 1, (None, 3), programmatic=1)
 
 
 # --- CLI and bench records ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the decode kernel's occupancy variants on the four bar shapes and b16/16k against the shipped kernel (GPU).
 
-``python3 tools/decode_variants.py [--variant TEXT ...] [--runs N] [--json PATH] [--ncu PATH]``
+``python3 tools/decode_variants.py [--variant TEXT ...] [--runs N] [--json PATH] [--ncu PATH] [--pdl]``
 
 Variants are ``decode.DecodeVariant`` text forms (default: :data:`CANDIDATES`, the A/B candidates of
 docs/perf-notes.md "Decode occupancy"); the shipped kernel (``default``) is always timed first. Shapes: the
@@ -117,7 +117,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs: int) -> tuple[list[dict], dict]:
+def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs: int,
+                pdl: bool = False) -> tuple[list[dict], dict]:
     """Rows of one shape (see the module docstring) and its extras (cache build time, the default again)."""
     import torch
 
@@ -155,8 +156,15 @@ def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs
                      "floor_us": round(floor_us, 2),
                      "exact_blocks": decode.exact_blocks(spec, bench.WINDOW, 0, cache.device, v)})
         print(json.dumps(rows[-1]), flush=True)
-    return rows, {"batch": batch, "context": ctx, "cache_build_s": round(build_s, 1),
-                  "default_again_us": run(default)[0]}
+    extras = {"batch": batch, "context": ctx, "cache_build_s": round(build_s, 1), "default_again_us": run(default)[0]}
+    if pdl:  # the shipped kernel with programmatic dependent launch, at the default's splits: time, same outputs
+        os.environ[decode.PDL_ENV] = "1"
+        try:
+            p_us, p_outs, _ = run(default, s0)
+        finally:
+            os.environ.pop(decode.PDL_ENV)
+        extras.update(pdl_us=p_us, pdl_equal_to_default=all(torch.equal(a, b) for a, b in zip(p_outs, d_outs)))
+    return rows, extras
 
 
 def run_ncu(variants: list[str], path: Path) -> list[dict]:
@@ -189,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=100, help="timed graph replays per measurement")
     ap.add_argument("--json", type=Path, help="write the rows and extras here")
     ap.add_argument("--ncu", type=Path, help="Nsight Compute reports of the default and the fastest variant here")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time the shipped kernel with programmatic dependent launch ($KVARN_DECODE_PDL=1)")
     args = ap.parse_args(argv)
     variants = [v for v in (args.variant or [decode.DecodeVariant.parse(t) for t in CANDIDATES])
                 if v != decode.DecodeVariant()]
@@ -203,7 +213,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows, extras = [], []
     for batch, ctx in SHAPES:
-        r, e = _time_shape(batch, ctx, variants, args.runs)
+        r, e = _time_shape(batch, ctx, variants, args.runs, args.pdl)
         torch.cuda.empty_cache()  # the shape's cache is gone
         if (batch, ctx) in SDPA_SHAPES:
             e.update(bench._time_sdpa(batch, ctx, bench.BenchOptions(quick=args.runs < 100)))

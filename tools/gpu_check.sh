@@ -28,7 +28,8 @@
 #    -> $OUT/e2e_profile.json (GPU_E2E_PROFILE_ARGS: more arguments)
 # 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
-#    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt)
+#    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
+#    GPU_DECODE_PDL=1: the shipped kernel with programmatic dependent launch too)
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (16 shipped, 32): bytes
 #    against the shipped kernel, layer graph_us, the prompt's appends by form (b1, and b16 for the one-CTA
@@ -215,6 +216,7 @@ if [ -n "${GPU_DECODE_VARIANTS:-}" ]; then
   dv_args=(--json "$OUT/decode_variants.json")
   [ "$GPU_DECODE_VARIANTS" = 1 ] || for v in $GPU_DECODE_VARIANTS; do dv_args+=(--variant "$v"); done
   [ -z "${GPU_DECODE_VARIANTS_NCU:-}" ] || dv_args+=(--ncu "$OUT/ncu_decode_variants.txt")
+  [ -z "${GPU_DECODE_PDL:-}" ] || dv_args+=(--pdl)
   step decode_variants timeout "${GPU_DECODE_VARIANTS_LIMIT:-480}" python3 tools/decode_variants.py "${dv_args[@]}"
 fi
 

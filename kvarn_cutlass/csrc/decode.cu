@@ -1075,6 +1075,14 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
                                              int E, int min_tps, int flags, float scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ int last;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Programmatic dependent launch (decode.py, $KVARN_DECODE_PDL): the grid may become resident while the
+    // previous kernel of the stream (the step's append, another layer's decode sharing the workspace) still
+    // runs. Nothing is read before it completed; the next kernel may then be launched at once, since it too
+    // waits before reading. Without the launch attribute both are no-ops.
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
     const bool q_bf = flags & 1;

@@ -349,6 +349,7 @@ class Kernel:
         args: Sequence[Any],
         shared_mem: int = 0,
         cluster: int | tuple[int, ...] | None = None,
+        programmatic: bool = False,
     ) -> "PreparedLaunch":
         """Pack arguments and launch configuration once, for repeated cheap launches.
 
@@ -359,6 +360,10 @@ class Kernel:
             shared_mem: dynamic shared memory per block in bytes; above 48 KiB the
                 function's limit is raised (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).
             cluster: thread-block cluster dims (sm_90+), int or (x[, y[, z]]).
+            programmatic: programmatic dependent launch (sm_90+,
+                ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``): the kernel may start while the
+                previous kernel in the stream finishes, so it must execute ``griddepcontrol.wait`` before it
+                reads anything that kernel writes (a stream capture records the edge in the graph).
         """
         from cuda.bindings import driver
 
@@ -382,6 +387,13 @@ class Kernel:
             attr = driver.CUlaunchAttribute()
             attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cx, cy, cz
+            attrs.append(attr)
+        if not isinstance(programmatic, bool):
+            raise TypeError(f"programmatic must be a bool, got {type(programmatic).__name__}")
+        if programmatic:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
             attrs.append(attr)
         config.attrs = attrs
         config.numAttrs = len(attrs)
