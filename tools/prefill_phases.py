@@ -6,9 +6,9 @@ window and the chunk itself, causal). A whole prompt in 2048-token chunks has ~2
 the exact phase's rate"). This tool times one chunk's attention (``append=False``) for shapes that weigh the two
 phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over an fp16 cache holding the same
 tokens, both timed as the tuner times (``ops.prefill_tune.time_config``: back-to-back calls between CUDA events,
-warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two phases plus a per-launch cost by
-least squares and prints them beside SDPA's per-pair time, for the shipped source and its A/B variants
-(``SOURCE_VARIANTS``). GPU only:
+warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two
+phases plus a per-launch cost by least squares and prints them beside SDPA's per-pair time, for the shipped
+source and its A/B variants (``SOURCE_VARIANTS``). GPU only:
 
     python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--variants shipped exact_serial]
                                     [--json PATH]
@@ -49,14 +49,17 @@ SOURCE_VARIANTS = {
 _shipped_spec = OP.fused_spec
 
 
-def use_source(name: str) -> None:
-    """Build the fused kernel from the ``SOURCE_VARIANTS[name]`` form of its source from now on."""
+def use_source(name: str, subs: list[tuple[str, str]] | None = None) -> None:
+    """Build the fused kernel from now on from its source with ``subs`` (pairs of old, new text; default
+    ``SOURCE_VARIANTS[name]``) applied, as module ``<shipped name>_<name>``; no substitutions: the shipped source.
+    (tools/prefill_variants.py uses it for its variants too.)"""
+    subs = SOURCE_VARIANTS[name] if subs is None else subs
     OP._kernels.clear()
-    if not SOURCE_VARIANTS[name]:
+    if not subs:
         OP.fused_spec = _shipped_spec
         return
     src = SHIPPED_SOURCE.read_text()
-    for a, b in SOURCE_VARIANTS[name]:
+    for a, b in subs:
         if a not in src:
             raise RuntimeError(f"source variant {name}: {a!r} is not in {SHIPPED_SOURCE.name}")
         src = src.replace(a, b)

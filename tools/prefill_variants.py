@@ -5,7 +5,6 @@ otherwise). The variants' outputs are wrong by design; the shipped one is checke
 Run on a GPU: python3 tools/prefill_variants.py [D256] [CONFIG ...]   (config names, default: the tuned one)
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")"""
 import statistics, sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,8 +13,8 @@ root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))  # the checkout's package
 import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
+from prefill_phases import use_source  # tools/ is the script's sys.path[0]
 
-SRC = (root / "kvarn_cutlass/csrc/prefill_fused.cu").read_text()
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
 DQK = "dequant_k(rec, P, sLut, st, t0, gtid);"
 DQV = "dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);"
@@ -43,7 +42,6 @@ VARIANTS = {
 args = sys.argv[1:]
 D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
 CONFIGS = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
-orig = OP.fused_spec
 g = torch.Generator(device="cuda").manual_seed(0)
 ctx, n = 16384, 512
 cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
@@ -54,17 +52,7 @@ kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
 vn = torch.randn_like(kn)
 want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
 for cfg, (name, subs) in ((c, v) for c in CONFIGS for v in VARIANTS.items()):
-    src = SRC
-    for a, b in subs:
-        assert a in src, (name, a)
-        src = src.replace(a, b)
-    path = Path(f"/tmp/prefill_fused_{name}.cu")
-    path.write_text(src)
-    # the variant lives outside csrc: its headers are found through include_dirs
-    OP.fused_spec = lambda *a, _p=str(path), _n=name, **kw: replace(
-        orig(*a, **kw), source_file=_p, name=orig(*a, **kw).name + "_" + _n,
-        include_dirs=(str(root / "kvarn_cutlass/csrc"), *orig(*a, **kw).include_dirs))
-    OP._kernels.clear()
+    use_source(name, subs)
     out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
     err = ((out.float() - want).norm() / want.norm()).item()
     # GPU time: rounds of 10 calls back to back, so the host enqueues ahead (a call timed alone would
@@ -80,4 +68,4 @@ for cfg, (name, subs) in ((c, v) for c in CONFIGS for v in VARIANTS.items()):
         ts.append(a.elapsed_time(b) / 10)
     print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  "
           f"error vs torch path {err:.2e}")
-OP.fused_spec = orig
+use_source("shipped", [])

@@ -5,8 +5,8 @@ on a GPU: for each bucket
 (``ops.prefill.bucket_key``: head_dim, tile tokens, V bits, quantizer) builds a cache of
 ``--context`` tokens (Qwen3-8B heads: 8 KV heads, 32 q heads) and times ``prefill_attention`` of one
 ``--chunk``-token chunk over it (attention only, ``append=False``; median of ``--reps`` back-to-back calls
-between CUDA events after a warm-up, rotating through copies of the inputs so that L2 holds none of them) for every :data:`CANDIDATES` config that fits, checks each result against the torch
-path of the same inputs, and writes the fastest correct one into ``gemm_configs/prefill_sm<arch>.json``
+between CUDA events after a warm-up, rotating through copies of the inputs so that L2 holds none of them)
+for every :data:`CANDIDATES` config that fits, checks each result against the torch path of the same inputs, and writes the fastest correct one into ``gemm_configs/prefill_sm<arch>.json``
 with the measured times and provenance, atomically after each bucket. A bucket whose candidates all
 fail keeps its old entry (never written as tuned from failed measurements).
 """
