@@ -3,12 +3,16 @@
 Producer groups and consumers are sequential programs over the CTA's blocks (tile blocks, then exact blocks):
 block bi uses stage bi % NSTAGE; a group owns the stages s with s / BPT == its index (every stage with one
 group). A producer waits EMPTY for the block that last used the stage (bi - NSTAGE), fills the stage and arrives
-FULL; the consumers take the blocks in order: wait FULL, read, arrive EMPTY. An exact block's copies are
-cp.async groups: the producer hands over the group's previous exact block (wait_group 1: all but the newest
-landed) only after issuing the next one, and a group with one stage hands it over before reusing that stage.
+FULL; the consumers take the blocks in order: wait FULL, read, arrive EMPTY, except that wgmma's consumers keep
+a block until the next one is FULL (its P . V is issued with the next block's scores; the tiles' last block is
+flushed at once). An exact block's copies are cp.async groups: the producer hands over the group's previous
+exact block (wait_group 1: all but the newest landed) only after issuing the next one, unless the consumers need
+the pending block to free the stage the producer waits for (it is at most bi - NSTAGE + CONSUMER_HOLD).
 Random schedules (and copies landing at any time) check that no block is handed over before its copies landed
-and that nothing deadlocks, for every kernel shape the configs build; the old rule that let a one-stage group
-defer deadlocks, so the model can fail. This checks the protocol, not the CUDA code (the GPU tests do that).
+and that nothing deadlocks, for every kernel shape the configs build; the rule the sixth session shipped
+(hand over first only when the pending block holds the same stage) deadlocks two wgmma producer groups of two
+blocks per tile, as it did on the GPU, so the model can fail. This checks the protocol, not the CUDA code (the
+GPU tests do that).
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ def nstage(ng: int, bpt: int, wgmma: bool, d: int) -> int:
 
 def test_the_model_uses_the_kernels_stage_count_and_rules():
     assert "constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : 3) : NG * BPT;" in SOURCE
+    assert "constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;" in SOURCE
     assert "if (NG > 1 && s / BPT != pg) continue;  // another group's stage" in SOURCE
-    for line in ("if (pend == s) {", "if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);",
-                 "if (pend >= 0) hand_over(pend, true);", "if (newest_in_flight) cp_async_wait_group<1>();"):
+    for line in ("if (pend >= 0 && bi >= NSTAGE && pend <= bi - NSTAGE + CONSUMER_HOLD) {",
+                 "if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);", "if (pend >= 0) hand_over(pend % NSTAGE, true);",
+                 "pend = bi;", "if (newest_in_flight) cp_async_wait_group<1>();",
+                 # the consumers' release points the model's hold follows
+                 "if (PV != 0) release(pv_bi);", "turn(K0{}, K1{}, 0);\n                end_of_tiles();"):
         assert line in SOURCE, line
 
 
-def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, defer_single_stage: bool = False) -> None:
+def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int,
+         same_stage_rule: bool = False) -> None:
+    """One random schedule; ``hold``: CONSUMER_HOLD (1 for wgmma); ``same_stage_rule``: the shipped-then-
+    deadlocked rule (hand over first only when the pending block's stage is the one being reused)."""
     rnd = random.Random(seed)
     nb = nba + nexact
     full, empty = set(), set()  # blocks handed over / released
@@ -56,7 +67,8 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, defer_sin
             s = bi % ns
             if ng > 1 and s // bpt != pg:
                 continue
-            if bi >= nba and pend >= 0 and pend % ns == s and not defer_single_stage:
+            first = pend % ns == s if same_stage_rule else bi >= ns and pend <= bi - ns + hold
+            if bi >= nba and pend >= 0 and first:
                 yield from hand_over(pend, False)
                 pend = -1
             while bi >= ns and bi - ns not in empty:
@@ -72,10 +84,21 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, defer_sin
             yield from hand_over(pend, False)
 
     def consumers():
+        held = -1  # the block whose P . V waits for the next block's turn
         for bi in range(nb):
             while bi not in full:
                 yield "full"
-            empty.add(bi)
+            if not hold:
+                empty.add(bi)
+                continue
+            if held >= 0:
+                empty.add(held)
+            held = bi
+            if bi == nba - 1:  # the tiles' last P . V is flushed before the exact phase
+                empty.add(bi)
+                held = -1
+        if held >= 0:
+            empty.add(held)
 
     actors = [producer(g) for g in range(ng)] + [consumers()]
     live = list(range(len(actors)))
@@ -96,20 +119,21 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, defer_sin
                          f"full={sorted(full)} empty={sorted(empty)}")
 
 
-SHAPES = [(ng, bpt, nstage(ng, bpt, wg, d)) for ng, bpt, wg, d in
+SHAPES = [(ng, bpt, nstage(ng, bpt, wg, d), int(wg)) for ng, bpt, wg, d in
           [(1, 1, True, 128), (1, 2, True, 128), (1, 2, False, 128), (1, 4, False, 64), (1, 4, True, 256),
-           (2, 1, True, 128), (2, 2, True, 128), (2, 2, False, 64)]]
+           (2, 1, True, 128), (2, 1, False, 128), (2, 2, True, 128), (2, 2, False, 64)]]
 
 
-@pytest.mark.parametrize("ng,bpt,ns", SHAPES)
+@pytest.mark.parametrize("ng,bpt,ns,hold", SHAPES)
 @pytest.mark.parametrize("n_tiles,nexact", [(0, 1), (0, 5), (1, 3), (2, 7), (3, 2), (5, 9)])
-def test_hand_over_never_early_and_never_stuck(ng, bpt, ns, n_tiles, nexact):
+def test_hand_over_never_early_and_never_stuck(ng, bpt, ns, hold, n_tiles, nexact):
     for seed in range(20):
-        _run(ng, bpt, ns, n_tiles * bpt, nexact, seed)
+        _run(ng, bpt, ns, n_tiles * bpt, nexact, seed, hold)
 
 
-def test_deferring_a_one_stage_group_would_deadlock():
-    # two groups of one stage each (two producer groups, one block per tile): deferring without the
-    # pend == s hand-over waits for the stage the pending block still holds
+def test_the_same_stage_rule_deadlocks_two_wgmma_groups():
+    # two wgmma producer groups of two blocks per tile (the tuned D=128 config): group 0's blocks 0, 1, 4;
+    # at block 4 it waits for stage 0, which the consumers free only once block 1 is FULL, and block 1 is
+    # the one it has not handed over
     with pytest.raises(AssertionError, match="no progress"):
-        _run(2, 1, nstage(2, 1, True, 128), 0, 4, seed=0, defer_single_stage=True)
+        _run(2, 2, nstage(2, 2, True, 128), 0, 5, seed=0, hold=1, same_stage_rule=True)

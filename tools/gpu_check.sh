@@ -45,7 +45,8 @@
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
 # GPU_TEST_GROUPS (default: all; "none": no tests) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR
-# to each group; GPU_TEST_PARALLEL=1 runs the groups at once.
+# to each group; GPU_TEST_ARGS="ARG ..." passes more pytest arguments (e.g. "-v --durations=20": which test a
+# time limit cut, and the slow ones); GPU_TEST_PARALLEL=1 runs the groups at once.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.
@@ -126,12 +127,12 @@ for group in ${GPU_TEST_GROUPS:-runtime compress append rotate decode prefill hf
   [ -n "$files" ] || continue
   if [ -n "${GPU_TEST_PARALLEL:-}" ]; then
     (
-      timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+      timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider ${GPU_TEST_ARGS:-} \
         ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files >"$group_log/$group.log" 2>&1
       echo "gpu_$group: exit $?" >>"$SUMMARY"
     ) &
   else
-    step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+    step "gpu_$group" timeout "$limit" python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider ${GPU_TEST_ARGS:-} \
       ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files
   fi
 done

@@ -110,6 +110,9 @@ constexpr int BPT = T / BN;           // blocks per tile
 // block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead,
 // except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring
 constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : 3) : NG * BPT;
+// blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
+// block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it
+constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;
 
 static_assert(RPW == 16 || RPW == 32, "ROWS_PER_WARP is 16 or 32");
 static_assert(NC == 4 || NC == 8, "CONSUMER_WARPS is 4 or 8");
@@ -1203,8 +1206,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         const u8* rec = sRec;
         // An exact block's copies are waited for (and its stage handed over) only after the group's next
         // block has been issued, so two of a group's blocks are in flight instead of one (a block's copies take
-        // a memory latency to land, about as long as the consumers' MMAs on it). `pend`: the group's stage
-        // whose exact block is issued and not yet handed over (-1: none).
+        // a memory latency to land, about as long as the consumers' MMAs on it). `pend`: the group's exact
+        // block that is issued and not yet handed over (-1: none).
         int pend = -1;
         auto hand_over = [&](int stage, bool newest_in_flight) {
             if (newest_in_flight) cp_async_wait_group<1>();  // all but the block just issued have landed
@@ -1249,21 +1252,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 }
                 bar_arrive(BAR_FULL + s, HANDOFF);
             } else {
-                // A group with one stage (NG = 2, one block per tile) reuses it for its next block: that block
-                // must be handed over first, the consumers free the stage only after reading it. With two or
-                // more stages the pending block is newer than the one the consumers must finish to free this
-                // stage (a group's consecutive blocks are less than NSTAGE apart), so waiting here is safe.
-                if (pend == s) {
-                    hand_over(pend, false);
+                // The consumers free this stage's previous block (bi - NSTAGE) only after reading blocks up to
+                // bi - NSTAGE + CONSUMER_HOLD (wgmma's consumers keep a block until the next one's scores are
+                // issued with its P . V), so a pending block among those is handed over before the wait: with
+                // one producer group it never is (its blocks are consecutive), with two it can be (a group's
+                // blocks come in runs of BPT, NSTAGE - BPT apart).
+                if (pend >= 0 && bi >= NSTAGE && pend <= bi - NSTAGE + CONSUMER_HOLD) {
+                    hand_over(pend % NSTAGE, false);
                     pend = -1;
                 }
                 if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + ST_EK, gtid);
-                if (pend >= 0) hand_over(pend, true);
-                pend = s;
+                if (pend >= 0) hand_over(pend % NSTAGE, true);
+                pend = bi;
             }
         }
-        if (pend >= 0) hand_over(pend, false);
+        if (pend >= 0) hand_over(pend % NSTAGE, false);
         return;
     }
 
