@@ -43,7 +43,7 @@ SHIPPED_SOURCE = ROOT / "kvarn_cutlass/csrc/prefill_fused.cu"
 # flight per producer group), as before the exact phase's hand-over was deferred.
 SOURCE_VARIANTS = {
     "shipped": [],
-    "exact_serial": [("                if (pend >= 0) hand_over(pend, true);\n                pend = s;\n",
+    "exact_serial": [("                if (pend >= 0) hand_over(pend % NSTAGE, true);\n                pend = bi;\n",
                       "                hand_over(s, false);\n")],
 }
 _shipped_spec = OP.fused_spec
