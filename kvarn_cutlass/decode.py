@@ -346,12 +346,13 @@ PDL_ENV = "KVARN_DECODE_PDL"
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether decode launches use programmatic dependent launch (``Kernel.prepare(programmatic=True)``): on sm_90
-    and later when ``$KVARN_DECODE_PDL`` is 1. Off by default until measured (an A/B knob:
-    tools/decode_variants.py --pdl); the kernel waits for the previous kernel before any read either way."""
+    and later unless ``$KVARN_DECODE_PDL`` is 0 (graph-replayed b1/4k 10.99 -> 10.65 us on an H200, outputs
+    bit-identical; the longer shapes within noise: docs/perf-notes.md, tools/decode_variants.py --pdl). The kernel
+    waits for the previous kernel before any read either way."""
     text = os.environ.get(PDL_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"${PDL_ENV}={text!r}: choose 0 or 1")
-    return text == "1" and _arch_of(device.index) >= 90
+    return text != "0" and _arch_of(device.index) >= 90
 
 
 @functools.lru_cache(maxsize=None)

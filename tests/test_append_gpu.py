@@ -102,15 +102,16 @@ def test_gpu_append_cluster_warps_variants_are_byte_identical(monkeypatch, clust
     assert dev.num_tiles(0) >= 4
 
 
-def test_gpu_append_cta_warps_variant_is_byte_identical(monkeypatch):
-    # the append's one-CTA form with 32 warps ($KVARN_COMPRESS_CTA_WARPS), forced at every count
+@pytest.mark.parametrize("warps", [16, 32])
+def test_gpu_append_cta_warps_variant_is_byte_identical(monkeypatch, warps):
+    # the append's one-CTA form at each width ($KVARN_COMPRESS_CTA_WARPS), forced at every count
     from kvarn_cutlass.ops import compress as C
 
-    monkeypatch.setenv(C.CTA_WARPS_ENV, "32")
+    monkeypatch.setenv(C.CTA_WARPS_ENV, str(warps))
     host, dev = _forced_pair("cta", num_layers=1, batch_size=2, num_kv_heads=3, head_dim=128, window=256,
                              sink_tokens=128, dtype=torch.float16)
-    assert dev._writer.cta_threads == 1024
-    feed_and_compare(host, dev, scenario_chunks(128, 256), seed=32)
+    assert dev._writer.cta_threads == 32 * warps
+    feed_and_compare(host, dev, scenario_chunks(128, 256), seed=warps)
     assert dev.num_tiles(0) >= 4
 
 

@@ -173,14 +173,15 @@ def test_cluster_warps_choice(monkeypatch):
 
 
 def test_cta_warps_variant_compiles():
-    """The one-CTA forms with 32 warps (ops.compress.CTA_WARPS): their own module name, the one-CTA kernels (the
-    layer kernel's and the append's) at 1024 threads within 64 registers and without spills at head_dim 64 and
-    128, the cluster kernels as in the shipped module; head_dim 256 is refused by name."""
+    """The one-CTA forms with 32 warps (shipped up to head_dim 128) and 16 (the A/B variant there): the 16-warp
+    module named apart, the 32-warp one-CTA kernels (the layer kernel's and the append's) at 1024 threads within 64
+    registers and without spills at head_dim 64 and 128, the cluster kernels as in the 16-warp module; head_dim 256
+    ships 16 and refuses 32 by name."""
     for D in (64, 128):
-        base = C.compress_spec(128, D, torch.float16, torch.float16, 2)
-        spec = C.compress_spec(128, D, torch.float16, torch.float16, 2, "uniform", C.DEFAULT_CLUSTER_WARPS, 32)
+        spec = C.compress_spec(128, D, torch.float16, torch.float16, 2)
+        base = C.compress_spec(128, D, torch.float16, torch.float16, 2, "uniform", C.DEFAULT_CLUSTER_WARPS, 16)
         assert dict(base.defines)["KVARN_OW"] == "16" and dict(spec.defines)["KVARN_OW"] == "32"
-        assert spec.name == base.name + "_ow32" and spec.kernel_names == base.kernel_names
+        assert base.name == spec.name + "_ow16" and spec.kernel_names == base.kernel_names
         m, m0 = build(spec, "sm_90"), build(base, "sm_90")
         layer, cta, append_compress, append_cluster = spec.kernel_names[:4]
         for kernel in (cta, append_compress):
@@ -192,6 +193,7 @@ def test_cta_warps_variant_compiles():
                                                                          b.shared_bytes), kernel
         smem, smem0 = C.kernel_smem_bytes(m.cubin), C.kernel_smem_bytes(m0.cubin)
         assert smem["compress"] == smem0["compress"] and smem["compress_cta"] > smem0["compress_cta"]  # part[W][D]
+    assert dict(C.compress_spec(128, 256, torch.float16, torch.float16, 2).defines)["KVARN_OW"] == "16"
     with pytest.raises(ValueError, match="cta_warps=32.*head_dim=256"):
         C.compress_spec(128, 256, torch.float16, torch.float16, 2, "uniform", C.DEFAULT_CLUSTER_WARPS, 32)
     with pytest.raises(ValueError, match="cta_warps"):
@@ -200,13 +202,17 @@ def test_cta_warps_variant_compiles():
 
 def test_cta_warps_choice(monkeypatch):
     monkeypatch.delenv(C.CTA_WARPS_ENV, raising=False)
-    assert C.cta_warps(128) == C.DEFAULT_CTA_WARPS == 16
+    shapes = [(128, 64), (128, 128), (128, 256), (64, 64), (64, 128)]
+    assert [C.cta_warps(t, d) for t, d in shapes] == [C.default_cta_warps(t, d) for t, d in shapes] == [32, 32, 16,
+                                                                                                        16, 16]
+    monkeypatch.setenv(C.CTA_WARPS_ENV, "16")
+    assert [C.cta_warps(t, d) for t, d in shapes] == [16] * 5
     monkeypatch.setenv(C.CTA_WARPS_ENV, "32")
-    assert [C.cta_warps(d) for d in (64, 128, 256)] == [32, 32, 16]  # 256: the variant does not compile there
+    assert [C.cta_warps(t, d) for t, d in shapes] == [32, 32, 16, 32, 32]  # 256: 32 does not compile there
     for bad in ("8", "thirty-two", "64"):
         monkeypatch.setenv(C.CTA_WARPS_ENV, bad)
         with pytest.raises(ValueError, match=C.CTA_WARPS_ENV):
-            C.cta_warps(128)
+            C.cta_warps(128, 128)
 
 
 def test_layer_layout_is_read_per_kernel_not_per_name():
@@ -310,7 +316,7 @@ def test_layer_kernel_asks_for_a_cluster_per_record_half_on_sm90(T):
         directive = lambda name: re.search(rf"\.entry {name}\(.*?\)(.*?)\{{", ptx, re.S).group(1)  # noqa: E731
         for kernel in (layer, append_cluster):
             assert ("reqnctapercluster" in directive(kernel)) == (ranks is not None), kernel
-            threads = 32 * C.DEFAULT_CLUSTER_WARPS if ranks is not None else 32 * C.DEFAULT_CTA_WARPS
+            threads = 32 * (C.DEFAULT_CLUSTER_WARPS if ranks is not None else C.default_cta_warps(T, 64))
             assert re.search(rf"\.maxntid {threads}, 1, 1", directive(kernel)), kernel
             if ranks is not None:
                 assert re.search(rf"\.reqnctapercluster {ranks}, 1, 1", directive(kernel)), kernel
@@ -875,21 +881,23 @@ def test_gpu_identity_of_the_cluster_warps_variants(monkeypatch, cluster_warps, 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("quantizer,preset,D", [("uniform", "k4v2_g128", 128), ("lloyd_max", "k4v4_g64", 128),
                                                 ("uniform", "k4v2_g64", 64), ("lloyd_max", "k4v2_g128", 64)])
-def test_gpu_identity_of_the_cta_warps_variant(monkeypatch, quantizer, preset, D):
-    # the one-CTA layer kernel with 32 warps ($KVARN_COMPRESS_CTA_WARPS), a launch of more halves than fit as clusters
-    monkeypatch.setenv(C.CTA_WARPS_ENV, "32")
+@pytest.mark.parametrize("warps", C.CTA_WARPS)
+def test_gpu_identity_of_the_cta_warps_variant(monkeypatch, quantizer, preset, D, warps):
+    # the one-CTA layer kernel at each width ($KVARN_COMPRESS_CTA_WARPS), a launch of more halves than fit as clusters
+    monkeypatch.setenv(C.CTA_WARPS_ENV, str(warps))
     spec = TileSpec(preset=preset, head_dim=D, quantizer=quantizer)
     T = spec.tile_tokens
     index = torch.cuda.current_device()
     ranks = T // 16 if torch.cuda.get_device_capability(index)[0] >= 9 else 1
     n = C.cluster_halves(ranks, index, 32 * C.DEFAULT_CLUSTER_WARPS) // 2 + 1
-    seed = zlib.crc32(repr(("ow32", quantizer, preset, D)).encode())
+    seed = zlib.crc32(repr((f"ow{warps}", quantizer, preset, D)).encode())
     g = torch.Generator().manual_seed(seed)
     k = _sanitize(_gen("outliers", n, T, D, g), torch.float16)
     v = _sanitize(_gen("rope", n, T, D, g), torch.float16)
     _check_identity(k, v, spec, seed=seed)
-    kspec = C.compress_spec(T, D, torch.float16, spec.scale_dtype, spec.v_bits, quantizer, C.DEFAULT_CLUSTER_WARPS, 32)
-    assert C._layer_layout(C._kernel(index, kspec, "compress_cta")) == (1, 1024)
+    kspec = C.compress_spec(T, D, torch.float16, spec.scale_dtype, spec.v_bits, quantizer, C.DEFAULT_CLUSTER_WARPS,
+                            warps)
+    assert C._layer_layout(C._kernel(index, kspec, "compress_cta")) == (1, 32 * warps)
 
 
 @pytest.mark.gpu

@@ -134,13 +134,14 @@ def lloyd_max_fit(u, total, bcast, n: int, bits: int, sd: torch.dtype):
 
 # ---- one record half -------------------------------------------------------------------------------
 def emulate_half(x: np.ndarray, spec: TileSpec, is_v: bool, ranks: int, trace: dict | None = None,
-                 cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int = C.DEFAULT_CTA_WARPS) -> dict:
+                 cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int | None = None) -> dict:
     """The kernel's record half on a float32 tile x [T, D] (the K half if not is_v) when it runs on
     ``ranks`` CTAs (1: one CTA of ``cta_warps`` warps, compress.cu's KVARN_OW; T / 16: the layer kernel's cluster
     on sm_90, ``cluster_warps`` warps per CTA: KVARN_CW). Arrays are indexed [q, w, l, k, j] like the registers: rank q,
     warp w, lane l hold tokens t = q + R*(w + W*k) and channels c = l + 32*j."""
     T, D, sd, iters, R = spec.tile_tokens, spec.head_dim, spec.scale_dtype, spec.sinkhorn_iters, ranks
-    W = cluster_warps if R > 1 else cta_warps  # kvc::Shape::W: KVARN_CW warps per CTA of a cluster, KVARN_OW alone
+    # kvc::Shape::W: KVARN_CW warps per CTA of a cluster, KVARN_OW alone
+    W = cluster_warps if R > 1 else cta_warps or C.default_cta_warps(T, D)
     NK, NJ = T // (R * W), D // 32
     q_ax, w_ax, k_ax = np.arange(R), np.arange(W), np.arange(NK)
     t_of = q_ax[:, None, None, None, None] + R * (w_ax[None, :, None, None, None] + W * k_ax[None, None, None, :, None])
@@ -266,7 +267,7 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def emulate_records(k: torch.Tensor, v: torch.Tensor, spec: TileSpec, ranks: int,
-                    cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int = C.DEFAULT_CTA_WARPS) -> torch.Tensor:
+                    cluster_warps: int = C.DEFAULT_CLUSTER_WARPS, cta_warps: int | None = None) -> torch.Tensor:
     """The kernel's records for k, v [n, T, D] (any float dtype; finite, in range) when each record
     half runs on ``ranks`` CTAs (of ``cluster_warps`` warps when ranks > 1, else one of ``cta_warps``)."""
     sd = np.float16 if spec.scale_dtype == torch.float16 else np.float32
@@ -355,13 +356,14 @@ def test_kernel_mirror_of_the_cluster_warps_variants_matches_codec(preset, D, sc
 
 @pytest.mark.parametrize("preset,D,scale_dtype,in_dtype,kind", [c for c in CASES if c[1] <= 128])
 @pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
-def test_kernel_mirror_of_the_cta_warps_variant_matches_codec(preset, D, scale_dtype, in_dtype, kind, quantizer):
-    """The one-CTA forms with 32 warps (ops.compress.CTA_WARPS, head_dim <= 128) keep the codec's bytes: tokens
-    w + 32 k, four a thread, one more level of the tree over the warps."""
+@pytest.mark.parametrize("warps", [16, 32])
+def test_kernel_mirror_of_each_cta_width_matches_codec(preset, D, scale_dtype, in_dtype, kind, quantizer, warps):
+    """The one-CTA forms at both widths where both compile (ops.compress.CTA_WARPS, head_dim <= 128: 32 shipped,
+    16 the A/B variant) keep the codec's bytes: tokens w + W k, a tree level more or less over the warps."""
     spec = TileSpec(preset=preset, head_dim=D, scale_dtype=scale_dtype, quantizer=quantizer)
-    seed = zlib.crc32(repr((preset, D, kind, quantizer, "ow32")).encode())
+    seed = zlib.crc32(repr((preset, D, kind, quantizer, f"ow{warps}")).encode())
     k, v = _inputs(D, spec.tile_tokens, in_dtype, kind, seed)
-    got = emulate_records(k, v, spec, 1, cta_warps=32)
+    got = emulate_records(k, v, spec, 1, cta_warps=warps)
     assert not _diff(got, codec.encode_tiles(k, v, spec), spec), f"seed={seed}"
 
 

@@ -30,7 +30,7 @@ def test_set_warps_is_what_the_kernels_read(tool, monkeypatch):
     for w in C.CLUSTER_WARPS:
         for o in C.CTA_WARPS:
             tool.set_warps(w, o)
-            assert C.cluster_warps() == w and C.cta_warps(128) == o
+            assert C.cluster_warps() == w and C.cta_warps(128, 128) == o
     monkeypatch.delenv(C.CLUSTER_WARPS_ENV)
     monkeypatch.delenv(C.CTA_WARPS_ENV)
-    assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS and C.cta_warps(128) == C.DEFAULT_CTA_WARPS
+    assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS and C.cta_warps(128, 128) == C.default_cta_warps(128, 128)

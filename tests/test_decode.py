@@ -191,7 +191,9 @@ def test_programmatic_launch_choice(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(decode, "_arch_of", lambda index: 90)
     monkeypatch.delenv(decode.PDL_ENV, raising=False)
-    assert decode.programmatic_launch(dev) is False  # off until measured
+    assert decode.programmatic_launch(dev) is True  # on by default from sm_90
+    monkeypatch.setenv(decode.PDL_ENV, "0")
+    assert decode.programmatic_launch(dev) is False
     monkeypatch.setenv(decode.PDL_ENV, "1")
     assert decode.programmatic_launch(dev) is True
     monkeypatch.setattr(decode, "_arch_of", lambda index: 80)  # no griddepcontrol before sm_90

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A/B of the compression kernels' widths: warps per cluster CTA (``ops.compress.CLUSTER_WARPS``: 8 shipped, 4, 16)
-and per lone CTA (``CTA_WARPS``: 16 shipped, 32) (GPU).
+and per lone CTA (``CTA_WARPS``: 32 shipped up to head_dim 128, 16) (GPU).
 
 ``python3 tools/compress_variants.py [--warps N ...] [--cta-warps N ...] [--quick] [--json PATH]``
 
@@ -54,13 +54,17 @@ from kvarn_cutlass.ops import compress as C  # noqa: E402
 P, CHUNK, H, D = 16384, 512, 8, 128
 
 
-def set_warps(w: int, cta: int = C.DEFAULT_CTA_WARPS) -> None:
-    """The widths the next kernels are built and launched with: ``w`` warps per cluster CTA, ``cta`` per lone CTA."""
+def set_warps(w: int, cta: int | None = None) -> None:
+    """The widths the next kernels are built and launched with: ``w`` warps per cluster CTA, ``cta`` per lone CTA
+    (None: the shipped width, ops.compress.default_cta_warps)."""
     os.environ[C.CLUSTER_WARPS_ENV] = str(w)
-    os.environ[C.CTA_WARPS_ENV] = str(cta)
+    if cta is None:
+        os.environ.pop(C.CTA_WARPS_ENV, None)
+    else:
+        os.environ[C.CTA_WARPS_ENV] = str(cta)
 
 
-def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int = C.DEFAULT_CTA_WARPS):
+def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int | None = None):
     import torch
 
     from kvarn_cutlass.format import TileSpec
@@ -75,7 +79,7 @@ def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int = 
 
 
 def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int, batch: int = 1,
-                   cta: int = C.DEFAULT_CTA_WARPS) -> float:
+                   cta: int | None = None) -> float:
     """ms of the prompt's 32 appends (``batch`` sequences): back to back behind a sleep kernel, or each after a GEMM
     of the batch's chunk rows (GEMMs subtracted)."""
     import torch
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, action="append", choices=C.CLUSTER_WARPS,
                     help="variants to time (repeatable; default: all); the shipped width is always timed first")
     ap.add_argument("--cta-warps", type=int, action="append", choices=C.CTA_WARPS,
-                    help="one-CTA widths to time (repeatable; default: all); the shipped 16 is always timed first")
+                    help="one-CTA widths to time (repeatable; default: all); the shipped width is always timed first")
     ap.add_argument("--quick", action="store_true", help="fewer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -170,13 +174,14 @@ def main(argv=None) -> int:
             for with_gemm in (False, True):
                 emit({"warps": w, "case": "prompt", "form": "cluster" if cluster else "one CTA",
                       "after_gemm": with_gemm, "ms": round(prompt_appends(w, cluster, with_gemm, reps), 3)})
-    ctas = [C.DEFAULT_CTA_WARPS] + [w for w in (args.cta_warps or C.CTA_WARPS) if w != C.DEFAULT_CTA_WARPS]
+    shipped_cta = C.default_cta_warps(128, D)  # the tool's k4v2_g128 tiles
+    ctas = [shipped_cta] + [w for w in (args.cta_warps or C.CTA_WARPS) if w != shipped_cta]
     for o in ctas:
         # the one-CTA forms: launches of more halves than fit as clusters (batch 16 layers, batch 16 prompt chunks)
         for quantizer in ("uniform", "lloyd_max"):
             seed = 16000 + len(quantizer)
             got = layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, 16, seed, o)
-            want = got if o == C.DEFAULT_CTA_WARPS else layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, 16, seed)
+            want = got if o == shipped_cta else layer_records(C.DEFAULT_CLUSTER_WARPS, quantizer, 16, seed)
             emit({"cta_warps": o, "case": "bytes", "quantizer": quantizer, "batch": 16,
                   "equal": bool((got == want).all())})
         for batch, head_dim, quantizer in ((16, 64, "uniform"), (16, 128, "uniform"), (16, 128, "lloyd_max")):

@@ -157,13 +157,15 @@ def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs
                      "exact_blocks": decode.exact_blocks(spec, bench.WINDOW, 0, cache.device, v)})
         print(json.dumps(rows[-1]), flush=True)
     extras = {"batch": batch, "context": ctx, "cache_build_s": round(build_s, 1), "default_again_us": run(default)[0]}
-    if pdl:  # the shipped kernel with programmatic dependent launch, at the default's splits: time, same outputs
-        os.environ[decode.PDL_ENV] = "1"
-        try:
-            p_us, p_outs, _ = run(default, s0)
-        finally:
-            os.environ.pop(decode.PDL_ENV)
-        extras.update(pdl_us=p_us, pdl_equal_to_default=all(torch.equal(a, b) for a, b in zip(p_outs, d_outs)))
+    if pdl:  # the shipped kernel launched plainly and programmatically, at the default's splits: times, same outputs
+        for mode, key in (("0", "plain"), ("1", "pdl")):
+            os.environ[decode.PDL_ENV] = mode
+            try:
+                us, outs, _ = run(default, s0)
+            finally:
+                os.environ.pop(decode.PDL_ENV)
+            extras.update({f"{key}_us": us,
+                           f"{key}_equal_to_default": all(torch.equal(a, b) for a, b in zip(outs, d_outs))})
     return rows, extras
 
 
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows and extras here")
     ap.add_argument("--ncu", type=Path, help="Nsight Compute reports of the default and the fastest variant here")
     ap.add_argument("--pdl", action="store_true",
-                    help="also time the shipped kernel with programmatic dependent launch ($KVARN_DECODE_PDL=1)")
+                    help="also time the shipped kernel launched plainly and with programmatic dependent launch "
+                         "($KVARN_DECODE_PDL=0 and 1)")
     args = ap.parse_args(argv)
     variants = [v for v in (args.variant or [decode.DecodeVariant.parse(t) for t in CANDIDATES])
                 if v != decode.DecodeVariant()]

@@ -31,7 +31,7 @@
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
 #    GPU_DECODE_PDL=1: the shipped kernel with programmatic dependent launch too)
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
-#    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (16 shipped, 32): bytes
+#    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes
 #    against the shipped kernel, layer graph_us, the prompt's appends by form (b1, and b16 for the one-CTA
 #    widths), back to back and after GEMMs -> $OUT/compress_variants.json
 # 7. GPU_PPL=1: the perplexity rows of docs/accuracy.md on CUDA, one JSON line each in $OUT/ppl.jsonl

@@ -108,7 +108,7 @@ def _layer_kernel(spec, records: int) -> str:
 
     index = torch.cuda.current_device()
     kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, torch.float16, spec.scale_dtype, spec.v_bits, spec.quantizer,
-                            C.cluster_warps(), C.cta_warps(spec.head_dim))
+                            C.cluster_warps(), C.cta_warps(spec.tile_tokens, spec.head_dim))
     ranks, threads = C._layer_layout(C._kernel(index, kspec))
     if ranks > 1 and 2 * records <= C.cluster_halves(ranks, index, threads):
         return f"cluster x{ranks}"

@@ -6,8 +6,8 @@
 // (lowest-imbalance candidate), power-of-two balance, zero lines, stored scales, codes, packing.
 // The layer kernel and the append's append_compress_cluster run a half on a thread-block cluster of
 // R = T / 16 CTAs of KVARN_CW warps (8 shipped) on sm_90 (one CTA of KVARN_OW warps on sm_80); their
-// one-CTA forms (compress_cta, append_compress) on one CTA of KVARN_OW warps (16 shipped; ops/compress.py
-// and ops/append.py pick the form per launch). compress_impl is the same code for all: the "ranks" of a
+// one-CTA forms (compress_cta, append_compress) on one CTA of KVARN_OW warps (32 shipped, 16 at D=256;
+// ops/compress.py and ops/append.py pick the form per launch). compress_impl is the same code for all: the "ranks" of a
 // lone CTA are itself.
 // The codes come from the quantizer compiled in (KVARN_QUANT): 0 = uniform (asymmetric
 // round-to-nearest-even: *_min = axis minimum, *_step = range / (2^bits - 1)), 1 = lloyd_max (codes
@@ -71,8 +71,8 @@ typedef unsigned char u8;
 #endif
 
 // Warps of a lone CTA (the one-CTA forms, and every form before sm_90; KVARN_OW from
-// kvarn_cutlass.ops.compress.compress_spec: 16 shipped, 32 an A/B variant for head_dim <= 128, where a thread of
-// the 1024 fits its state in the 64 registers it may hold).
+// kvarn_cutlass.ops.compress.compress_spec: 32 shipped up to head_dim 128, where a thread of the 1024 fits its
+// state in the 64 registers it may hold, 16 at head_dim 256).
 #ifndef KVARN_OW
 #error "KVARN_OW (warps of a lone compression CTA) is defined by kvarn_cutlass.ops.compress.compress_spec"
 #endif
@@ -591,8 +591,8 @@ __device__ __forceinline__ void column_node(float (&out)[NJ], const Zsq& zsq, co
 
 template <int T, int D, int R>
 struct Shape {
-  // KVARN_OW warps for a lone CTA (16 shipped); on a cluster KVARN_CW (8 shipped: two per scheduler): a
-  // CTA's tile is T / R = 16 tokens, and fewer warps with more elements each cut the work that every warp repeats per iteration
+  // KVARN_OW warps for a lone CTA (32 shipped, 16 at D=256); on a cluster KVARN_CW (8 shipped: two per
+  // scheduler): a CTA's tile is T / R = 16 tokens, and fewer warps with more elements each cut the work that every warp repeats per iteration
   // (row RMS trees, reciprocals, the score); more warps give each scheduler independent chains (at 4 the
   // kernel issues once every 6.3 cycles, latency-bound: docs/perf-notes.md).
   static constexpr int W = R > 1 ? KVARN_CW : KVC_W;

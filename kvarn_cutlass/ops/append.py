@@ -214,10 +214,10 @@ class DeviceAppender:
         self.device = cache.device
         # stand-in kernels have no module to report their shared memory and CTA size, and launch nothing
         self.smem = 0
-        self.cta_threads = 32 * C.DEFAULT_CTA_WARPS
+        self.cta_threads = 32 * C.default_cta_warps(spec.tile_tokens, spec.head_dim)
         if kernels is None:
             kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
-                                    spec.quantizer, C.cluster_warps(), C.cta_warps(spec.head_dim))
+                                    spec.quantizer, C.cluster_warps(), C.cta_warps(spec.tile_tokens, spec.head_dim))
             name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype,  # noqa: E731
                                               spec.scale_dtype, spec.v_bits, spec.quantizer, role)
             idx = self.device.index

@@ -4,7 +4,8 @@ One launch compresses every record of a layer. On sm_90 each (record, K or V hal
 thread-block cluster of ``tile_tokens / 16`` CTAs of 256 threads (8 warps) that exchange their column sums
 through distributed shared memory (latency: a layer of 8 records keeps 128 SMs busy); before sm_90,
 and for launches of more halves than fit as clusters (:func:`cluster_halves`: over 32 cluster warps per
-SM, ~33 records on an H200), on one CTA of 16 warps (:data:`CTA_WARPS`). The cache's append kernels
+SM, ~33 records on an H200), on one CTA of 32 warps (16 for head_dim 256 and 64-token tiles:
+:func:`default_cta_warps`). The cache's append kernels
 (:mod:`kvarn_cutlass.ops.append`) have both forms too and choose by the same rule. The launch reads the
 cluster width and CTA size from the compiled kernel, and each form's shared memory from the module
 (:data:`SMEM_SYMBOLS`). Entry points:
@@ -74,20 +75,27 @@ __all__ = [
     "CLUSTER_WARPS",
     "cta_warps",
     "CTA_WARPS",
+    "default_cta_warps",
     "compress_tiles",
     "compress_layer",
     "check_error_flag",
     "error_message",
 ]
 
-# Warps of a lone CTA (the one-CTA forms; compress.cu's KVARN_OW): the shipped 16, and the A/B variant 32 (eight
-# warps a scheduler where a launch has more halves than clusters: b16 prefill chunks), chosen with
-# $KVARN_COMPRESS_CTA_WARPS (cta_warps). 32 only up to head_dim 128: a thread of 1024 may hold 64 registers,
-# and at head_dim 256 its state spills.
-DEFAULT_CTA_WARPS = 16
+# Warps of a lone CTA (the one-CTA forms; compress.cu's KVARN_OW): 32 for 128-token tiles up to head_dim 128 (eight
+# warps a scheduler for launches of more halves than clusters: b16 prefill chunks; measured 0.93-0.97x the 16-warp
+# time), else 16 (a thread of 1024 may hold 64 registers: at head_dim 256 its state spills, and 64-token tiles at
+# head_dim 64 park a value in local memory and were not measured); $KVARN_COMPRESS_CTA_WARPS (cta_warps) picks the
+# other width for A/B runs where it compiles.
 CTA_WARPS = (16, 32)
 CTA_WARPS_ENV = "KVARN_COMPRESS_CTA_WARPS"
 CTA_WARPS_MAX_HEAD_DIM = {16: 256, 32: 128}
+
+
+def default_cta_warps(tile_tokens: int, head_dim: int) -> int:
+    """Warps of a lone CTA the compression kernels ship with for (``tile_tokens``, ``head_dim``): 32 for
+    128-token tiles where it compiles (:data:`CTA_WARPS_MAX_HEAD_DIM`), else 16."""
+    return 32 if tile_tokens == 128 and head_dim <= CTA_WARPS_MAX_HEAD_DIM[32] else 16
 # Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 8, and the A/B variants 4 and 16
 # (one, two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
 DEFAULT_CLUSTER_WARPS = 8
@@ -178,22 +186,23 @@ def cluster_warps() -> int:
     return int(text)
 
 
-def cta_warps(head_dim: int) -> int:
-    """Warps of a lone CTA of the compression kernels to launch for ``head_dim``: DEFAULT_CTA_WARPS, or
+def cta_warps(tile_tokens: int, head_dim: int) -> int:
+    """Warps of a lone CTA of the compression kernels to launch for (``tile_tokens``, ``head_dim``):
+    :func:`default_cta_warps`, or
     ``$KVARN_COMPRESS_CTA_WARPS`` (one of :data:`CTA_WARPS`; A/B runs: tools/compress_variants.py) where that
     width compiles for the head_dim (:data:`CTA_WARPS_MAX_HEAD_DIM`; a wider head_dim keeps the default)."""
     text = os.environ.get(CTA_WARPS_ENV, "").strip()
     if not text:
-        return DEFAULT_CTA_WARPS
+        return default_cta_warps(tile_tokens, head_dim)
     if text not in {str(w) for w in CTA_WARPS}:
         raise ValueError(f"${CTA_WARPS_ENV}={text!r}: choose one of {list(CTA_WARPS)}")
-    return int(text) if head_dim <= CTA_WARPS_MAX_HEAD_DIM[int(text)] else DEFAULT_CTA_WARPS
+    return int(text) if head_dim <= CTA_WARPS_MAX_HEAD_DIM[int(text)] else default_cta_warps(tile_tokens, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def compress_spec(
     tile_tokens: int, head_dim: int, in_dtype: torch.dtype, scale_dtype: torch.dtype, v_bits: int,
-    quantizer: str = "uniform", cluster_warps: int = DEFAULT_CLUSTER_WARPS, cta_warps: int = DEFAULT_CTA_WARPS,
+    quantizer: str = "uniform", cluster_warps: int = DEFAULT_CLUSTER_WARPS, cta_warps: int | None = None,
 ) -> KernelSpec:
     """The one-kernel module for a (T, D, input dtype, scale dtype, V bits, quantizer) variant.
 
@@ -203,12 +212,14 @@ def compress_spec(
     two quantizers differ and both have one source. The uniform module has neither.
     ``cluster_warps`` (one of :data:`CLUSTER_WARPS`): warps per CTA of the cluster forms, compiled in
     (``KVARN_CW``); a value other than DEFAULT_CLUSTER_WARPS is named (``_cw4``) as an A/B variant.
-    ``cta_warps`` (one of :data:`CTA_WARPS`, up to its :data:`CTA_WARPS_MAX_HEAD_DIM`): warps of the one-CTA
-    forms (``KVARN_OW``), named (``_ow32``) when not DEFAULT_CTA_WARPS. The records are the same bytes for every
-    value of either.
+    ``cta_warps`` (one of :data:`CTA_WARPS`, up to its :data:`CTA_WARPS_MAX_HEAD_DIM`; None:
+    :func:`default_cta_warps`): warps of the one-CTA forms (``KVARN_OW``), named (``_ow16``) when not the default.
+    The records are the same bytes for every value of either.
     """
     if cluster_warps not in CLUSTER_WARPS:
         raise ValueError(f"cluster_warps must be one of {list(CLUSTER_WARPS)}, got {cluster_warps!r}")
+    if cta_warps is None:
+        cta_warps = default_cta_warps(tile_tokens, head_dim)
     if cta_warps not in CTA_WARPS:
         raise ValueError(f"cta_warps must be one of {list(CTA_WARPS)}, got {cta_warps!r}")
     if head_dim > CTA_WARPS_MAX_HEAD_DIM[cta_warps]:
@@ -238,7 +249,7 @@ def compress_spec(
         # Belt and braces: the source already spells every operation as a correctly rounded intrinsic.
         options=("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"),
         name=name + _QUANT_SUFFIX[quantizer] + ("" if cluster_warps == DEFAULT_CLUSTER_WARPS else f"_cw{cluster_warps}")
-        + ("" if cta_warps == DEFAULT_CTA_WARPS else f"_ow{cta_warps}"),
+        + ("" if cta_warps == default_cta_warps(tile_tokens, head_dim) else f"_ow{cta_warps}"),
     )
 
 
@@ -458,7 +469,7 @@ def _launch(k, v, kstr, vstr, out, ostr, B, n_tiles, H, spec: TileSpec, flag: to
     if n_records > 2**31 - 1:
         raise ValueError(f"{n_records} records exceed one launch's grid (2^31 - 1)")
     T, D = spec.tile_tokens, spec.head_dim
-    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps(), cta_warps(D))
+    kspec = compress_spec(T, D, k.dtype, spec.scale_dtype, spec.v_bits, spec.quantizer, cluster_warps(), cta_warps(T, D))
     index = k.device.index
     kernel = _kernel(index, kspec)
     ranks, threads = _layer_layout(kernel)
