@@ -540,6 +540,21 @@ def test_gpu(chunks, kw):
 
 
 @gpu
+@pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if sum(c[0]) >= 500])
+def test_gpu_heavy_first_order(monkeypatch, chunks, kw):
+    """$KVARN_PREFILL_ORDER=heavy (each head's token blocks, the chunk's last first; chunks shorter than a CTA's
+    rows and batches keep the row order): the same shapes as test_gpu against the reference."""
+    _gpu_skip()
+    from kvarn_cutlass.ops import prefill as OP
+
+    monkeypatch.setattr(OP, "_kernels", {})  # kernels read the order when loaded
+    monkeypatch.setenv(OP.ORDER_ENV, "heavy")
+    for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 7, **kw):
+        assert e < TOL, (chunks, kw, n, nt, e)
+    assert all(k.order == "heavy" for k in OP._kernels.values())
+
+
+@gpu
 @pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if c[1].get("D", 128) != 256])
 @pytest.mark.parametrize("consumer_warps,producer_warps,q_operand",
                          [(4, 4, "smem"), (8, 4, "smem"), (8, 8, "smem"), (8, 4, "regs"), (8, 8, "regs")])

@@ -8,10 +8,11 @@ phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over
 tokens, both timed as the tuner times (``ops.prefill_tune.time_config``: back-to-back calls between CUDA events,
 warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two
 phases plus a per-launch cost by least squares and prints them beside SDPA's per-pair time, for the shipped
-source and its A/B variants (``SOURCE_VARIANTS``). GPU only:
+source and its A/B variants (``SOURCE_VARIANTS``; by default the shipped source in both CTA orders).
+GPU only:
 
-    python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME] [--variants shipped exact_serial]
-                                    [--json PATH]
+    python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME]
+                                    [--variants shipped heavy_first exact_serial] [--json PATH]
     (through tools/gpu_check.sh: GPU_PREFILL_PHASES=1)
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -40,12 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_SOURCE = ROOT / "kvarn_cutlass/csrc/prefill_fused.cu"
 # Source variants (text substitutions of the shipped kernel, built under their own module names), for an A/B in
 # one run. exact_serial: the producers wait for each exact block's copies before issuing the next (one block in
-# flight per producer group), as before the exact phase's hand-over was deferred.
+# flight per producer group), as before the exact phase's hand-over was deferred (measured: docs/perf-notes.md).
+# heavy_first: the shipped source launched in the heavy-first CTA order ($KVARN_PREFILL_ORDER=heavy, VARIANT_ENV).
 SOURCE_VARIANTS = {
     "shipped": [],
     "exact_serial": [("                if (pend >= 0) hand_over(pend % NSTAGE, true);\n                pend = bi;\n",
                       "                hand_over(s, false);\n")],
+    "heavy_first": [],
 }
+VARIANT_ENV = {"heavy_first": {OP.ORDER_ENV: "heavy"}}
+DEFAULT_VARIANTS = ["shipped", "heavy_first"]
 _shipped_spec = OP.fused_spec
 
 
@@ -123,12 +129,18 @@ def measure(spec, cfg, context: int, chunk: int, runs: int, variants: list[str])
     tp, ep = pairs(tile_tokens, exact_before, chunk)
     rows = []
     for variant in variants:
-        use_source(variant)
-        got = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg).float()
+        env = VARIANT_ENV.get(variant, {})
+        os.environ.update(env)
+        try:
+            use_source(variant)  # also drops the loaded kernels, which read the order knob when loaded
+            got = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg).float()
+            kvarn_us = 1000 * time_config(sets, cfg, out, runs)
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
         err = ((got - want).norm() / want.norm()).item()
         if not err < 5e-3:
             raise RuntimeError(f"{variant}, context={context} chunk={chunk}: error {err:.2e} against the torch path")
-        kvarn_us = 1000 * time_config(sets, cfg, out, runs)
         rows.append({"variant": variant, "context": context, "chunk": chunk, "tile_tokens": tile_tokens,
                      "exact_before": exact_before, "tile_pairs": HQ * tp, "exact_pairs": HQ * ep,
                      "kvarn_us": round(kvarn_us, 2), "sdpa_us": round(sdpa_us, 2),
@@ -141,7 +153,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bucket", default="D128_T128_V2")
     ap.add_argument("--config", default=None, help="a FusedConfig name (default: the tuned one)")
-    ap.add_argument("--variants", nargs="+", choices=list(SOURCE_VARIANTS), default=list(SOURCE_VARIANTS))
+    ap.add_argument("--variants", nargs="+", choices=list(SOURCE_VARIANTS), default=DEFAULT_VARIANTS)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the rows and the fits here")
     args = ap.parse_args(argv)

@@ -432,10 +432,9 @@ __device__ __forceinline__ void load_q_row(float (&x)[QE], const q_t* row, int l
 // scaled per row by a power of two; writes scale * log2(e) / s_r per row into sRowf. Consumer warps.
 template <bool ROTATE>
 __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long long q_sb, long long q_sh,
-                                        long long q_sn, int b, int h, int G, int n, int r0, float scale_log2,
-                                        int warp, int lane) {
-    const int M = G * n;
-    for (int rr = warp; rr < BM; rr += NC) {  // consumer warps only
+                                        long long q_sn, int b, int h, int G, int n, int r0, int M,
+                                        float scale_log2, int warp, int lane) {
+    for (int rr = warp; rr < BM; rr += NC) {  // consumer warps only (rows r0 .. M - 1 of the G * n folded rows)
         const int r = r0 + rr;
         float x[QE];
         if (r < M) {
@@ -1141,8 +1140,38 @@ __device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_
 #include "prefill_int8.cuh"
 #endif
 
+// The CTA's rows r0 .. min(M, r0 + BM) - 1 of the G * n folded rows (row j * n + i: query head h * G + j, token
+// i), its KV head h and sequence b. Row order: grid (ceil(G n / BM), Hkv, B), blockIdx.x a block of BM consecutive
+// folded rows, which may straddle two heads. heavy_first (one sequence, n >= BM): grid (Hkv, G, ceil(n / BM)),
+// blockIdx.z one head's block of BM tokens counted from the chunk's end, so the CTAs that see the most keys launch
+// first and the launch ends on its lightest instead of its heaviest (FA3's causal order; a chunk's exact phase is
+// causal). Both maps read only blockIdx, gridDim and the arguments, so the late uses compute them again instead
+// of holding them through the tile loop (a map with divisions, held, spilled the mma.sync r32 config at 255
+// registers).
+struct CtaRows {
+    int h, b, r0, M;
+};
+
+__device__ __forceinline__ CtaRows cta_rows(int G, int n, int heavy_first) {
+    CtaRows c;
+    if (heavy_first) {
+        const int j = blockIdx.y;
+        c.h = blockIdx.x;
+        c.b = 0;
+        c.r0 = j * n + (gridDim.z - 1 - blockIdx.z) * BM;
+        c.M = (j + 1) * n;
+    } else {
+        c.b = blockIdx.z;
+        c.h = blockIdx.y;
+        c.r0 = blockIdx.x * BM;
+        c.M = G * n;
+    }
+    return c;
+}
+
 // --- the kernel ---------------------------------------------------------------------------------------
-// grid (ceil(G * n / BM), Hkv, B), NT threads, kvarn_prefill_smem_bytes of dynamic shared memory.
+// grid (ceil(G * n / BM), Hkv, B) or, heavy_first (B = 1), (Hkv, G, ceil(n / BM)) (cta_rows); NT threads,
+// kvarn_prefill_smem_bytes of dynamic shared memory.
 //   q, out: [B, G * Hkv, n, D] with element strides (D contiguous, rows 16-byte aligned)
 //   pool: records; tile_table [B][table_stride] int32 slots: record (b, g, h) at
 //         pool + (tile_table[b * table_stride + g] * Hkv + h) * RECORD_BYTES
@@ -1156,7 +1185,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const cache_t* win_k, const cache_t* win_v, int win_cap, int win_len,
     const cache_t* chunk_k, const cache_t* chunk_v, long long ck_sb, long long ck_sh, long long ck_st,
     long long cv_sb, long long cv_sh, long long cv_st,
-    int Hkv, int G, int n, float scale_log2) {
+    int Hkv, int G, int n, float scale_log2, int heavy_first) {
     extern __shared__ __align__(128) u8 smem[];
     u8* sQ = smem;
     u8* sRec = smem + OFF_SM_REC;
@@ -1165,8 +1194,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     u8* sStage = smem + OFF_SM_STAGE;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int rb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int M = G * n, r0 = rb * BM;
+    const CtaRows cr = cta_rows(G, n, heavy_first);
+    const int h = cr.h, b = cr.b, r0 = cr.r0, M = cr.M;
     const Schedule sc = schedule(n_tiles, sink_len, win_len, n, M, r0);
 
     if (warp >= NC) {
@@ -1310,8 +1339,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const int wq_last = !w_rows ? -1 : (w_one_head ? wr1 % n : n - 1);
     const int wq_first = !w_rows ? n : (w_one_head ? wr0 % n : 0);
 
-    if (sc.nba > 0) stage_q<true>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
-    else stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+    if (sc.nba > 0) stage_q<true>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, M, scale_log2, warp, lane);
+    else stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, M, scale_log2, warp, lane);
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
     // the tile factors: fK of the block's tile, and its eV against the running max eV_run (see the header):
@@ -1344,7 +1373,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
         wht_acc(acc, lane);
         bar_sync(BAR_CONS, NC * 32);  // every consumer is done reading the rotated q
-        stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, b, h, G, n, r0, scale_log2, warp, lane);
+        const CtaRows late = cta_rows(G, n, heavy_first);
+        stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, late.b, late.h, G, n, late.r0, late.M, scale_log2, warp,
+                       lane);
         bar_sync(BAR_CONS, NC * 32);
         load_rowf();
     };
@@ -1471,6 +1502,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 
     // ---- normalize and store ----
     const int tq = lane & 3;
+    const CtaRows fin = cta_rows(G, n, heavy_first);
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -1479,10 +1511,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = 1.f / l;
-            const int r = r0 + warp * RPW + mi * 16 + hr * 8 + (lane >> 2);
-            if (r < M) {
+            const int r = fin.r0 + warp * RPW + mi * 16 + hr * 8 + (lane >> 2);
+            if (r < fin.M) {
                 const int j = r / n, i = r - j * n;
-                q_t* orow = out + b * o_sb + (long long)(h * G + j) * o_sh + (long long)i * o_sn;
+                q_t* orow = out + fin.b * o_sb + (long long)(fin.h * G + j) * o_sh + (long long)i * o_sn;
 #pragma unroll
                 for (int dn = 0; dn < ON; ++dn)
                     *reinterpret_cast<u32*>(orow + dn * 8 + 2 * tq) =

@@ -43,8 +43,32 @@ _SIG = (
     "ptr sink_k", "ptr sink_v", "i32 sink_cap", "i32 sink_len",
     "ptr win_k", "ptr win_v", "i32 win_cap", "i32 win_len",
     "ptr chunk_k", "ptr chunk_v", "i64 ck_sb", "i64 ck_sh", "i64 ck_st", "i64 cv_sb", "i64 cv_sh", "i64 cv_st",
-    "i32 Hkv", "i32 G", "i32 n", "f32 scale_log2",
+    "i32 Hkv", "i32 G", "i32 n", "f32 scale_log2", "i32 heavy_first",
 )
+
+ORDER_ENV = "KVARN_PREFILL_ORDER"
+ORDERS = ("rows", "heavy")
+
+
+def block_order() -> str:
+    """The fused kernel's CTA order, read when a kernel is loaded: ``rows`` (blocks of folded rows in order) or
+    ``heavy`` (each head's token blocks, the chunk's last tokens first; the kernel's heavy_first), from
+    ``$KVARN_PREFILL_ORDER``. ``rows`` by default until ``heavy`` is measured (tools/prefill_phases.py)."""
+    text = os.environ.get(ORDER_ENV, "").strip() or "rows"
+    if text not in ORDERS:
+        raise ValueError(f"${ORDER_ENV}={text!r}: choose one of {list(ORDERS)}")
+    return text
+
+
+def launch_grid(order: str, n: int, group: int, num_kv_heads: int, batch: int, rows: int) -> tuple[tuple, bool]:
+    """(grid, heavy_first) of the fused kernel for ``batch`` sequences of a chunk of ``n`` queries, ``group`` query
+    heads per KV head and ``rows`` folded rows per CTA (``cta_rows`` in ``csrc/prefill_fused.cu``). ``heavy``
+    applies to one sequence's chunk of at least ``rows`` tokens: a shorter chunk keeps the row order, where one CTA
+    holds several heads' rows (one CTA per head would stream every tile for a few rows), and a batch keeps it
+    because the heavy map has no grid dimension left for the sequence."""
+    if order == "heavy" and batch == 1 and n >= rows:
+        return (num_kv_heads, group, math.ceil(n / rows)), True
+    return (math.ceil(group * n / rows), num_kv_heads, batch), False
 
 
 @dataclass(frozen=True)
@@ -336,6 +360,7 @@ class FusedPrefillKernel:
         # instead of ~150 (the prompt is otherwise host-bound for its short-context chunks).
         self._prepared = None
         self._write_args = None
+        self.order = block_order()
 
     def launch(self, q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v, win_len,
                chunk_k, chunk_v, num_kv_heads, scale):
@@ -343,7 +368,7 @@ class FusedPrefillKernel:
         q, out [B, Hq, n, D]. Not thread-safe (one prepared launch per kernel, as PreparedLaunch)."""
         B, Hq, n, D = q.shape
         G = Hq // num_kv_heads
-        grid = (math.ceil(G * n / self.config.rows), num_kv_heads, B)
+        grid, heavy_first = launch_grid(self.order, n, G, num_kv_heads, B, self.config.rows)
         if self._prepared is None:
             args = (
                 q, *q.stride()[:3], out, *out.stride()[:3],
@@ -351,7 +376,7 @@ class FusedPrefillKernel:
                 sink_k, sink_v, sink_k.shape[2], sink_len,
                 win_k, win_v, win_k.shape[2], win_len,
                 chunk_k, chunk_v, *chunk_k.stride()[:3], *chunk_v.stride()[:3],
-                num_kv_heads, G, n, float(scale) * LOG2E,
+                num_kv_heads, G, n, float(scale) * LOG2E, int(heavy_first),
             )
             self._prepared = self._kernel.prepare(grid, self.config.threads, args, shared_mem=self.smem)
             self._write_args = self._prepared.writer(0, len(_SIG))
@@ -367,7 +392,7 @@ class FusedPrefillKernel:
                     sink_k.data_ptr(), sink_v.data_ptr(), sink_k.shape[2], sink_len,
                     win_k.data_ptr(), win_v.data_ptr(), win_k.shape[2], win_len,
                     chunk_k.data_ptr(), chunk_v.data_ptr(), *chunk_k.stride()[:3], *chunk_v.stride()[:3],
-                    num_kv_heads, G, n, float(scale) * LOG2E,
+                    num_kv_heads, G, n, float(scale) * LOG2E, int(heavy_first),
                 )
             except struct.error:  # a value out of its argument's range: prepare again, which names it
                 self._prepared = None
