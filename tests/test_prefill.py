@@ -539,6 +539,32 @@ def test_gpu(chunks, kw):
         assert e < TOL, (chunks, kw, n, nt, e)
 
 
+# chunks after a context of at least 8 tiles whose grids fill at most half the SMs: the split-tile mode
+SPLIT_CASES = [
+    ([2600, 100, 1, 37], dict()),
+    ([2600, 50], dict(D=256, Hkv=1, group=2)),
+    ([2000, 90, 5], dict(D=64, sink=128, window=128, dtype=torch.bfloat16, group=3)),
+    ([1500, 40, 200], dict(preset="k4v4_g64", window=128, quantizer="lloyd_max", scale_dtype=torch.float32)),
+    ([2600, 16], dict(group=8, Hkv=1)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("chunks,kw", SPLIT_CASES)
+def test_gpu_split_tiles(monkeypatch, chunks, kw):
+    """$KVARN_PREFILL_SPLIT=1: a chunk whose grid leaves SMs idle splits its tiles over CTAs (the last split also
+    takes the exact phase) and merges them (kvarn_prefill_merge), against the reference: both quantizers, bf16,
+    f32 scales, sink tokens, GQA 3 and 8, head_dim 64/128/256, 64-token tiles."""
+    _gpu_skip()
+    from kvarn_cutlass.ops import prefill as OP
+
+    monkeypatch.setattr(OP, "_kernels", {})  # kernels read the knob when loaded
+    monkeypatch.setenv(OP.SPLIT_ENV, "1")
+    for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 11, **kw):
+        assert e < TOL, (chunks, kw, n, nt, e)
+    assert any(k.split and k._ws.numel() > 0 for k in OP._kernels.values()), "no chunk was split"
+
+
 @gpu
 @pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if sum(c[0]) >= 500])
 def test_gpu_heavy_first_order(monkeypatch, chunks, kw):

@@ -8,11 +8,12 @@ phases differently, and SDPA flash (``causal_lower_right``, ``enable_gqa``) over
 tokens, both timed as the tuner times (``ops.prefill_tune.time_config``: back-to-back calls between CUDA events,
 warm-up, median, input sets rotated so that the L2 holds none of them); it fits per-pair times of the two
 phases plus a per-launch cost by least squares and prints them beside SDPA's per-pair time, for the shipped
-source and its A/B variants (``SOURCE_VARIANTS``; by default the shipped source in both CTA orders).
+source and its A/B variants (``SOURCE_VARIANTS``; by default the shipped source in both CTA orders and with split
+tiles).
 GPU only:
 
     python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME]
-                                    [--variants shipped heavy_first exact_serial] [--json PATH]
+                                    [--variants shipped heavy_first split_tiles exact_serial] [--json PATH]
     (through tools/gpu_check.sh: GPU_PREFILL_PHASES=1)
 """
 
@@ -36,22 +37,25 @@ import kvarn_cutlass.ops.prefill as OP  # noqa: E402
 from kvarn_cutlass.ops.prefill import FusedConfig, select_config  # noqa: E402
 from kvarn_cutlass.ops.prefill_tune import HKV, HQ, parse_bucket, rotated_inputs, time_config  # noqa: E402
 
-# (context, chunk): exact only (an empty cache), mixed (the tuner's shapes and the e2e chunks), tile-heavy
-SHAPES = ((0, 512), (0, 2048), (0, 4096), (16384, 512), (16384, 2048), (32768, 512), (32768, 128))
+# (context, chunk): exact only (an empty cache), mixed (the tuner's shapes and the e2e chunks), tile-heavy (the
+# last two: grids of 32 and 8 CTAs, what split tiles are for)
+SHAPES = ((0, 512), (0, 2048), (0, 4096), (16384, 512), (16384, 2048), (32768, 512), (32768, 128), (32768, 16))
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_SOURCE = ROOT / "kvarn_cutlass/csrc/prefill_fused.cu"
 # Source variants (text substitutions of the shipped kernel, built under their own module names), for an A/B in
 # one run. exact_serial: the producers wait for each exact block's copies before issuing the next (one block in
 # flight per producer group), as before the exact phase's hand-over was deferred (measured: docs/perf-notes.md).
-# heavy_first: the shipped source launched in the heavy-first CTA order ($KVARN_PREFILL_ORDER=heavy, VARIANT_ENV).
+# heavy_first: the shipped source launched in the heavy-first CTA order ($KVARN_PREFILL_ORDER=heavy); split_tiles:
+# with the tiles of a grid that leaves SMs idle split over CTAs and merged ($KVARN_PREFILL_SPLIT=1) (VARIANT_ENV).
 SOURCE_VARIANTS = {
     "shipped": [],
     "exact_serial": [("                if (pend >= 0) hand_over(pend % NSTAGE, true);\n                pend = bi;\n",
                       "                hand_over(s, false);\n")],
     "heavy_first": [],
+    "split_tiles": [],
 }
-VARIANT_ENV = {"heavy_first": {OP.ORDER_ENV: "heavy"}}
-DEFAULT_VARIANTS = ["shipped", "heavy_first"]
+VARIANT_ENV = {"heavy_first": {OP.ORDER_ENV: "heavy"}, "split_tiles": {OP.SPLIT_ENV: "1"}}
+DEFAULT_VARIANTS = ["shipped", "heavy_first", "split_tiles"]
 _shipped_spec = OP.fused_spec
 
 

@@ -59,7 +59,7 @@
 // format.TileSpec): HEAD_DIM, TILE_TOKENS, V_BITS, SCALE_F32, CACHE_BF16, Q_BF16, LLOYD_MAX,
 // K_CODEBOOK, V_CODEBOOK, K_CB_LIMIT, V_CB_LIMIT, ROWS_PER_WARP, CONSUMER_WARPS, PRODUCER_WARPS,
 // PRODUCER_GROUPS, BLOCK_N, WGMMA, OFF_* and RECORD_BYTES,
-// KERNEL_NAME; K_INT8 (default 0): the int8 K operand of prefill_int8.cuh instead of f16 tile K (mma.sync);
+// KERNEL_NAME, MERGE_NAME; K_INT8 (default 0): the int8 K operand of prefill_int8.cuh instead of f16 tile K (mma.sync);
 // Q_REGS (default 0): the tile phase's Q as wgmma register fragments (above).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -1117,13 +1117,14 @@ __device__ __forceinline__ void wht_acc(float (&acc)[MT][ON][4], int lane) {
 }
 
 
-// Block schedule shared by both roles: NBA tile blocks (tile g = bi / BPT), then the exact blocks up to
-// the CTA's last visible key.
+// Block schedule shared by both roles: NBA tile blocks (tile g = bi / BPT), then (exact_phase) the exact blocks
+// up to the CTA's last visible key.
 struct Schedule {
     int nba, nb, E0, E, e_end;
 };
 
-__device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_len, int n, int M, int r0) {
+__device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_len, int n, int M, int r0,
+                                             bool exact_phase) {
     Schedule sc;
     sc.nba = n_tiles * BPT;
     sc.E0 = sink_len + win_len;
@@ -1131,7 +1132,7 @@ __device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_
     // the CTA's last query: rows r0 .. min(M, r0 + BM) - 1; one head's rows unless the block straddles two
     const int r_last = min(M, r0 + BM) - 1;
     const int q_last = (r0 / n == r_last / n) ? r_last % n : n - 1;
-    sc.e_end = min(sc.E, sc.E0 + q_last + 1);
+    sc.e_end = min(sc.E, sc.E0 + q_last + 1) * (int)exact_phase;
     sc.nb = sc.nba + (sc.e_end + BN - 1) / BN;
     return sc;
 }
@@ -1145,23 +1146,24 @@ __device__ __forceinline__ Schedule schedule(int n_tiles, int sink_len, int win_
 // folded rows, which may straddle two heads. heavy_first (one sequence, n >= BM): grid (Hkv, G, ceil(n / BM)),
 // blockIdx.z one head's block of BM tokens counted from the chunk's end, so the CTAs that see the most keys launch
 // first and the launch ends on its lightest instead of its heaviest (FA3's causal order; a chunk's exact phase is
-// causal). Both maps read only blockIdx, gridDim and the arguments, so the late uses compute them again instead
-// of holding them through the tile loop (a map with divisions, held, spilled the mma.sync r32 config at 255
+// causal). Split tiles (splits > 1, one sequence, row order): grid (ceil(G n / BM), Hkv, splits), blockIdx.z the
+// split. The maps read only blockIdx, gridDim and the arguments, so the late uses compute them again instead of
+// holding them through the tile loop (a map with divisions, held, spilled the mma.sync r32 config at 255
 // registers).
 struct CtaRows {
     int h, b, r0, M;
 };
 
-__device__ __forceinline__ CtaRows cta_rows(int G, int n, int heavy_first) {
+__device__ __forceinline__ CtaRows cta_rows(int G, int n, int heavy_first, int batch) {
     CtaRows c;
+    // one expression in every map (batch 1 in the heavy and split ones): a select between the maps spilled b
+    c.b = min((int)blockIdx.z, batch - 1);
     if (heavy_first) {
         const int j = blockIdx.y;
         c.h = blockIdx.x;
-        c.b = 0;
         c.r0 = j * n + (gridDim.z - 1 - blockIdx.z) * BM;
         c.M = (j + 1) * n;
     } else {
-        c.b = blockIdx.z;
         c.h = blockIdx.y;
         c.r0 = blockIdx.x * BM;
         c.M = G * n;
@@ -1170,8 +1172,12 @@ __device__ __forceinline__ CtaRows cta_rows(int G, int n, int heavy_first) {
 }
 
 // --- the kernel ---------------------------------------------------------------------------------------
-// grid (ceil(G * n / BM), Hkv, B) or, heavy_first (B = 1), (Hkv, G, ceil(n / BM)) (cta_rows); NT threads,
-// kvarn_prefill_smem_bytes of dynamic shared memory.
+// grid (ceil(G * n / BM), Hkv, B), or heavy_first (B = 1) (Hkv, G, ceil(n / BM)), or split tiles (B = 1)
+// (ceil(G * n / BM), Hkv, splits) (cta_rows); NT threads, kvarn_prefill_smem_bytes of dynamic shared memory.
+//   splits > 1: split z takes tiles [z * split_tiles, (z + 1) * split_tiles) and, the last one, the exact
+//         phase; instead of out it writes its rows unnormalized to ws (f32: [splits][Hkv][G * n][D] rows,
+//         then [splits][Hkv][G * n] pairs (m, l): the row's running max in log2 units and its sum of
+//         exp2(score - m)), which MERGE_NAME combines into out.
 //   q, out: [B, G * Hkv, n, D] with element strides (D contiguous, rows 16-byte aligned)
 //   pool: records; tile_table [B][table_stride] int32 slots: record (b, g, h) at
 //         pool + (tile_table[b * table_stride + g] * Hkv + h) * RECORD_BYTES
@@ -1185,7 +1191,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     const cache_t* win_k, const cache_t* win_v, int win_cap, int win_len,
     const cache_t* chunk_k, const cache_t* chunk_v, long long ck_sb, long long ck_sh, long long ck_st,
     long long cv_sb, long long cv_sh, long long cv_st,
-    int Hkv, int G, int n, float scale_log2, int heavy_first) {
+    int Hkv, int G, int n, float scale_log2, int batch, int heavy_first, float* __restrict__ ws, int splits,
+    int split_tiles) {
     extern __shared__ __align__(128) u8 smem[];
     u8* sQ = smem;
     u8* sRec = smem + OFF_SM_REC;
@@ -1194,9 +1201,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     u8* sStage = smem + OFF_SM_STAGE;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const CtaRows cr = cta_rows(G, n, heavy_first);
+    const CtaRows cr = cta_rows(G, n, heavy_first, batch);
     const int h = cr.h, b = cr.b, r0 = cr.r0, M = cr.M;
-    const Schedule sc = schedule(n_tiles, sink_len, win_len, n, M, r0);
+    if (splits > 1) {  // this split's tiles: the table's columns from its first on
+        const int g0 = (int)blockIdx.z * split_tiles;
+        tile_table += g0;
+        n_tiles = max(0, min(split_tiles, n_tiles - g0));
+    }
+    const Schedule sc = schedule(n_tiles, sink_len, win_len, n, M, r0, (int)blockIdx.z == splits - 1 || splits <= 1);
 
     if (warp >= NC) {
         // ================= producers =================
@@ -1373,7 +1385,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 for (int k = 0; k < 4; ++k) acc[mi][dn][k] *= fv_run;
         wht_acc(acc, lane);
         bar_sync(BAR_CONS, NC * 32);  // every consumer is done reading the rotated q
-        const CtaRows late = cta_rows(G, n, heavy_first);
+        const CtaRows late = cta_rows(G, n, heavy_first, batch);
         stage_q<false>(sQ, sRowf, q, q_sb, q_sh, q_sn, late.b, late.h, G, n, late.r0, late.M, scale_log2, warp,
                        lane);
         bar_sync(BAR_CONS, NC * 32);
@@ -1502,7 +1514,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 
     // ---- normalize and store ----
     const int tq = lane & 3;
-    const CtaRows fin = cta_rows(G, n, heavy_first);
+    const CtaRows fin = cta_rows(G, n, heavy_first, batch);
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -1512,7 +1524,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = 1.f / l;
             const int r = fin.r0 + warp * RPW + mi * 16 + hr * 8 + (lane >> 2);
-            if (r < fin.M) {
+            if (r < fin.M && splits > 1) {  // the split's row as it is, and its (m, l), for MERGE_NAME
+                // 32-bit offsets: ops.prefill.split_plan splits only grids of at most half the SMs, so the
+                // workspace stays far below 2^31 floats
+                const int row = ((int)blockIdx.z * Hkv + fin.h) * (G * n) + r;
+#pragma unroll
+                for (int dn = 0; dn < ON; ++dn)
+                    *reinterpret_cast<float2*>(ws + row * D + dn * 8 + 2 * tq) =
+                        make_float2(acc[mi][dn][2 * hr], acc[mi][dn][2 * hr + 1]);
+                if (tq == 0)
+                    *reinterpret_cast<float2*>(ws + splits * Hkv * G * n * D + 2 * row) = make_float2(st.m[mi][hr], l);
+            } else if (r < fin.M) {
                 const int j = r / n, i = r - j * n;
                 q_t* orow = out + fin.b * o_sb + (long long)(fin.h * G + j) * o_sh + (long long)i * o_sn;
 #pragma unroll
@@ -1521,4 +1543,41 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                         pack_q(acc[mi][dn][2 * hr] * inv, acc[mi][dn][2 * hr + 1] * inv);
             }
         }
+}
+
+
+// --- the split-tile merge --------------------------------------------------------------------------------
+// grid (ceil(G * n / 4), Hkv, 1), 128 threads: one warp per folded row r of KV head blockIdx.y. Combines the
+// splits' rows in ws (the layout above): out = sum_z 2^(m_z - m) acc_z / sum_z 2^(m_z - m) l_z, m = max_z m_z
+// (a split whose rows saw no key has m_z = -inf and weighs nothing).
+extern "C" __global__ void __launch_bounds__(128) MERGE_NAME(const float* __restrict__ ws, q_t* __restrict__ out,
+                                                             long long o_sh, long long o_sn, int Hkv, int G, int n,
+                                                             int splits) {
+    const int lane = threadIdx.x & 31, h = blockIdx.y;
+    const long long rows = (long long)G * n, r = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const float* ml = ws + (long long)splits * Hkv * rows * D;
+    float m = NEG_INF;
+    for (int z = 0; z < splits; ++z) m = fmaxf(m, ml[((z * Hkv + h) * rows + r) * 2]);
+    float acc[D / 64][2] = {};
+    float l = 0.f;
+    for (int z = 0; z < splits; ++z) {
+        const long long base = (z * Hkv + h) * rows + r;
+        const float mz = ml[base * 2];
+        const float w = mz == NEG_INF ? 0.f : exp2f(mz - m);
+        l = fmaf(w, ml[base * 2 + 1], l);
+        const float* prow = ws + base * D;
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+            const float2 a = *reinterpret_cast<const float2*>(prow + 2 * (lane + 32 * p));
+            acc[p][0] = fmaf(w, a.x, acc[p][0]);
+            acc[p][1] = fmaf(w, a.y, acc[p][1]);
+        }
+    }
+    const float inv = 1.f / l;
+    const int j = (int)(r / n), i = (int)(r - (long long)j * n);
+    q_t* orow = out + (long long)(h * G + j) * o_sh + (long long)i * o_sn;
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p)
+        *reinterpret_cast<u32*>(orow + 2 * (lane + 32 * p)) = pack_q(acc[p][0] * inv, acc[p][1] * inv);
 }

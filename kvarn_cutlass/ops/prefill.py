@@ -29,6 +29,7 @@ __all__ = ["FusedConfig", "CANDIDATES", "DEFAULT_CONFIGS", "fused_spec", "fused_
            "table_path", "smem_bytes", "FusedPrefillKernel", "MAX_SMEM_PER_BLOCK"]
 
 KERNEL_SYMBOL = "kvarn_prefill_fused"
+MERGE_SYMBOL = "kvarn_prefill_merge"
 SMEM_SYMBOL = "kvarn_prefill_smem_bytes"
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 / sm_80 opt-in limit per block
 LOG2E = 1.4426950408889634
@@ -43,8 +44,10 @@ _SIG = (
     "ptr sink_k", "ptr sink_v", "i32 sink_cap", "i32 sink_len",
     "ptr win_k", "ptr win_v", "i32 win_cap", "i32 win_len",
     "ptr chunk_k", "ptr chunk_v", "i64 ck_sb", "i64 ck_sh", "i64 ck_st", "i64 cv_sb", "i64 cv_sh", "i64 cv_st",
-    "i32 Hkv", "i32 G", "i32 n", "f32 scale_log2", "i32 heavy_first",
+    "i32 Hkv", "i32 G", "i32 n", "f32 scale_log2", "i32 batch", "i32 heavy_first", "ptr ws", "i32 splits",
+    "i32 split_tiles",
 )
+_MERGE_SIG = ("ptr ws", "ptr out", "i64 o_sh", "i64 o_sn", "i32 Hkv", "i32 G", "i32 n", "i32 splits")
 
 ORDER_ENV = "KVARN_PREFILL_ORDER"
 ORDERS = ("rows", "heavy")
@@ -69,6 +72,31 @@ def launch_grid(order: str, n: int, group: int, num_kv_heads: int, batch: int, r
     if order == "heavy" and batch == 1 and n >= rows:
         return (num_kv_heads, group, math.ceil(n / rows)), True
     return (math.ceil(group * n / rows), num_kv_heads, batch), False
+
+
+SPLIT_ENV = "KVARN_PREFILL_SPLIT"
+MIN_SPLIT_TILES = 4  # fewer tiles a split and its partial rows' round trip outweighs the tiles
+
+
+def split_tiles_enabled() -> bool:
+    """Whether chunks whose grid leaves SMs idle split their tiles over CTAs (``$KVARN_PREFILL_SPLIT=1``; off by
+    default until measured: tools/prefill_phases.py), read when a kernel is loaded."""
+    text = os.environ.get(SPLIT_ENV, "").strip() or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"${SPLIT_ENV}={text!r}: choose 0 or 1")
+    return text == "1"
+
+
+def split_plan(ctas: int, n_tiles: int, batch: int, sms: int) -> tuple[int, int]:
+    """(splits, tiles per split) for one launch of ``ctas`` CTAs (the row order's grid) over ``n_tiles`` tiles on
+    ``sms`` SMs: (1, n_tiles) unless one sequence's grid fills at most half the SMs; else as many splits as
+    fit the idle SMs in one wave, each of at least MIN_SPLIT_TILES tiles, the last of which also takes the
+    exact phase (``csrc/prefill_fused.cu``'s split mode; MERGE_NAME combines them)."""
+    if batch != 1 or 2 * ctas > sms or n_tiles < 2 * MIN_SPLIT_TILES:
+        return 1, n_tiles
+    splits = min(sms // ctas, n_tiles // MIN_SPLIT_TILES)
+    per = math.ceil(n_tiles / splits)
+    return math.ceil(n_tiles / per), per
 
 
 @dataclass(frozen=True)
@@ -232,6 +260,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
     kb, vb = spec.k_codebook, spec.v_codebook
     defines = {
         "KERNEL_NAME": KERNEL_SYMBOL,
+        "MERGE_NAME": MERGE_SYMBOL,
         "HEAD_DIM": spec.head_dim,
         "TILE_TOKENS": spec.tile_tokens,
         "V_BITS": spec.v_bits,
@@ -258,7 +287,7 @@ def fused_spec(spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, c
     for section in spec.section_names():
         defines["OFF_" + section.upper()] = spec.offset(section)
     wgmma = config.mma == "wgmma"
-    return KernelSpec("prefill_fused.cu", (KERNEL_SYMBOL,), defines=defines, options=("-lineinfo",),
+    return KernelSpec("prefill_fused.cu", (KERNEL_SYMBOL, MERGE_SYMBOL), defines=defines, options=("-lineinfo",),
                       arch_specific=wgmma, include_dirs=cutlass_include_dirs() if wgmma else (),
                       name=_variant_name(spec, cache_dtype, q_dtype, config))
 
@@ -350,7 +379,9 @@ class FusedPrefillKernel:
         index = device.index
         self.config = config
         self.spec = spec
-        self._kernel = get_module(kspec, index).kernel(KERNEL_SYMBOL, _SIG)
+        module = get_module(kspec, index)
+        self._kernel = module.kernel(KERNEL_SYMBOL, _SIG)
+        self._merge = module.kernel(MERGE_SYMBOL, _MERGE_SIG)
         self._device_index = index
         self.smem = smem_bytes(build(kspec, arch_target(device_arch(index), kspec.arch_specific)).cubin)
         if self.smem > MAX_SMEM_PER_BLOCK:
@@ -360,15 +391,29 @@ class FusedPrefillKernel:
         # instead of ~150 (the prompt is otherwise host-bound for its short-context chunks).
         self._prepared = None
         self._write_args = None
+        self._merge_prepared = None
+        self._merge_write = None
         self.order = block_order()
+        self.split = split_tiles_enabled()
+        self._sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self._ws = torch.empty(0, dtype=torch.float32, device=device)  # split partials, grown on demand
 
     def launch(self, q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v, win_len,
                chunk_k, chunk_v, num_kv_heads, scale):
         """All tensors on this kernel's CUDA device; shapes as in ``csrc/prefill_fused.cu``.
-        q, out [B, Hq, n, D]. Not thread-safe (one prepared launch per kernel, as PreparedLaunch)."""
+        q, out [B, Hq, n, D]. Not thread-safe, and one stream at a time: one prepared launch per kernel (as
+        PreparedLaunch) and, with split tiles, one workspace that the split kernel writes and the merge reads."""
         B, Hq, n, D = q.shape
         G = Hq // num_kv_heads
         grid, heavy_first = launch_grid(self.order, n, G, num_kv_heads, B, self.config.rows)
+        splits, split_tiles = (split_plan(math.ceil(G * n / self.config.rows) * num_kv_heads, n_tiles, B, self._sms)
+                               if self.split else (1, n_tiles))
+        if splits > 1:
+            grid, heavy_first = (math.ceil(G * n / self.config.rows), num_kv_heads, splits), False
+            need = splits * num_kv_heads * G * n * (D + 2)
+            if self._ws.numel() < need:
+                self._ws = torch.empty(need, dtype=torch.float32, device=q.device)
+        ws = self._ws
         if self._prepared is None:
             args = (
                 q, *q.stride()[:3], out, *out.stride()[:3],
@@ -376,7 +421,7 @@ class FusedPrefillKernel:
                 sink_k, sink_v, sink_k.shape[2], sink_len,
                 win_k, win_v, win_k.shape[2], win_len,
                 chunk_k, chunk_v, *chunk_k.stride()[:3], *chunk_v.stride()[:3],
-                num_kv_heads, G, n, float(scale) * LOG2E, int(heavy_first),
+                num_kv_heads, G, n, float(scale) * LOG2E, B, int(heavy_first), ws, splits, split_tiles,
             )
             self._prepared = self._kernel.prepare(grid, self.config.threads, args, shared_mem=self.smem)
             self._write_args = self._prepared.writer(0, len(_SIG))
@@ -392,7 +437,8 @@ class FusedPrefillKernel:
                     sink_k.data_ptr(), sink_v.data_ptr(), sink_k.shape[2], sink_len,
                     win_k.data_ptr(), win_v.data_ptr(), win_k.shape[2], win_len,
                     chunk_k.data_ptr(), chunk_v.data_ptr(), *chunk_k.stride()[:3], *chunk_v.stride()[:3],
-                    num_kv_heads, G, n, float(scale) * LOG2E, int(heavy_first),
+                    num_kv_heads, G, n, float(scale) * LOG2E, B, int(heavy_first), ws.data_ptr(), splits,
+                    split_tiles,
                 )
             except struct.error:  # a value out of its argument's range: prepare again, which names it
                 self._prepared = None
@@ -400,6 +446,21 @@ class FusedPrefillKernel:
                                    win_len, chunk_k, chunk_v, num_kv_heads, scale)
             self._prepared.set_grid(*grid)
         self._prepared.launch()
+        if splits > 1:
+            self._launch_merge(ws, out, num_kv_heads, G, n, splits)
+
+    def _launch_merge(self, ws, out, num_kv_heads, G, n, splits):
+        """The split partials in ``ws`` into ``out`` [1, Hq, n, D] (MERGE_NAME: one warp per folded row)."""
+        grid = (math.ceil(G * n / 4), num_kv_heads, 1)
+        if self._merge_prepared is None:
+            args = (ws, out, out.stride(1), out.stride(2), num_kv_heads, G, n, splits)
+            self._merge_prepared = self._merge.prepare(grid, 128, args)
+            self._merge_write = self._merge_prepared.writer(0, len(_MERGE_SIG))
+        else:
+            self._merge_write(ws.data_ptr(), out.data_ptr(), out.stride(1), out.stride(2), num_kv_heads, G, n,
+                              splits)
+            self._merge_prepared.set_grid(*grid)
+        self._merge_prepared.launch()
 
 
 _kernels: dict[tuple, FusedPrefillKernel] = {}

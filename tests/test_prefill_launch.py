@@ -1,11 +1,13 @@
-"""The fused prefill kernel's CTA order (``ops.prefill.launch_grid`` and the block-to-rows map at the top of
-``csrc/prefill_fused.cu``), on CPU: a mirror of the kernel's map, checked to cover every folded row of every KV head
-exactly once in both orders, and the heavy-first order to launch CTAs in non-increasing order of the keys their
-last query sees (the causal exact phase's work), with the source checked to compute what the mirror does."""
+"""The fused prefill kernel's launch shapes, on CPU: the CTA order (``ops.prefill.launch_grid`` and ``cta_rows`` in
+``csrc/prefill_fused.cu``), mirrored and checked to cover every folded row of every KV head exactly once in both
+orders, the heavy-first order launching CTAs in non-increasing order of the keys their last query sees (the causal
+exact phase's work), with the source checked to compute what the mirror does; and the split-tile plan
+(``ops.prefill.split_plan``): every tile in exactly one split, splits only where the grid leaves SMs idle."""
 
 from __future__ import annotations
 
 import heapq
+import re
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,22 @@ SOURCE = (Path(__file__).resolve().parents[1] / "kvarn_cutlass/csrc/prefill_fuse
 
 
 def test_the_mirror_is_the_kernels_map():
-    for line in ("const int j = blockIdx.y;", "c.h = blockIdx.x;", "c.b = 0;",
+    for line in ("c.b = min((int)blockIdx.z, batch - 1);", "const int j = blockIdx.y;", "c.h = blockIdx.x;",
                  "c.r0 = j * n + (gridDim.z - 1 - blockIdx.z) * BM;", "c.M = (j + 1) * n;",
-                 "c.b = blockIdx.z;", "c.h = blockIdx.y;", "c.r0 = blockIdx.x * BM;", "c.M = G * n;",
-                 "const CtaRows cr = cta_rows(G, n, heavy_first);",
-                 "const Schedule sc = schedule(n_tiles, sink_len, win_len, n, M, r0);"):
+                 "c.h = blockIdx.y;", "c.r0 = blockIdx.x * BM;", "c.M = G * n;",
+                 "const CtaRows cr = cta_rows(G, n, heavy_first, batch);"):
         assert line in SOURCE, line
-    assert SOURCE.count("cta_rows(G, n, heavy_first)") == 3  # the start, the re-staged q, the store
-    assert '"i32 heavy_first"' in Path(OP.__file__).read_text() and "float scale_log2, int heavy_first)" in SOURCE
+    assert SOURCE.count("cta_rows(G, n, heavy_first, batch)") == 3  # the start, the re-staged q, the store
+
+
+def _params(symbol_define):
+    body = SOURCE.split(f"{symbol_define}(", 1)[1].split(") {", 1)[0]
+    return [re.sub(r"\W", "", item.split()[-1]) for item in body.replace("\n", " ").split(",")]
+
+
+def test_the_launch_signatures_are_the_kernels():
+    assert _params("KERNEL_NAME") == [entry.split()[1] for entry in OP._SIG]
+    assert _params("MERGE_NAME") == [entry.split()[1] for entry in OP._MERGE_SIG]
 
 
 def _blocks(order, n, group, hkv, rows, batch=1):
@@ -104,3 +114,40 @@ def test_block_order_knob(monkeypatch):
     monkeypatch.setenv(OP.ORDER_ENV, "reverse")
     with pytest.raises(ValueError, match=OP.ORDER_ENV):
         OP.block_order()
+
+
+# ---- split tiles ----------------------------------------------------------------------------------------------
+def test_split_mode_in_the_source():
+    for line in ("const int g0 = (int)blockIdx.z * split_tiles;", "tile_table += g0;",
+                 "n_tiles = max(0, min(split_tiles, n_tiles - g0));",
+                 "schedule(n_tiles, sink_len, win_len, n, M, r0, (int)blockIdx.z == splits - 1 || splits <= 1)",
+                 "sc.e_end = min(sc.E, sc.E0 + q_last + 1) * (int)exact_phase;",
+                 "extern \"C\" __global__ void __launch_bounds__(128) MERGE_NAME("):
+        assert line in SOURCE, line
+
+
+@pytest.mark.parametrize("ctas", [1, 4, 8, 32, 66, 67, 132, 512])
+@pytest.mark.parametrize("n_tiles", [0, 1, 7, 8, 9, 16, 63, 254, 1000])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_plan_covers_every_tile_once(ctas, n_tiles, batch):
+    sms = 132
+    splits, per = OP.split_plan(ctas, n_tiles, batch, sms)
+    if splits == 1:
+        assert per == n_tiles
+        assert batch != 1 or 2 * ctas > sms or n_tiles < 2 * OP.MIN_SPLIT_TILES
+        return
+    assert batch == 1 and 2 * ctas <= sms and splits * ctas <= sms  # one wave
+    ranges = [range(z * per, min(n_tiles, (z + 1) * per)) for z in range(splits)]  # the kernel's g0 and count
+    assert all(len(r) >= OP.MIN_SPLIT_TILES for r in ranges[:-1]) and len(ranges[-1]) >= 1
+    assert [g for r in ranges for g in r] == list(range(n_tiles))
+
+
+def test_split_knob(monkeypatch):
+    monkeypatch.delenv(OP.SPLIT_ENV, raising=False)
+    assert OP.split_tiles_enabled() is False
+    monkeypatch.setenv(OP.SPLIT_ENV, "1")
+    assert OP.split_tiles_enabled() is True
+    monkeypatch.setenv(OP.SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=OP.SPLIT_ENV):
+        OP.split_tiles_enabled()
+
