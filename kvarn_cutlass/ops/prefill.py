@@ -75,7 +75,9 @@ def launch_grid(order: str, n: int, group: int, num_kv_heads: int, batch: int, r
 
 
 SPLIT_ENV = "KVARN_PREFILL_SPLIT"
-MIN_SPLIT_TILES = 4  # fewer tiles a split and its partial rows' round trip outweighs the tiles
+# tiles a split takes at least: fewer, and writing and merging its partial rows would cost about as much as its
+# tiles (an estimate until the A/B measures it)
+MIN_SPLIT_TILES = 4
 
 
 def split_tiles_enabled() -> bool:
@@ -406,10 +408,11 @@ class FusedPrefillKernel:
         B, Hq, n, D = q.shape
         G = Hq // num_kv_heads
         grid, heavy_first = launch_grid(self.order, n, G, num_kv_heads, B, self.config.rows)
-        splits, split_tiles = (split_plan(math.ceil(G * n / self.config.rows) * num_kv_heads, n_tiles, B, self._sms)
-                               if self.split else (1, n_tiles))
+        row_blocks = math.ceil(G * n / self.config.rows)  # the row order's grid x
+        splits, split_tiles = (split_plan(row_blocks * num_kv_heads, n_tiles, B, self._sms) if self.split
+                               else (1, n_tiles))
         if splits > 1:
-            grid, heavy_first = (math.ceil(G * n / self.config.rows), num_kv_heads, splits), False
+            grid, heavy_first = (row_blocks, num_kv_heads, splits), False
             need = splits * num_kv_heads * G * n * (D + 2)
             if self._ws.numel() < need:
                 self._ws = torch.empty(need, dtype=torch.float32, device=q.device)
