@@ -11,7 +11,7 @@ the pending block to free the stage the producer waits for (it is at most bi - N
 Random schedules (and copies landing at any time) check that no block is handed over before its copies landed
 and that nothing deadlocks, for every kernel shape the configs build; the rule the sixth session shipped
 (hand over first only when the pending block holds the same stage) deadlocks two wgmma producer groups of two
-blocks per tile, as it did on the GPU, so the model can fail. This checks the protocol, not the CUDA code (the
+blocks per tile (the tuned D=128 config; found here before the GPU ran it), so the model can fail. This checks the protocol, not the CUDA code (the
 GPU tests do that).
 """
 
