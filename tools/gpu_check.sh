@@ -29,7 +29,7 @@
 # 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
-#    GPU_DECODE_PDL=1: the shipped kernel with programmatic dependent launch too)
+#    GPU_DECODE_PDL=1: the shipped kernel launched plainly and with programmatic dependent launch too)
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes
 #    against the shipped kernel, layer graph_us, the prompt's appends by form (b1, and b16 for the one-CTA
@@ -45,8 +45,8 @@
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
 # GPU_TEST_GROUPS (default: all; "none": no tests) picks the test groups; GPU_TEST_K=EXPR passes -k EXPR
-# to each group; GPU_TEST_ARGS="ARG ..." passes more pytest arguments (e.g. "-v --durations=20": which test a
-# time limit cut, and the slow ones); GPU_TEST_PARALLEL=1 runs the groups at once.
+# to each group; GPU_TEST_ARGS="ARG ..." passes more pytest arguments (e.g. "-rs --durations=15": the slow
+# tests; -v adds nothing beside the -q here); GPU_TEST_PARALLEL=1 runs the groups at once.
 #
 # Logs go to $OUT (default ./gpu_check_out) through tee, so they survive a failing or killed step.
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed.

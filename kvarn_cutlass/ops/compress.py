@@ -96,6 +96,8 @@ def default_cta_warps(tile_tokens: int, head_dim: int) -> int:
     """Warps of a lone CTA the compression kernels ship with for (``tile_tokens``, ``head_dim``): 32 for
     128-token tiles where it compiles (:data:`CTA_WARPS_MAX_HEAD_DIM`), else 16."""
     return 32 if tile_tokens == 128 and head_dim <= CTA_WARPS_MAX_HEAD_DIM[32] else 16
+
+
 # Warps per CTA of the cluster forms (compress.cu's KVARN_CW): the shipped 8, and the A/B variants 4 and 16
 # (one, two or four independent chains per scheduler), chosen with $KVARN_COMPRESS_CLUSTER_WARPS (cluster_warps).
 DEFAULT_CLUSTER_WARPS = 8
