@@ -551,33 +551,36 @@ SPLIT_CASES = [
 
 @gpu
 @pytest.mark.parametrize("chunks,kw", SPLIT_CASES)
-def test_gpu_split_tiles(monkeypatch, chunks, kw):
-    """$KVARN_PREFILL_SPLIT=1: a chunk whose grid leaves SMs idle splits its tiles over CTAs (the last split also
-    takes the exact phase) and merges them (kvarn_prefill_merge), against the reference: both quantizers, bf16,
-    f32 scales, sink tokens, GQA 3 and 8, head_dim 64/128/256, 64-token tiles."""
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_gpu_split_tiles(monkeypatch, chunks, kw, split):
+    """Split tiles (the default, $KVARN_PREFILL_SPLIT=1): a chunk whose grid leaves SMs idle splits its tiles over
+    CTAs (the last split also takes the exact phase) and merges them (kvarn_prefill_merge), against the
+    reference: both quantizers, bf16, f32 scales, sink tokens, GQA 3 and 8, head_dim 64/128/256, 64-token tiles;
+    and the same chunks unsplit ($KVARN_PREFILL_SPLIT=0)."""
     _gpu_skip()
     from kvarn_cutlass.ops import prefill as OP
 
     monkeypatch.setattr(OP, "_kernels", {})  # kernels read the knob when loaded
-    monkeypatch.setenv(OP.SPLIT_ENV, "1")
+    monkeypatch.setenv(OP.SPLIT_ENV, split)
     for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 11, **kw):
         assert e < TOL, (chunks, kw, n, nt, e)
-    assert any(k.split and k._ws.numel() > 0 for k in OP._kernels.values()), "no chunk was split"
+    was_split = any(k.split and k._ws.numel() > 0 for k in OP._kernels.values())
+    assert was_split == (split == "1"), "a chunk was split" if was_split else "no chunk was split"
 
 
 @gpu
 @pytest.mark.parametrize("chunks,kw", [c for c in GPU_CASES if sum(c[0]) >= 500])
-def test_gpu_heavy_first_order(monkeypatch, chunks, kw):
-    """$KVARN_PREFILL_ORDER=heavy (each head's token blocks, the chunk's last first; chunks shorter than a CTA's
-    rows and batches keep the row order): the same shapes as test_gpu against the reference."""
+def test_gpu_row_order(monkeypatch, chunks, kw):
+    """$KVARN_PREFILL_ORDER=rows (blocks of folded rows in order, where the default launches each head's token
+    blocks, the chunk's last first): the same shapes as test_gpu against the reference."""
     _gpu_skip()
     from kvarn_cutlass.ops import prefill as OP
 
     monkeypatch.setattr(OP, "_kernels", {})  # kernels read the order when loaded
-    monkeypatch.setenv(OP.ORDER_ENV, "heavy")
+    monkeypatch.setenv(OP.ORDER_ENV, "rows")
     for n, nt, e in run_chunks(chunks, device="cuda", impl="gpu", seed=len(chunks) + 7, **kw):
         assert e < TOL, (chunks, kw, n, nt, e)
-    assert all(k.order == "heavy" for k in OP._kernels.values())
+    assert all(k.order == "rows" for k in OP._kernels.values())
 
 
 @gpu

@@ -108,9 +108,9 @@ def test_short_chunks_and_batches_keep_the_row_order():
 
 def test_block_order_knob(monkeypatch):
     monkeypatch.delenv(OP.ORDER_ENV, raising=False)
-    assert OP.block_order() == "rows"
-    monkeypatch.setenv(OP.ORDER_ENV, "heavy")
     assert OP.block_order() == "heavy"
+    monkeypatch.setenv(OP.ORDER_ENV, "rows")
+    assert OP.block_order() == "rows"
     monkeypatch.setenv(OP.ORDER_ENV, "reverse")
     with pytest.raises(ValueError, match=OP.ORDER_ENV):
         OP.block_order()
@@ -144,9 +144,9 @@ def test_split_plan_covers_every_tile_once(ctas, n_tiles, batch):
 
 def test_split_knob(monkeypatch):
     monkeypatch.delenv(OP.SPLIT_ENV, raising=False)
-    assert OP.split_tiles_enabled() is False
-    monkeypatch.setenv(OP.SPLIT_ENV, "1")
     assert OP.split_tiles_enabled() is True
+    monkeypatch.setenv(OP.SPLIT_ENV, "0")
+    assert OP.split_tiles_enabled() is False
     monkeypatch.setenv(OP.SPLIT_ENV, "yes")
     with pytest.raises(ValueError, match=OP.SPLIT_ENV):
         OP.split_tiles_enabled()

@@ -122,7 +122,7 @@ limit=${GPU_TEST_LIMIT:-120}
 # group after another, once all have finished); the GPU has room for several test processes.
 group_log="$OUT/groups"
 [ -z "${GPU_TEST_PARALLEL:-}" ] || mkdir -p "$group_log"
-for group in ${GPU_TEST_GROUPS:-runtime compress append rotate decode prefill hf}; do
+for group in ${GPU_TEST_GROUPS:-runtime compress append rotate decode prefill hf e2e}; do
   files=$(ls tests/test_${group}*.py 2>/dev/null)
   [ -n "$files" ] || continue
   if [ -n "${GPU_TEST_PARALLEL:-}" ]; then

@@ -13,7 +13,7 @@ tiles).
 GPU only:
 
     python3 tools/prefill_phases.py [--bucket D128_T128_V2] [--config NAME]
-                                    [--variants shipped heavy_first split_tiles exact_serial] [--json PATH]
+                                    [--variants shipped row_order unsplit exact_serial] [--json PATH]
     (through tools/gpu_check.sh: GPU_PREFILL_PHASES=1)
 """
 
@@ -45,17 +45,17 @@ SHIPPED_SOURCE = ROOT / "kvarn_cutlass/csrc/prefill_fused.cu"
 # Source variants (text substitutions of the shipped kernel, built under their own module names), for an A/B in
 # one run. exact_serial: the producers wait for each exact block's copies before issuing the next (one block in
 # flight per producer group), as before the exact phase's hand-over was deferred (measured: docs/perf-notes.md).
-# heavy_first: the shipped source launched in the heavy-first CTA order ($KVARN_PREFILL_ORDER=heavy); split_tiles:
-# with the tiles of a grid that leaves SMs idle split over CTAs and merged ($KVARN_PREFILL_SPLIT=1) (VARIANT_ENV).
+# row_order: the shipped source launched in the row order ($KVARN_PREFILL_ORDER=rows) instead of heavy-first;
+# unsplit: without splitting the tiles of a grid that leaves SMs idle ($KVARN_PREFILL_SPLIT=0) (VARIANT_ENV).
 SOURCE_VARIANTS = {
     "shipped": [],
     "exact_serial": [("                if (pend >= 0) hand_over(pend % NSTAGE, true);\n                pend = bi;\n",
                       "                hand_over(s, false);\n")],
-    "heavy_first": [],
-    "split_tiles": [],
+    "row_order": [],
+    "unsplit": [],
 }
-VARIANT_ENV = {"heavy_first": {OP.ORDER_ENV: "heavy"}, "split_tiles": {OP.SPLIT_ENV: "1"}}
-DEFAULT_VARIANTS = ["shipped", "heavy_first", "split_tiles"]
+VARIANT_ENV = {"row_order": {OP.ORDER_ENV: "rows"}, "unsplit": {OP.SPLIT_ENV: "0"}}
+DEFAULT_VARIANTS = ["shipped", "row_order", "unsplit"]
 _shipped_spec = OP.fused_spec
 
 

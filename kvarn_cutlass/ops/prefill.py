@@ -56,8 +56,10 @@ ORDERS = ("rows", "heavy")
 def block_order() -> str:
     """The fused kernel's CTA order, read when a kernel is loaded: ``rows`` (blocks of folded rows in order) or
     ``heavy`` (each head's token blocks, the chunk's last tokens first; the kernel's heavy_first), from
-    ``$KVARN_PREFILL_ORDER``. ``rows`` by default until ``heavy`` is measured (tools/prefill_phases.py)."""
-    text = os.environ.get(ORDER_ENV, "").strip() or "rows"
+    ``$KVARN_PREFILL_ORDER``. ``heavy`` by default: it took exact-only 2048- and 4096-token chunks 0.87 and 0.93x
+    the row order's time on an H200, and every other measured shape within 1% (tools/prefill_phases.py,
+    docs/perf-notes.md)."""
+    text = os.environ.get(ORDER_ENV, "").strip() or "heavy"
     if text not in ORDERS:
         raise ValueError(f"${ORDER_ENV}={text!r}: choose one of {list(ORDERS)}")
     return text
@@ -76,14 +78,15 @@ def launch_grid(order: str, n: int, group: int, num_kv_heads: int, batch: int, r
 
 SPLIT_ENV = "KVARN_PREFILL_SPLIT"
 # tiles a split takes at least: fewer, and writing and merging its partial rows would cost about as much as its
-# tiles (an estimate until the A/B measures it)
+# tiles (an estimate: the A/B measured 16 splits of 16 tiles, not the bound)
 MIN_SPLIT_TILES = 4
 
 
 def split_tiles_enabled() -> bool:
-    """Whether chunks whose grid leaves SMs idle split their tiles over CTAs (``$KVARN_PREFILL_SPLIT=1``; off by
-    default until measured: tools/prefill_phases.py), read when a kernel is loaded."""
-    text = os.environ.get(SPLIT_ENV, "").strip() or "0"
+    """Whether chunks whose grid leaves SMs idle split their tiles over CTAs (``$KVARN_PREFILL_SPLIT``, on by
+    default, ``0`` turns it off), read when a kernel is loaded. On an H200 it took a 128-token chunk over 32k
+    tokens 816 -> 226 us and a 16-token one 781 -> 90 (tools/prefill_phases.py, docs/perf-notes.md)."""
+    text = os.environ.get(SPLIT_ENV, "").strip() or "1"
     if text not in ("0", "1"):
         raise ValueError(f"${SPLIT_ENV}={text!r}: choose 0 or 1")
     return text == "1"

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ..format import PRESETS, TileSpec
-from .prefill import CANDIDATES, bucket_key, table_path
+from ..bench.record import provenance
+from .prefill import CANDIDATES, block_order, bucket_key, split_tiles_enabled, table_path
 
 __all__ = ["tune_bucket", "main"]
 
@@ -147,7 +148,9 @@ def run_tune(buckets, context: int = 16384, chunk: int = 512, reps: int = 10, ou
     prov = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": datetime.date.today().isoformat(), "tool": "kvarn-cutlass tune --kernel prefill",
             "shape": f"context {context}, chunk {chunk}, {HQ} q / {HKV} KV heads",
-            "method": "median of back-to-back calls between CUDA events, inputs rotated past L2"}
+            "method": "median of back-to-back calls between CUDA events, inputs rotated past L2",
+            "launch": f"{block_order()} order, split tiles {'on' if split_tiles_enabled() else 'off'}",
+            "git_commit": provenance()["git_commit"]}
     failed = 0
     for key in buckets:
         res = tune_bucket(key, context, chunk, reps)
