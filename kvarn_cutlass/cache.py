@@ -25,7 +25,10 @@ completes (compressed on the GPU straight from the window and the chunk), with n
 checks set bits of a device-side error flag. Outside a :meth:`KVarNCache.deferred_checks` block the
 flag is read back at once (one 4-byte copy, the call's only synchronization); inside one it is read
 when the block ends. A failed append commits nothing: lengths and live tokens stay as they were (bytes
-past the live lengths, e.g. unused pool slots, may change).
+past the live lengths, e.g. unused pool slots, may change). ``deferred_checks(overlap_appends=True)``
+runs the block's appends on a second stream of the cache, so that a tile's compression overlaps the
+caller's later work (the rest of a model's forward pass); every read of a layer through the cache's
+methods and the library's kernels waits for that layer's appends.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class _Layer:
     tile_tokens: int
     lens: torch.Tensor  # int32 [3, batch] on the device: n_tiles, window_len, sink_len
     device: object = None  # the prepared append launches of these buffers (ops.append)
+    # inside deferred_checks(overlap_appends=True): the event of the layer's last append on the cache's write
+    # stream, and the handle of the stream that last waited for it
+    written: object = None
+    awaited: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -151,6 +158,10 @@ class KVarNCache:
         self._writer = None  # ops.append.DeviceAppender, built at the first append on CUDA
         self._backups: dict[int, Backup] = {}  # per layer, allocated when a block or step graph needs one
         self._deferred: _Block | None = None
+        # inside deferred_checks(overlap_appends=True) on CUDA: the stream the appends run on (made at the first
+        # such block, kept for the cache's lifetime)
+        self._overlap = False
+        self._write_stream = None
         self._unchecked = None  # a step graph (kvarn_cutlass.step_graph) with replays not yet checked
         # (shape, dtype) of the last k, v that append accepted: the same again needs no full check
         self._accepted = None, None
@@ -184,7 +195,27 @@ class KVarNCache:
     def _layer(self, layer) -> _Layer:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        return self._layers[layer]
+        st = self._layers[layer]
+        if self._overlap:
+            self._await_layer(st)
+        return st
+
+    def _await_layer(self, st: _Layer) -> None:
+        """Make the current stream wait for ``st``'s overlapped appends (once per stream and append): every
+        accessor of a layer's buffers goes through here, so a kernel that reads them after it runs after them."""
+        ev = st.written
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            if st.awaited != cur.cuda_stream:
+                cur.wait_event(ev)
+                st.awaited = cur.cuda_stream
+
+    def await_writes(self) -> None:
+        """Make the current stream wait for every overlapped append (``deferred_checks(overlap_appends=True)``)
+        queued so far; a no-op outside such a block."""
+        if self._overlap:
+            for st in self._layers:
+                self._await_layer(st)
 
     def seq_len(self, layer: int) -> int:
         """Tokens held by ``layer`` (the same for every sequence of the batch)."""
@@ -222,6 +253,7 @@ class KVarNCache:
         """int32 [num_layers, 3, batch] on the cache's device: (n_tiles, window_len, sink_len) of each layer
         and sequence, as the kernels read them (stable address; equal to the host-side lengths after
         every call, and updated by the append kernels in stream order)."""
+        self.await_writes()
         return self._lens
 
     def window_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +368,14 @@ class KVarNCache:
             if blk is not None and layer not in blk.backed_up:
                 backup = self._backup(layer)
                 blk.backed_up[layer] = "device"
-        writer.append(st, k, v, n, n_new, backup)
+        if self._overlap:
+            stream = self._write_stream
+            writer.append(st, k, v, n, n_new, backup, stream)
+            ev = st.written = st.written or torch.cuda.Event()
+            ev.record(stream)
+            st.awaited = None
+        else:
+            writer.append(st, k, v, n, n_new, backup)
         if blk is None:
             self._raise_device_errors()
         st.n_tiles += n_new
@@ -435,6 +474,8 @@ class KVarNCache:
     def _grow(self, st: _Layer, needed: int) -> None:
         if self.max_seq_len is not None:
             raise AssertionError("a preallocated pool never grows (max_seq_len is checked first)")
+        if self._overlap:
+            self._await_layer(st)  # the copy below reads tiles that queued appends write
         new_cap = max(needed, 2 * st.tiles.shape[1], 8)
         pool = torch.zeros(
             self.batch_size, new_cap, self.num_kv_heads, self.spec.tile_nbytes, dtype=torch.uint8, device=self.device
@@ -483,7 +524,7 @@ class KVarNCache:
             )
 
     @contextlib.contextmanager
-    def deferred_checks(self):
+    def deferred_checks(self, overlap_appends: bool = False):
         """A block of appends that does not synchronize with the device.
 
         ``append`` normally checks its inputs and the compression's scales before it changes anything:
@@ -499,15 +540,33 @@ class KVarNCache:
         or a ``truncate``) the window is copied into a per-layer backup (the first use allocates the
         backup: two window-sized and two sink-sized buffers per layer), and the restore copies back the
         backups of layers that changed.
+
+        overlap_appends: on a CUDA cache, the block's appends run on a second stream of the cache (made
+        at the first such block, the device's default priority), each after the work queued so far on
+        the caller's stream (what produced k, v and what reads the layer's window), so that compressing
+        a layer's completed tiles overlaps the caller's next kernels instead of delaying them. Every
+        read of a layer through this cache (its buffer accessors, ``device_lengths``, the library's
+        prefill, decode and dequantize calls) makes the current stream wait for that layer's appends;
+        at the end of the block the current stream waits for all of them. Work that reads the
+        cache's tensors by other means inside the block must call :meth:`await_writes` first. No
+        effect on a CPU cache.
         """
         if self._deferred is not None:
             raise RuntimeError("deferred_checks blocks do not nest")
+        if not isinstance(overlap_appends, bool):
+            raise TypeError(f"overlap_appends must be a bool, got {type(overlap_appends).__name__}")
         self._require_checked()
         blk = self._deferred = _Block([(st.n_tiles, st.window_len, st.sink_len) for st in self._layers], {})
+        if overlap_appends and self._on_cuda:
+            if self._write_stream is None:
+                self._write_stream = torch.cuda.Stream(self.device)
+            self._overlap = True
         try:
             yield self
+            self._end_overlap()
             bits = blk.host_bits | int(self._errors.item())  # the block's one synchronization
         except BaseException:
+            self._end_overlap()
             self._deferred = None
             self._restore(blk.lengths, blk.backed_up)
             raise
@@ -516,6 +575,13 @@ class KVarNCache:
             self._restore(blk.lengths, blk.backed_up)
             raise ValueError(f"{error_message(bits, self.dtype, self.spec)}, in an append of a deferred_checks block; "
                              "the cache is restored to its state at the start of the block")
+
+    def _end_overlap(self) -> None:
+        """The current stream waits for every overlapped append; later work needs no wait."""
+        self.await_writes()
+        self._overlap = False
+        for st in self._layers:
+            st.written = st.awaited = None
 
     def replace_layers(self, contents: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Replace the contents of layers, all or nothing (what SnapKV compaction re-assembles).
@@ -566,7 +632,7 @@ class KVarNCache:
         """
         self._require_checked()
         layers = range(self.num_layers) if layer_or_all is None else [layer_or_all]
-        states = [self._layer(i) for i in layers]
+        states = [self._layer(i) for i in layers]  # (waits for their overlapped appends: the copies below read them)
         if isinstance(new_len, bool) or not isinstance(new_len, int) or new_len < 0:
             raise ValueError(f"new_len must be a non-negative int, got {new_len!r}")
         for i, st in zip(layers, states):

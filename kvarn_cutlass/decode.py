@@ -745,6 +745,8 @@ class DecodePlan:
                 and q.shape == ent.shape and out.shape == ent.shape and q.dtype is ent.dtype and out.dtype is ent.dtype
                 and q.device == self.device and out.device == self.device and q.is_contiguous() and out.is_contiguous()
                 and c._layers[layer] is ent.st and ent.st.tiles is ent.pool and c._layers[0].tiles is ent.pool0):
+            if c._overlap:  # the layer's appends of a deferred_checks(overlap_appends=True) block first
+                c._await_layer(ent.st)
             ent.set_q(q.data_ptr())
             ent.set_out(out.data_ptr())
             ent.launch.launch()

@@ -275,6 +275,7 @@ class KVarNCache(Cache):
         self.library: LibraryCache | None = None
         self.dequantized = None
         self._deferring: contextlib.ExitStack | None = None  # open deferred_checks block, if any
+        self._overlap_appends = False  # that block's overlap_appends
         super().__init__(layers=[KVarNLayer(self, i) for i in range(self.shape.num_layers)])
 
     # --- library cache ------------------------------------------------------------------------
@@ -292,24 +293,29 @@ class KVarNCache(Cache):
 
             self.dequantized = DequantizedTiles()
         if self._deferring is not None:  # created inside a deferred_checks block: it joins the block
-            self._deferring.enter_context(self.library.deferred_checks())
+            self._deferring.enter_context(self.library.deferred_checks(self._overlap_appends))
 
     @contextlib.contextmanager
-    def deferred_checks(self):
+    def deferred_checks(self, overlap_appends: bool = False):
         """The library's :meth:`kvarn_cutlass.KVarNCache.deferred_checks` for a block of forward passes
         (what :func:`kvarn_cutlass.hf.prefill.prefill` runs its chunks in): no host synchronization per
         layer and chunk; a failed check raises when the block ends, with the cache as it was at its
         start (a library first created inside the block is dropped again). A block opened inside an
-        open one joins it (its checks happen when the outer block ends)."""
+        open one joins it (its checks happen when the outer block ends). ``overlap_appends``: the
+        library's option of that name (appends on the cache's second stream, overlapping the rest of
+        the forward pass)."""
+        if not isinstance(overlap_appends, bool):
+            raise TypeError(f"overlap_appends must be a bool, got {type(overlap_appends).__name__}")
         if self._deferring is not None:
             yield self
             return
         existed = self.library is not None
+        self._overlap_appends = overlap_appends
         try:
             with contextlib.ExitStack() as stack:
                 self._deferring = stack
                 if existed:
-                    stack.enter_context(self.library.deferred_checks())
+                    stack.enter_context(self.library.deferred_checks(overlap_appends))
                 yield self
         except BaseException:
             self._deferring = None

@@ -242,6 +242,7 @@ class DeviceAppender:
         self.cluster_tiles = 0 if cluster is None else cluster.max_halves // (2 * self._bh)
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
+        self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
 
     # --- launches ----------------------------------------------------------------------------------
     def _prepare_compress(self, form: ClusterForm | None, st, k: torch.Tensor, v: torch.Tensor, n: int,
@@ -299,10 +300,13 @@ class DeviceAppender:
             ls.compress, ls.compress_kv = launch, writer
         return launch, writer
 
-    def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None) -> None:
+    def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None,
+               stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
-        that append_compress fills with the window before the append, when a tile completes."""
+        that append_compress fills with the window before the append, when a tile completes. ``stream``:
+        launch there (after the work queued so far on the current stream, and with k, v kept alive for it)
+        instead of on the current stream."""
         ls = st.device
         if ls is None or ls.pool is not st.tiles:
             ls = self._launches(st, k, v, n)
@@ -317,6 +321,13 @@ class DeviceAppender:
                 or (bisect_right(bounds, kp) | bisect_right(bounds, vp)) & 1):
             k, kp, (k0, k1, k2, _) = _kernel_ready(k, bounds)
             v, vp, (v0, v1, v2, _) = _kernel_ready(v, bounds)
+        if stream is not None:
+            # the current stream has queued what wrote k, v and what reads the window the append rewrites
+            ready = self._inputs_ready = self._inputs_ready or torch.cuda.Event()
+            ready.record()
+            stream.wait_event(ready)
+            k.record_stream(stream)  # freed on the current stream, reused only after the append has read them
+            v.record_stream(stream)
         if n_new:
             if n_new <= self.cluster_tiles:
                 a, kv, ranks = ls.cluster, ls.cluster_kv, self._cluster.ranks
@@ -332,12 +343,12 @@ class DeviceAppender:
             a.set_arg(_A["backup_k"], 0 if backup is None else backup.window_k.data_ptr())
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
             a.set_grid(_compress_grid_x(self._bh, n_new, aux_parts, ranks), 2)
-            a.launch()
+            a.launch(stream)
         ls.commit_kv(kp, vp, k0, k1, k2, v0, v1, v2)
         if n != ls.n:  # decode appends one token per call: n rarely changes
             ls.commit_n(n)
             ls.n = n
-        ls.commit.launch()
+        ls.commit.launch(stream)
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels
