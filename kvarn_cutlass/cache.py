@@ -162,6 +162,7 @@ class KVarNCache:
         # such block, kept for the cache's lifetime)
         self._overlap = False
         self._write_stream = None
+        self._decode_plan = None  # kvarn_cutlass.decode.DecodePlan, made at the first decode (decode.get_plan)
         self._unchecked = None  # a step graph (kvarn_cutlass.step_graph) with replays not yet checked
         # (shape, dtype) of the last k, v that append accepted: the same again needs no full check
         self._accepted = None, None

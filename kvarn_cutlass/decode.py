@@ -41,7 +41,6 @@ import functools
 import math
 import os
 import struct
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -781,15 +780,13 @@ class _LayerLaunch:
         self.set_out = launch.writer(_ARG_OUT, 1)
 
 
-_plans: "weakref.WeakKeyDictionary[KVarNCache, DecodePlan]" = weakref.WeakKeyDictionary()
-
-
 def get_plan(cache: KVarNCache) -> DecodePlan:
-    """The plan attached to ``cache`` (created on first use)."""
+    """The plan attached to ``cache`` (created on first use, freed with the cache: it is an attribute of the
+    cache, since a plan holds its cache and a weak-keyed table of plans would keep every cache alive)."""
     _check_cache(cache)
-    plan = _plans.get(cache)
+    plan = cache._decode_plan
     if plan is None:
-        plan = _plans[cache] = DecodePlan(cache)
+        plan = cache._decode_plan = DecodePlan(cache)
     return plan
 
 
