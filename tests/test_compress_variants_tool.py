@@ -34,3 +34,11 @@ def test_set_warps_is_what_the_kernels_read(tool, monkeypatch):
     monkeypatch.delenv(C.CLUSTER_WARPS_ENV)
     monkeypatch.delenv(C.CTA_WARPS_ENV)
     assert C.cluster_warps() == C.DEFAULT_CLUSTER_WARPS and C.cta_warps(128, 128) == C.default_cta_warps(128, 128)
+
+
+def test_refuses_an_iteration_count_out_of_range(tool):
+    from kvarn_cutlass.format import MAX_SINKHORN_ITERS
+
+    for bad in (-1, MAX_SINKHORN_ITERS + 1):
+        with pytest.raises(SystemExit, match="--iters"):
+            tool.main(["--iters", "2", "--iters", str(bad)])

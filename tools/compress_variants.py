@@ -3,6 +3,7 @@
 and per lone CTA (``CTA_WARPS``: 32 shipped up to head_dim 128, 16) (GPU).
 
 ``python3 tools/compress_variants.py [--warps N ...] [--cta-warps N ...] [--quick] [--json PATH]``
+``python3 tools/compress_variants.py --iters N [--iters N ...] [--quick] [--json PATH]``
 
 Why: Nsight Compute of the shipped cluster kernel (docs/perf-notes.md, "gpu-next on the H200") found one warp per
 scheduler issuing once every 6.3 cycles, a dependent chain; the 8- and 16-warp variants give each scheduler two or
@@ -28,6 +29,11 @@ is made, so every case builds its own caches):
    form) against the shipped width's, the batch-16 layer case at D = 64, 128 and lloyd_max, and the prompt's
    appends in the one-CTA form at batch 1 and 16 (the e2e b16 prefill's chunks: 512 records an append), back to
    back and after GEMMs.
+
+``--iters``: instead of the widths, the shipped kernels at each number of variance-normalization iterations
+(``TileSpec.sinkhorn_iters``, a kernel argument: no rebuild; the default first): the layer case at batch 1 and 16
+(D = 128, uniform) and the prompt's appends at batch 1 and 16, back to back and after GEMMs. The records differ
+by design between counts (the codec's, for each); docs/accuracy.md has what the count does to perplexity.
 
 Prints one JSON line per measurement and a table; ``--json`` writes all. Device time: ~1-2 min with the builds
 (each variant compiles its D=64/128/256 modules on first use, ~10-30 s each on the device's CPU).
@@ -78,10 +84,11 @@ def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int | 
     return C.compress_layer(k, v, spec).cpu()
 
 
-def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int, batch: int = 1,
-                   cta: int | None = None) -> float:
+def prompt_appends(warps: int, cluster: bool | None, with_gemm: bool, reps: int, batch: int = 1,
+                   cta: int | None = None, sinkhorn_iters: int | None = None) -> float:
     """ms of the prompt's 32 appends (``batch`` sequences): back to back behind a sleep kernel, or each after a GEMM
-    of the batch's chunk rows (GEMMs subtracted)."""
+    of the batch's chunk rows (GEMMs subtracted). ``cluster``: force the cluster (True) or one-CTA (False) form,
+    None: the append's own choice. ``sinkhorn_iters``: the caches' iteration count (None: the default)."""
     import torch
 
     from kvarn_cutlass.cache import KVarNCache
@@ -97,8 +104,11 @@ def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int, batch:
     c = torch.empty(batch * CHUNK, 4096, device="cuda", dtype=torch.float16)
 
     def fresh() -> KVarNCache:
-        cache = KVarNCache(1, batch, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P)
+        extra = {} if sinkhorn_iters is None else {"sinkhorn_iters": sinkhorn_iters}
+        cache = KVarNCache(1, batch, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P, **extra)
         cache._writer = DeviceAppender(cache)
+        if cluster is None:
+            return cache
         if cluster and cache._writer._cluster is None:
             raise SystemExit(f"no cluster form of the append on {torch.cuda.get_device_name()} (sm_90 and later)")
         cache._writer.cluster_tiles = (1 << 30) if cluster else 0
@@ -136,15 +146,53 @@ def prompt_appends(warps: int, cluster: bool, with_gemm: bool, reps: int, batch:
     return both - statistics.median(queued(False, True, lead) for _ in range(reps))
 
 
+def iteration_study(args) -> int:
+    """The ``--iters`` mode (module docstring)."""
+    from kvarn_cutlass.format import DEFAULT_SINKHORN_ITERS, MAX_SINKHORN_ITERS
+
+    bad = [i for i in args.iters if not 0 <= i <= MAX_SINKHORN_ITERS]
+    if bad:
+        raise SystemExit(f"--iters {bad[0]}: choose 0 to {MAX_SINKHORN_ITERS}")
+    counts = [DEFAULT_SINKHORN_ITERS] + [i for i in dict.fromkeys(args.iters) if i != DEFAULT_SINKHORN_ITERS]
+    opts = BenchOptions(quick=args.quick)
+    reps = 3 if args.quick else 7
+    rows = []
+    t0 = time.perf_counter()
+    for it in counts:
+        for batch in (1, 16):
+            r = bench._compress_case(batch, D, "k4v2_g128", opts, sinkhorn_iters=it)
+            rows.append({"iters": it, "case": "layer", "batch": batch, "kernel": r["kernel"], "graph_us": r["graph_us"]})
+            print(json.dumps(rows[-1]), flush=True)
+        for batch in (1, 16):
+            for with_gemm in (False, True):
+                ms = prompt_appends(C.DEFAULT_CLUSTER_WARPS, None, with_gemm, reps, batch, sinkhorn_iters=it)
+                rows.append({"iters": it, "case": "prompt", "batch": batch, "after_gemm": with_gemm, "ms": round(ms, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+    print("iters | layer b1 / b16 (graph us) | prompt appends ms b1, b16: back to back / after GEMMs")
+    for it in counts:
+        lay = " / ".join(str(r["graph_us"]) for r in rows if r["iters"] == it and r["case"] == "layer")
+        pr = ", ".join(" / ".join(str(r["ms"]) for r in rows if r["iters"] == it and r["case"] == "prompt"
+                                  and r["batch"] == b) for b in (1, 16))
+        print(it, "|", lay, "|", pr)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warps", type=int, action="append", choices=C.CLUSTER_WARPS,
                     help="variants to time (repeatable; default: all); the shipped width is always timed first")
     ap.add_argument("--cta-warps", type=int, action="append", choices=C.CTA_WARPS,
                     help="one-CTA widths to time (repeatable; default: all); the shipped width is always timed first")
+    ap.add_argument("--iters", type=int, action="append",
+                    help="time the shipped kernels at these variance-normalization iteration counts instead (repeatable; "
+                         "the default count is always timed first)")
     ap.add_argument("--quick", action="store_true", help="fewer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.iters:
+        return iteration_study(args)
     variants = [C.DEFAULT_CLUSTER_WARPS] + [w for w in (args.warps or C.CLUSTER_WARPS) if w != C.DEFAULT_CLUSTER_WARPS]
     opts = BenchOptions(quick=args.quick)
     reps = 3 if args.quick else 7

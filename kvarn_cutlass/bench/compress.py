@@ -56,13 +56,15 @@ _Q_HEADS = 32
 
 
 def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions,
-                   quantizer: str = "uniform") -> dict[str, Any]:
+                   quantizer: str = "uniform", sinkhorn_iters: int | None = None) -> dict[str, Any]:
     import torch
 
-    from ..format import TileSpec
+    from ..format import DEFAULT_SINKHORN_ITERS, TileSpec
     from ..ops.compress import compress_layer
 
-    spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=torch.float16, quantizer=quantizer)
+    iters = DEFAULT_SINKHORN_ITERS if sinkhorn_iters is None else sinkhorn_iters
+    spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=torch.float16, quantizer=quantizer,
+                    sinkhorn_iters=iters)
     T = spec.tile_tokens
     shape = (batch, _KV_HEADS, T, head_dim)
     records = batch * _KV_HEADS
