@@ -196,14 +196,18 @@ class KVarNCache:
     def _layer(self, layer) -> _Layer:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        st = self._layers[layer]
+        return self._layers[layer]
+
+    def _layer_tensors(self, layer) -> _Layer:
+        """``_layer`` for the accessors of a layer's device tensors: inside an overlapped block the current
+        stream first waits for the layer's appends, so whatever reads the tensors next runs after them."""
+        st = self._layer(layer)
         if self._overlap:
             self._await_layer(st)
         return st
 
     def _await_layer(self, st: _Layer) -> None:
-        """Make the current stream wait for ``st``'s overlapped appends (once per stream and append): every
-        accessor of a layer's buffers goes through here, so a kernel that reads them after it runs after them."""
+        """Make the current stream wait for ``st``'s overlapped appends (once per stream and append)."""
         ev = st.written
         if ev is not None:
             cur = torch.cuda.current_stream(self.device)
@@ -227,12 +231,12 @@ class KVarNCache:
 
     def tile_bytes(self, layer: int) -> torch.Tensor:
         """uint8 [batch, n_tiles, num_kv_heads, tile_nbytes]: a view of the live records."""
-        st = self._layer(layer)
+        st = self._layer_tensors(layer)
         return st.tiles[:, : st.n_tiles]
 
     def tile_pool(self, layer: int) -> torch.Tensor:
         """The whole preallocated pool, uint8 [batch, tile_capacity, num_kv_heads, tile_nbytes]."""
-        return self._layer(layer).tiles
+        return self._layer_tensors(layer).tiles
 
     def tile_table(self, layer: int) -> torch.Tensor:
         """int32 [batch, tile_capacity]: the record slot of tile g of sequence b, ``tile_table[b, g] = s``, so
@@ -240,14 +244,14 @@ class KVarNCache:
 
         Kernels read tiles through this table (today the identity, ``s = b * tile_capacity + g``), so that
         a paged pool needs no kernel change. Moves with the pool when an unpreallocated pool grows."""
-        return self._layer(layer).tile_table
+        return self._layer_tensors(layer).tile_table
 
     def buffers(self, layer: int) -> dict[str, torch.Tensor]:
         """The whole preallocated buffers of ``layer`` (stable addresses, for kernels and graphs):
         ``window_k``/``window_v`` [batch, num_kv_heads, window, head_dim] and ``sink_k``/``sink_v``
         [batch, num_kv_heads, sink_tokens, head_dim]; only their first window_len / sink_len tokens
         are live (``positions``)."""
-        st = self._layer(layer)
+        st = self._layer_tensors(layer)
         return {"window_k": st.window_k, "window_v": st.window_v, "sink_k": st.sink_k, "sink_v": st.sink_v}
 
     def device_lengths(self) -> torch.Tensor:
@@ -259,12 +263,12 @@ class KVarNCache:
 
     def window_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [batch, num_kv_heads, window_len, head_dim] of the newest unquantized tokens."""
-        st = self._layer(layer)
+        st = self._layer_tensors(layer)
         return st.window_k[:, :, : st.window_len], st.window_v[:, :, : st.window_len]
 
     def sink_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [batch, num_kv_heads, sink_len, head_dim] of the sink tokens."""
-        st = self._layer(layer)
+        st = self._layer_tensors(layer)
         return st.sink_k[:, :, : st.sink_len], st.sink_v[:, :, : st.sink_len]
 
     def positions(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -633,7 +637,7 @@ class KVarNCache:
         """
         self._require_checked()
         layers = range(self.num_layers) if layer_or_all is None else [layer_or_all]
-        states = [self._layer(i) for i in layers]  # (waits for their overlapped appends: the copies below read them)
+        states = [self._layer_tensors(i) for i in layers]  # (the copies below read and write them)
         if isinstance(new_len, bool) or not isinstance(new_len, int) or new_len < 0:
             raise ValueError(f"new_len must be a non-negative int, got {new_len!r}")
         for i, st in zip(layers, states):
