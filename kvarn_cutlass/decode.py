@@ -50,7 +50,7 @@ from .cache import KVarNCache
 from .format import PRESETS, HEAD_DIMS, QUANTIZERS, SCALE_DTYPES, TileSpec
 from ._validate import check_query, resolve_scale
 from .runtime import KernelSpec, build, cubin_global, get_module, register
-from .runtime.arch import arch_target, device_arch, normalize_arch
+from .runtime.arch import arch_target, device_arch, normalize_arch, sm_count
 
 __all__ = [
     "decode_attention",
@@ -500,7 +500,7 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
     """
     min_tps = min_tps or min_tiles_per_split()
     variant = decode_variant() if variant is None else variant
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     occ = occupancy(spec, device, variant)
     return plan_splits(batch * num_kv_heads, cap_tiles, sms, occ, min_tps, split_saturation(variant, occ))
 

@@ -167,7 +167,7 @@ def test_cluster_warps_choice(monkeypatch):
         C.compress_spec(128, 128, torch.float16, torch.float16, 2, "uniform", 2)
     # the cluster-form threshold counts cluster warps per SM: 8 CTAs of 4 warps, 4 of 8, 2 of 16; a
     # 512-token chunk of 8 KV heads (64 halves) runs as clusters of the shipped width on an H200
-    monkeypatch.setattr(C, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(C, "sm_count", lambda index: 132)
     assert [C.cluster_halves(8, 0, 32 * w) for w in (4, 8, 16)] == [132, 66, 33]
     assert C.cluster_halves(8, 0) == 66 >= 2 * 8 * 512 // 128
 

@@ -56,7 +56,7 @@ import torch
 
 from .. import codec
 from ..format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, TileSpec, codebook, lloyd_max_thresholds
-from ..runtime.arch import arch_target, device_arch
+from ..runtime.arch import arch_target, device_arch, sm_count
 from ..runtime.compiler import cubin_global
 from ..runtime.registry import register
 from ..runtime.spec import KernelSpec, build, get_kernel
@@ -348,7 +348,6 @@ def _module_smem_bytes(spec: KernelSpec, device_index: int) -> dict[str, int]:
 
 # Keyed by the Kernel itself: the cluster-warps variants share function names across their modules.
 _layouts: "weakref.WeakKeyDictionary[object, tuple[int, int]]" = weakref.WeakKeyDictionary()
-_sm_counts: dict[int, int] = {}
 # Clusters pay for their latency with repeated per-rank work (each rank's warps redo the row RMS and
 # score steps): ~1.8x the instructions of one CTA per half. A cluster CTA of the shipped 8 warps (64
 # registers at D=128, sm_90, 2026-12) fits 4 times per SM by registers; past that a launch is
@@ -359,17 +358,10 @@ _sm_counts: dict[int, int] = {}
 _CLUSTER_WARPS_PER_SM = 32
 
 
-def _sm_count(index: int) -> int:
-    n = _sm_counts.get(index)
-    if n is None:
-        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
-
-
 def cluster_halves(ranks: int, device_index: int, threads: int = 32 * DEFAULT_CLUSTER_WARPS) -> int:
     """The most record halves one launch runs as thread-block clusters of ``ranks`` CTAs of ``threads`` on the
     device (``_CLUSTER_WARPS_PER_SM`` cluster warps per SM); a launch of more halves takes the one-CTA form."""
-    return max(1, _CLUSTER_WARPS_PER_SM * 32 // threads) * _sm_count(device_index) // ranks
+    return max(1, _CLUSTER_WARPS_PER_SM * 32 // threads) * sm_count(device_index) // ranks
 
 
 def _layer_layout(kernel) -> tuple[int, int]:

@@ -378,7 +378,7 @@ class FusedPrefillKernel:
     def __init__(self, spec: TileSpec, cache_dtype: torch.dtype, q_dtype: torch.dtype, config: FusedConfig,
                  device: torch.device):
         from ..runtime.spec import build, get_module
-        from ..runtime.arch import arch_target, device_arch
+        from ..runtime.arch import arch_target, device_arch, sm_count
 
         kspec = fused_spec(spec, cache_dtype, q_dtype, config)
         index = device.index
@@ -400,7 +400,7 @@ class FusedPrefillKernel:
         self._merge_write = None
         self.order = block_order()
         self.split = split_tiles_enabled()
-        self._sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self._sms = sm_count(index)
         self._ws = torch.empty(0, dtype=torch.float32, device=device)  # split partials, grown on demand
 
     def launch(self, q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v, win_len,

@@ -8,6 +8,7 @@ that exact architecture.
 
 from __future__ import annotations
 
+import functools
 import re
 
 __all__ = ["MIN_ARCH", "normalize_arch", "arch_target", "device_arch"]
@@ -59,6 +60,25 @@ def arch_target(arch: str | int, arch_specific: bool = False) -> str:
     """
     cc, specific = _parse(arch, "arch")
     return f"sm_{cc}a" if (specific or arch_specific) and cc >= 90 else f"sm_{cc}"
+
+
+def sm_count(device: "int | str | object | None" = None) -> int:
+    """Streaming multiprocessors of a CUDA device (an index, ``cuda:N``, a ``torch.device``; torch's current device
+    when ``None`` or without an index), read from the driver once per device (launch planning asks per call)."""
+    import torch
+
+    if isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    else:
+        index = None if device is None else torch.device(device).index
+    return _sm_count_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def device_arch(device: "int | str | object | None" = None) -> int:
