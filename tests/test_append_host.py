@@ -422,3 +422,13 @@ def test_host_overhead_tool_runs_on_the_cpu():
     res = json.loads(out)
     assert res["device"] == "cpu" and res["calls_per_round"] == 127
     assert {"append_us", "completing_us", "amortized_us", "appender_us", "launch_us", "checks_us"} <= res.keys()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the tool's CPU mode compiles a stub driver with cc")
+def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "host_overhead.py"), "--device", "cpu", "--prompt",
+                          "--rounds", "2", "--json"], capture_output=True, text=True, check=True, cwd=root).stdout
+    res = json.loads(out)
+    assert res["device"] == "cpu" and res["prompt_tokens"] == 16384 and res["chunk_tokens"] == 512
+    assert 0 < res["prompt_rest_us"] and res["prompt_first_us"] + 31 * 0.5 * res["prompt_rest_us"] <= res["prompt_total_us"]

@@ -30,6 +30,7 @@
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
 #    GPU_DECODE_PDL=1: the shipped kernel launched plainly and with programmatic dependent launch too)
+# 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (e.g. "--prompt --profile 30") -> the log
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes
 #    against the shipped kernel, layer graph_us, the prompt's appends by form (b1, and b16 for the one-CTA
@@ -207,6 +208,11 @@ fi
 #     "--batch 16") -> $OUT/e2e_profile.json
 [ -z "${GPU_E2E_PROFILE:-}" ] || step e2e_profile timeout "${GPU_E2E_PROFILE_LIMIT:-300}" python3 tools/e2e_profile.py \
   --json "$OUT/e2e_profile.json" ${GPU_E2E_PROFILE_ARGS:-}
+
+# 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (host time of the cache's appends; e.g. "--prompt
+#     --profile 30": a fresh cache's 32 prompt appends, first and rest, with cProfile's top functions) -> the log
+[ -z "${GPU_HOST_OVERHEAD:-}" ] || step host_overhead timeout "${GPU_HOST_OVERHEAD_LIMIT:-120}" python3 tools/host_overhead.py \
+  ${GPU_HOST_OVERHEAD}
 
 # 6b''''. GPU_DECODE_VARIANTS=1 or "VARIANT ..." (decode.DecodeVariant text forms, e.g. ring=2,min_blocks=6):
 #     the occupancy variants timed graph-replayed on b1/4k, b1/128k, b16/32k, b16/128k at the default's splits
