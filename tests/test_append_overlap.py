@@ -116,23 +116,32 @@ def test_gpu_overlapped_appends_equal_serial_ones_bit_for_bit(max_seq_len):
     assert_same_state(state(ovl), state(ser), "overlapped")
 
 
+def _against_serial(seed: int, sizes, append_overlapped) -> tuple[list, list]:
+    """Chunks of ``sizes`` tokens appended to layer 0 of a cache as usual and, by ``append_overlapped(cache, k, v)``,
+    to one inside an overlapped block: (serial state, overlapped state) after the block."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ser, ovl = KVarNCache(**KW, device="cuda"), KVarNCache(**KW, device="cuda")
+    with ovl.deferred_checks(overlap_appends=True):
+        for n in sizes:
+            k, v = (torch.randn(2, 2, n, 128, generator=g, device="cuda", dtype=torch.float16) for _ in range(2))
+            ser.append(0, k, v)
+            append_overlapped(ovl, k, v)
+    return state(ser), state(ovl)
+
+
 @gpu
 @needs_cuda
 def test_gpu_overlapped_append_waits_for_its_inputs():
     """k, v are written on the caller's stream behind a ~1 ms kernel: the append must read them after it."""
-    g = torch.Generator(device="cuda").manual_seed(4)
-    ser, ovl = KVarNCache(**KW, device="cuda"), KVarNCache(**KW, device="cuda")
-    with ovl.deferred_checks(overlap_appends=True):
-        for n in (512, 384):
-            k = torch.randn(2, 2, n, 128, generator=g, device="cuda", dtype=torch.float16)
-            v = torch.randn_like(k)
-            ser.append(0, k, v)
-            kk, vv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-            torch.cuda._sleep(SLEEP)
-            kk.copy_(k)
-            vv.copy_(v)
-            ovl.append(0, kk, vv)
-    assert_same_state(state(ovl), state(ser), "inputs written behind a long kernel")
+    def late_inputs(cache, k, v):
+        kk, vv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        torch.cuda._sleep(SLEEP)
+        kk.copy_(k)
+        vv.copy_(v)
+        cache.append(0, kk, vv)
+
+    ser, ovl = _against_serial(4, (512, 384), late_inputs)
+    assert_same_state(ovl, ser, "inputs written behind a long kernel")
 
 
 @gpu
@@ -141,21 +150,17 @@ def test_gpu_overlapped_append_keeps_its_inputs_alive():
     """The write stream is held back by a ~1 ms kernel while the caller frees k, v and rewrites their memory
     with NaN: the append must still read the values it was given (the caching allocator must not hand the
     memory out before the append ran)."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    ser, ovl = KVarNCache(**KW, device="cuda"), KVarNCache(**KW, device="cuda")
-    with ovl.deferred_checks(overlap_appends=True):
-        for n in (640, 512):
-            k = torch.randn(2, 2, n, 128, generator=g, device="cuda", dtype=torch.float16)
-            v = torch.randn_like(k)
-            ser.append(0, k, v)
-            kk, vv = k.clone(), v.clone()
-            with torch.cuda.stream(ovl._write_stream):
-                torch.cuda._sleep(SLEEP)
-            ovl.append(0, kk, vv)
-            del kk, vv
-            junk = [torch.full_like(k, float("nan")) for _ in range(4)]  # likely the freed blocks
-            del junk
-    assert_same_state(state(ovl), state(ser), "inputs freed while the append waited")
+    def freed_inputs(cache, k, v):
+        kk, vv = k.clone(), v.clone()
+        with torch.cuda.stream(cache._write_stream):
+            torch.cuda._sleep(SLEEP)
+        cache.append(0, kk, vv)
+        del kk, vv
+        junk = [torch.full_like(k, float("nan")) for _ in range(4)]  # likely the freed blocks
+        del junk
+
+    ser, ovl = _against_serial(5, (640, 512), freed_inputs)
+    assert_same_state(ovl, ser, "inputs freed while the append waited")
 
 
 @gpu
@@ -185,18 +190,20 @@ def test_gpu_reads_wait_for_an_append_held_back_on_the_write_stream():
 @gpu
 @needs_cuda
 def test_gpu_a_failed_overlapped_append_raises_at_the_end_and_restores():
+    """A NaN in the second of three overlapped appends: the block raises the input's error at its end and every
+    layer is back at its state before the block."""
     g = torch.Generator(device="cuda").manual_seed(7)
+    kv = lambda n: [torch.randn(2, 2, n, 128, generator=g, device="cuda", dtype=torch.float16) for _ in range(2)]  # noqa: E731
     ovl = KVarNCache(**KW, device="cuda")
-    k = torch.randn(2, 2, 600, 128, generator=g, device="cuda", dtype=torch.float16)
-    ovl.append(0, k, torch.randn_like(k))
+    ovl.append(0, *kv(600))
     before = state(ovl)
-    bad = torch.randn(2, 2, 512, 128, generator=g, device="cuda", dtype=torch.float16)
+    bad, bad_v = kv(512)
     bad[1, 0, 300, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         with ovl.deferred_checks(overlap_appends=True):
-            ovl.append(0, torch.randn_like(bad), torch.randn_like(bad))
-            ovl.append(0, bad, torch.randn_like(bad))
-            ovl.append(1, torch.randn_like(bad), torch.randn_like(bad))
+            ovl.append(0, *kv(512))
+            ovl.append(0, bad, bad_v)
+            ovl.append(1, *kv(512))
     assert not ovl._overlap
     assert_same_state(state(ovl), before, "restored")
 
