@@ -56,6 +56,7 @@ from kvarn_cutlass.bench import BenchOptions  # noqa: E402
 from kvarn_cutlass.bench import compress as bench  # noqa: E402
 from kvarn_cutlass.bench.timing import queue_lead_us, time_queued  # noqa: E402
 from kvarn_cutlass.ops import compress as C  # noqa: E402
+from kvarn_cutlass.presets import DEFAULT_SINKHORN_ITERS  # noqa: E402
 
 P, CHUNK, H, D = 16384, 512, 8, 128
 
@@ -85,10 +86,10 @@ def layer_records(warps: int, quantizer: str, batch: int, seed: int, cta: int | 
 
 
 def prompt_appends(warps: int, cluster: bool | None, with_gemm: bool, reps: int, batch: int = 1,
-                   cta: int | None = None, sinkhorn_iters: int | None = None) -> float:
+                   cta: int | None = None, sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS) -> float:
     """ms of the prompt's 32 appends (``batch`` sequences): back to back behind a sleep kernel, or each after a GEMM
     of the batch's chunk rows (GEMMs subtracted). ``cluster``: force the cluster (True) or one-CTA (False) form,
-    None: the append's own choice. ``sinkhorn_iters``: the caches' iteration count (None: the default)."""
+    None: the append's own choice. ``sinkhorn_iters``: the caches' iteration count."""
     import torch
 
     from kvarn_cutlass.cache import KVarNCache
@@ -104,8 +105,8 @@ def prompt_appends(warps: int, cluster: bool | None, with_gemm: bool, reps: int,
     c = torch.empty(batch * CHUNK, 4096, device="cuda", dtype=torch.float16)
 
     def fresh() -> KVarNCache:
-        extra = {} if sinkhorn_iters is None else {"sinkhorn_iters": sinkhorn_iters}
-        cache = KVarNCache(1, batch, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P, **extra)
+        cache = KVarNCache(1, batch, H, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P,
+                           sinkhorn_iters=sinkhorn_iters)
         cache._writer = DeviceAppender(cache)
         if cluster is None:
             return cache
@@ -148,7 +149,7 @@ def prompt_appends(warps: int, cluster: bool | None, with_gemm: bool, reps: int,
 
 def iteration_study(args) -> int:
     """The ``--iters`` mode (module docstring)."""
-    from kvarn_cutlass.format import DEFAULT_SINKHORN_ITERS, MAX_SINKHORN_ITERS
+    from kvarn_cutlass.format import MAX_SINKHORN_ITERS
 
     bad = [i for i in args.iters if not 0 <= i <= MAX_SINKHORN_ITERS]
     if bad:

@@ -46,6 +46,7 @@ from typing import Any
 import statistics
 import time
 
+from ..presets import DEFAULT_SINKHORN_ITERS
 from . import BenchOptions, register_section
 from .timing import queue_lead_us, rotation_count, time_cuda, time_queued
 
@@ -56,15 +57,14 @@ _Q_HEADS = 32
 
 
 def _compress_case(batch: int, head_dim: int, preset: str, opts: BenchOptions,
-                   quantizer: str = "uniform", sinkhorn_iters: int | None = None) -> dict[str, Any]:
+                   quantizer: str = "uniform", sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS) -> dict[str, Any]:
     import torch
 
-    from ..format import DEFAULT_SINKHORN_ITERS, TileSpec
+    from ..format import TileSpec
     from ..ops.compress import compress_layer
 
-    iters = DEFAULT_SINKHORN_ITERS if sinkhorn_iters is None else sinkhorn_iters
     spec = TileSpec(preset=preset, head_dim=head_dim, scale_dtype=torch.float16, quantizer=quantizer,
-                    sinkhorn_iters=iters)
+                    sinkhorn_iters=sinkhorn_iters)
     T = spec.tile_tokens
     shape = (batch, _KV_HEADS, T, head_dim)
     records = batch * _KV_HEADS
