@@ -432,3 +432,11 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     res = json.loads(out)
     assert res["device"] == "cpu" and res["prompt_tokens"] == 16384 and res["chunk_tokens"] == 512
     assert 0 < res["prompt_rest_us"] and res["prompt_first_us"] + 31 * 0.5 * res["prompt_rest_us"] <= res["prompt_total_us"]
+    parts = res["prompt_first_parts_us"]
+    # the first append prepares the commit and the compress launch (each packing its arguments), inside the
+    # appender's append, and allocates the layer's backups (the appender was made by the stand-in setup)
+    assert set(parts) == {"appender_init", "backup", "prepare_commit", "prepare_compress", "pack", "launch",
+                          "device_append"}
+    assert parts["appender_init"] == 0 and min(parts["backup"], parts["prepare_commit"], parts["pack"]) > 0
+    assert parts["pack"] <= parts["prepare_commit"] + parts["prepare_compress"]
+    assert parts["prepare_commit"] + parts["prepare_compress"] + parts["launch"] <= parts["device_append"]

@@ -513,6 +513,15 @@ def test_pack_every_kind():
     assert k.signature == ("ptr", "ptr", "bytes:16", "i32", "u32", "f64", "u64")
 
 
+def test_pack_takes_numpy_scalars_and_rounds_f32_as_ctypes_does():
+    import numpy as np
+
+    k = _kernel(AXPY_SIGNATURE)  # ptr, ptr, ptr, f32, i64
+    x = 1 / 3  # not representable in f32: the slot holds the nearest float32
+    holders, _ = k.pack([np.uint64(0x1000), None, 0x2000, np.float64(x), np.int32(-5)])
+    assert _values(holders) == [0x1000, 0, 0x2000, ctypes.c_float(x).value, -5]
+
+
 @pytest.mark.parametrize(
     "args, exc, match",
     [

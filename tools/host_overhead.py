@@ -20,8 +20,10 @@ compressions; between rounds the window is truncated back, or the round's last a
 cache inside one ``deferred_checks`` block (the bench's ``prefill_compress``, whose ``host_ms`` was 2.2 ms on an
 H200 host against 1.4 ms of GPU work): ``prompt_first_us`` (the cache's first append: the appender, the layer's
 prepared launches and backups), ``prompt_rest_us`` (the median of the other 31), ``prompt_total_us``, medians
-over ``--rounds`` fresh caches (after one warm-up cache); ``--profile N`` also prints the N most expensive
-functions of one fresh cache's 32 appends (cProfile, cumulative).
+over ``--rounds`` fresh caches (after one warm-up cache); ``prompt_first_parts_us``: in as many more fresh
+caches, the first append's wall time inside each of its parts (inclusive, so they overlap: ``device_append``
+holds the prepares and launches, ``prepare_*`` hold ``pack``; medians); ``--profile N`` also prints the N most
+expensive functions of one fresh cache's 32 appends (cProfile, cumulative).
 
 On a CUDA machine everything is real (``python3 tools/host_overhead.py``; add ``--bench`` for the
 bench's own append rows). Without one (``--device cpu``, the default there) the cache lives on the
@@ -230,14 +232,50 @@ def prompt_appends(args, device: str, kc, A) -> None:
             cache._writer = _stand_in_appender(cache, A)
         return cache
 
-    def one_prompt(profile=None) -> list[float]:
+    from kvarn_cutlass.runtime.module import Kernel, PreparedLaunch
+
+    parts = {"appender_init": (A.DeviceAppender, "__init__"), "backup": (kc.KVarNCache, "_backup"),
+             "prepare_commit": (A.DeviceAppender, "_prepare_commit"),
+             "prepare_compress": (A.DeviceAppender, "_prepare_compress"), "pack": (Kernel, "_pack"),
+             "launch": (PreparedLaunch, "launch"), "device_append": (A.DeviceAppender, "append")}
+    first_parts: dict[str, list[float]] = {name: [] for name in parts}
+
+    def timed_parts(call) -> None:
+        """call() with the wall time of each of ``parts`` (inclusive) added to first_parts."""
+        spent = dict.fromkeys(parts, 0.0)
+        saved = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+
+        def wrap(name, fn):
+            def timed(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    spent[name] += (time.perf_counter() - t) * 1e6
+            return timed
+
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, wrap(name, saved[name]))
+        try:
+            call()
+        finally:
+            for name, (owner, attr) in parts.items():
+                setattr(owner, attr, saved[name])
+        for name, us in spent.items():
+            first_parts[name].append(us)
+
+    def one_prompt(profile=None, breakdown=False) -> list[float]:
         cache, per = fresh(), []
         with cache.deferred_checks():
             if profile is not None:
                 profile.enable()
             for s in range(0, P, C):
+                call = lambda: cache.append(0, k[:, :, s:s + C], v[:, :, s:s + C])  # noqa: E731
+                if breakdown and not s:
+                    timed_parts(call)
+                    continue
                 t0 = time.perf_counter()
-                cache.append(0, k[:, :, s:s + C], v[:, :, s:s + C])
+                call()
                 per.append((time.perf_counter() - t0) * 1e6)
             if profile is not None:
                 profile.disable()
@@ -247,11 +285,14 @@ def prompt_appends(args, device: str, kc, A) -> None:
 
     one_prompt()  # warm-up: modules and kernel lookups of the first cache in a process
     runs = [one_prompt() for _ in range(args.rounds)]
+    for _ in range(args.rounds):
+        one_prompt(breakdown=True)
     res = {"device": device, "batch": B, "kv_heads": H, "head_dim": D, "prompt_tokens": P, "chunk_tokens": C,
            "rounds": args.rounds,
            "prompt_first_us": round(statistics.median(r[0] for r in runs), 1),
            "prompt_rest_us": round(statistics.median(statistics.median(r[1:]) for r in runs), 1),
-           "prompt_total_us": round(statistics.median(sum(r) for r in runs), 1)}
+           "prompt_total_us": round(statistics.median(sum(r) for r in runs), 1),
+           "prompt_first_parts_us": {name: round(statistics.median(us), 1) for name, us in first_parts.items()}}
     if args.json:
         print(json.dumps(res, indent=1))
     else:

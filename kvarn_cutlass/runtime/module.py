@@ -46,14 +46,16 @@ __all__ = ["Module", "Kernel", "PreparedLaunch", "load_module", "primary_context
 _DEFAULT_DYNAMIC_SMEM = 48 * 1024
 
 _INT_RANGES = {
-    "i32": (ctypes.c_int32, -(2**31), 2**31 - 1),
-    "u32": (ctypes.c_uint32, 0, 2**32 - 1),
-    "i64": (ctypes.c_int64, -(2**63), 2**63 - 1),
-    "u64": (ctypes.c_uint64, 0, 2**64 - 1),
+    "i32": (-(2**31), 2**31 - 1),
+    "u32": (0, 2**32 - 1),
+    "i64": (-(2**63), 2**63 - 1),
+    "u64": (0, 2**64 - 1),
 }
-_FLOATS = {"f32": ctypes.c_float, "f64": ctypes.c_double}
-# struct codes of each kind, little-endian standard sizes (PreparedLaunch.writer); "bytes" is "<size>s"
+_FLOAT_KINDS = ("f32", "f64")
+# struct codes of each kind, little-endian standard sizes (the argument buffer); "bytes" is "<size>s"
 _STRUCT_CODES = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "u64": "Q", "f32": "f", "f64": "d"}
+_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
+           "u64": ctypes.c_uint64, "f32": ctypes.c_float, "f64": ctypes.c_double}
 _SLOT_ALIGN = 8  # every argument starts at a multiple of 8 bytes in a prepared launch's buffer
 _ENTRY = re.compile(r"^(ptr|i32|u32|i64|u64|f32|f64|bytes:(\d+))(?:\s+([A-Za-z_]\w*))?$")
 
@@ -90,42 +92,59 @@ def _parse_signature(kernel: str, signature: Sequence[str]) -> tuple[_Param, ...
     return tuple(params)
 
 
-def _convert(p: _Param, value: Any, kernel: str, device_index: int) -> ctypes._SimpleCData | ctypes.Array:
-    """ctypes holder of one argument's value, after type and range checks."""
-    where = f"kernel {kernel!r} {p.label}"
-    if p.kind == "ptr":
+def _value(p: _Param, value: Any, kernel: str, device_index: int) -> int | float | bytes:
+    """One argument's value as ``struct`` packs it (int, float or bytes), after type and range checks."""
+    kind = p.kind
+    if kind == "ptr":
         if value is None:
-            return ctypes.c_uint64(0)
-        if hasattr(value, "data_ptr") and hasattr(value, "device"):
+            return 0
+        if type(value) is int:
+            if 0 <= value < 2**64:
+                return value
+        elif hasattr(value, "data_ptr") and hasattr(value, "device"):
             dev = value.device
             if dev.type != "cuda":
-                raise ValueError(f"{where}: tensor is on {dev}, kernels need CUDA tensors")
+                raise ValueError(f"kernel {kernel!r} {p.label}: tensor is on {dev}, kernels need CUDA tensors")
             if dev.index != device_index:
-                raise ValueError(f"{where}: tensor is on {dev}, the kernel's module is loaded on cuda:{device_index}")
-            return ctypes.c_uint64(value.data_ptr())
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            if not 0 <= int(value) < 2**64:
-                raise ValueError(f"{where}: address {int(value)} is out of range")
-            return ctypes.c_uint64(int(value))
-        raise TypeError(f"{where}: expected a CUDA tensor, an int address or None, got {type(value).__name__}")
-    if p.kind in _INT_RANGES:
-        ctype, lo, hi = _INT_RANGES[p.kind]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{where}: expected an int, got {type(value).__name__}")
-        if not lo <= int(value) <= hi:
-            raise ValueError(f"{where}: {int(value)} is out of range [{lo}, {hi}]")
-        return ctype(int(value))
-    if p.kind in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"kernel {kernel!r} {p.label}: tensor is on {dev}, the kernel's module is loaded "
+                                 f"on cuda:{device_index}")
+            return value.data_ptr()
+        elif not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"kernel {kernel!r} {p.label}: expected a CUDA tensor, an int address or None, "
+                            f"got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"kernel {kernel!r} {p.label}: address {int(value)} is out of range")
+        return int(value)
+    if kind in _INT_RANGES:
+        lo, hi = _INT_RANGES[kind]
+        if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"kernel {kernel!r} {p.label}: expected an int, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise ValueError(f"kernel {kernel!r} {p.label}: {int(value)} is out of range [{lo}, {hi}]")
+        return int(value)
+    if kind in _FLOAT_KINDS:
+        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             hint = " (pass a Python float; reading a tensor would synchronize)" if hasattr(value, "device") else ""
-            raise TypeError(f"{where}: expected a real number, got {type(value).__name__}{hint}")
-        return _FLOATS[p.kind](float(value))
+            raise TypeError(f"kernel {kernel!r} {p.label}: expected a real number, got {type(value).__name__}{hint}")
+        return float(value)
     if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{where}: expected bytes of length {p.size}, got {type(value).__name__}")
+        raise TypeError(f"kernel {kernel!r} {p.label}: expected bytes of length {p.size}, got {type(value).__name__}")
     raw = bytes(value)
     if len(raw) != p.size:
-        raise ValueError(f"{where}: expected {p.size} bytes, got {len(raw)}")
-    return (ctypes.c_uint8 * p.size).from_buffer_copy(raw)
+        raise ValueError(f"kernel {kernel!r} {p.label}: expected {p.size} bytes, got {len(raw)}")
+    return raw
+
+
+def _slot_format(params: tuple[_Param, ...], offsets: tuple[int, ...], nbytes: int, first: int, count: int) -> str:
+    """``struct`` format (little-endian, standard sizes) of arguments ``first .. first + count - 1`` in their
+    slots, each slot's padding as pad bytes (which packing writes as zeros)."""
+    fmt = ["<"]
+    for i in range(first, first + count):
+        q = params[i]
+        fmt.append(f"{q.size}s" if q.kind == "bytes" else _STRUCT_CODES[q.kind])
+        end = offsets[i + 1] if i + 1 < len(params) else nbytes
+        fmt.append("x" * (end - offsets[i] - q.size))
+    return "".join(fmt)
 
 
 def _slot_offsets(params: tuple[_Param, ...]) -> tuple[tuple[int, ...], int]:
@@ -299,6 +318,11 @@ class Kernel:
         self.name = name
         self._params = params
         self._offsets, self._nbytes = _slot_offsets(params)
+        # every argument in its slot, packed by one call (Kernel.prepare's cost is mostly per-argument work)
+        self._struct = struct.Struct(_slot_format(params, self._offsets, self._nbytes, 0, len(params)))
+        self._arg_structs = tuple(struct.Struct("<" + (f"{p.size}s" if p.kind == "bytes" else _STRUCT_CODES[p.kind]))
+                                  for p in params)
+        self._writer_structs: dict[tuple[int, int], struct.Struct] = {}  # PreparedLaunch.writer's, by (first, count)
         self._func = func
         self._smem_opt_in = _DEFAULT_DYNAMIC_SMEM
         self._current_stream = _raw_stream_getter()
@@ -322,10 +346,13 @@ class Kernel:
 
         The holders are ctypes views into one buffer (one 8-byte-aligned slot per argument), which
         they keep alive."""
-        return self._pack(args)[1:]
+        buf, array = self._pack(args)
+        holders = [(ctypes.c_uint8 * p.size if p.kind == "bytes" else _CTYPES[p.kind]).from_buffer(buf, off)
+                   for p, off in zip(self._params, self._offsets)]
+        return holders, array
 
-    def _pack(self, args: Sequence[Any]) -> tuple[ctypes.Array, list, ctypes.Array]:
-        """(buffer, holders viewing it, void* array of the holders' addresses) for ``args``, checked."""
+    def _pack(self, args: Sequence[Any]) -> tuple[ctypes.Array, ctypes.Array]:
+        """(buffer holding every argument in its slot, void* array of the slots' addresses) for ``args``, checked."""
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple or list, got {type(args).__name__}")
         if len(args) != len(self._params):
@@ -333,14 +360,12 @@ class Kernel:
                 f"kernel {self.name!r} takes {len(self._params)} arguments "
                 f"({', '.join(self.signature)}), got {len(args)}"
             )
-        values = [_convert(p, a, self.name, self.module.device_index) for p, a in zip(self._params, args)]
+        name, dev = self.name, self.module.device_index
         buf = (ctypes.c_uint8 * max(self._nbytes, _SLOT_ALIGN))()
-        holders = []
-        for p, value, off in zip(self._params, values, self._offsets):
-            ctypes.memmove(ctypes.addressof(buf) + off, ctypes.addressof(value), p.size)
-            holders.append(type(value).from_buffer(buf, off))
-        array = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
-        return buf, holders, array
+        self._struct.pack_into(buf, 0, *[_value(p, a, name, dev) for p, a in zip(self._params, args)])
+        base = ctypes.addressof(buf)
+        array = (ctypes.c_void_p * max(len(self._params), 1))(*[base + off for off in self._offsets])
+        return buf, array
 
     def prepare(
         self,
@@ -371,7 +396,7 @@ class Kernel:
         bx, by, bz = _dims(block, "block")
         if isinstance(shared_mem, bool) or not isinstance(shared_mem, numbers.Integral) or shared_mem < 0:
             raise ValueError(f"shared_mem={shared_mem!r} must be an int >= 0 (bytes)")
-        buf, holders, array = self._pack(args)
+        buf, array = self._pack(args)
         if shared_mem > self._smem_opt_in:
             _make_current(self.module._ctx, int(self.module._ctx), self.name)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -397,7 +422,7 @@ class Kernel:
             attrs.append(attr)
         config.attrs = attrs
         config.numAttrs = len(attrs)
-        return PreparedLaunch(self, config, buf, holders, array)
+        return PreparedLaunch(self, config, buf, array)
 
     def launch(
         self,
@@ -424,17 +449,16 @@ class PreparedLaunch:
     """
 
     __slots__ = (
-        "kernel", "_config", "_buf", "_holders", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device",
+        "kernel", "_config", "_buf", "_array", "_array_addr", "_func", "_ctx", "_ctx_int", "_device",
         "_stream_of", "_stream", "_get_context", "_launch_ex",
     )
 
-    def __init__(self, kernel: Kernel, config: Any, buf: ctypes.Array, holders: list, array: ctypes.Array):
+    def __init__(self, kernel: Kernel, config: Any, buf: ctypes.Array, array: ctypes.Array):
         from cuda.bindings import driver
 
         self.kernel = kernel
         self._config = config
-        self._buf = buf  # the argument slots, which the holders view and the driver reads through _array
-        self._holders = holders
+        self._buf = buf  # the argument slots, which the driver reads through _array
         self._array = array
         self._array_addr = ctypes.addressof(array)
         self._func = kernel._func
@@ -450,14 +474,16 @@ class PreparedLaunch:
     def set_arg(self, index: int, value: int | float) -> None:
         """Replace argument ``index`` for later launches: an int address or int for ``ptr``/integer
         entries, a float for ``f32``/``f64``. Unchecked (the hot path of a launch whose pointers or
-        sizes change per call): the caller passes values of the declared kind and range."""
-        self._holders[index].value = value
+        sizes change per call): the caller passes values of the declared kind and range (a value outside
+        it raises ``struct.error``)."""
+        k = self.kernel
+        k._arg_structs[index].pack_into(self._buf, k._offsets[index], value)
 
     def set_args(self, first: int, *values: int | float) -> None:
         """:meth:`set_arg` for arguments ``first``, ``first + 1``, ... (as unchecked)."""
-        holders = self._holders
+        k, buf = self.kernel, self._buf
         for i, value in enumerate(values, first):
-            holders[i].value = value
+            k._arg_structs[i].pack_into(buf, k._offsets[i], value)
 
     def writer(self, first: int, count: int):
         """A function ``w(*values)`` that replaces arguments ``first .. first + count - 1`` for later launches
@@ -465,18 +491,15 @@ class PreparedLaunch:
         address and strides), a few times cheaper than :meth:`set_args`. Values as for :meth:`set_arg`
         (``bytes`` for ``bytes:N`` entries); a value outside its kind's range raises ``struct.error``
         and leaves the run's slots zeroed (write them again before the next launch)."""
-        params = self.kernel._params
-        if type(first) is not int or type(count) is not int or first < 0 or count < 1 or first + count > len(params):
-            raise ValueError(f"kernel {self.kernel.name!r}: arguments {first!r}..+{count!r} are not within its "
-                             f"{len(params)} arguments")
-        offsets = self.kernel._offsets
-        fmt = ["<"]
-        for i in range(first, first + count):
-            p = params[i]
-            fmt.append(f"{p.size}s" if p.kind == "bytes" else _STRUCT_CODES[p.kind])
-            end = offsets[i + 1] if i + 1 < len(params) else self.kernel._nbytes
-            fmt.append("x" * (end - offsets[i] - p.size))  # the slot's padding (kept zero)
-        return functools.partial(struct.Struct("".join(fmt)).pack_into, self._buf, offsets[first])
+        k = self.kernel
+        packer = k._writer_structs.get((first, count))
+        if packer is None:
+            n = len(k._params)
+            if type(first) is not int or type(count) is not int or first < 0 or count < 1 or first + count > n:
+                raise ValueError(f"kernel {k.name!r}: arguments {first!r}..+{count!r} are not within its {n} arguments")
+            packer = k._writer_structs[(first, count)] = struct.Struct(
+                _slot_format(k._params, k._offsets, k._nbytes, first, count))
+        return functools.partial(packer.pack_into, self._buf, k._offsets[first])
 
     def set_grid(self, x: int, y: int = 1, z: int = 1) -> None:
         """Replace the grid dimensions for later launches (unchecked: positive ints)."""
