@@ -119,7 +119,7 @@ class TileSpec:
         preset: one of ``PRESETS`` (``k4v2_g128`` default): K bits, V bits and tokens per tile.
         head_dim: D, one of 64, 128, 256.
         scale_dtype: ``torch.float16`` (default) or ``torch.float32`` for the step/min/scale vectors.
-        sinkhorn_iters: variance-normalization iterations, 0 to ``MAX_SINKHORN_ITERS`` (64), default 4.
+        sinkhorn_iters: variance-normalization iterations, 0 to ``MAX_SINKHORN_ITERS`` (64), default 2.
         quantizer: one of ``QUANTIZERS``: ``uniform`` (default) or ``lloyd_max``; what the codes and
             the step/min fields mean (the layout is the same).
     """
