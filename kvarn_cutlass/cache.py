@@ -60,7 +60,7 @@ class _Layer:
     sink_len: int
     tile_tokens: int
     lens: torch.Tensor  # int32 [3, batch] on the device: n_tiles, window_len, sink_len
-    device: object = None  # the prepared append launches of these buffers (ops.append)
+    buffers: object = None  # the window, sink and lens addresses the append kernels take (ops.append, at the first append)
     # inside deferred_checks(overlap_appends=True): the event of the layer's last append on the cache's write
     # stream, and the handle of the stream that last waited for it
     written: object = None

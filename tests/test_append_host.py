@@ -220,13 +220,51 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv):
         assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
         assert a["backup_k"] == c._backups[0].window_k.data_ptr() and a["backup_v"] == c._backups[0].window_v.data_ptr()
         assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, 1), n, chunk.data_ptr())
-    # the pool grew along the way (no max_seq_len): both forms were re-pointed at the new one
+    # the pool grew along the way (no max_seq_len), and each launch above read the pool it had then
     assert st.tiles.shape[1] > 8
-    for launch in (st.device.compress, st.device.cluster):
-        del drv.launches[:]
-        launch.launch()
-        [(_, _, _, a)] = drv.launches
-        assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
+
+
+def test_one_prepared_launch_per_kernel_serves_every_layer(drv):
+    """The cache prepares each kernel's launch once and writes the layer's buffers into it per call: appends
+    alternating between layers, in both compression forms, each launch with its own layer's pointers."""
+    B, H, D, T = 1, 4, 128, 128
+    c = _device_cache(drv, cluster=True, num_layers=3, batch_size=B, num_kv_heads=H, head_dim=D, window=256,
+                      dtype=torch.float16, max_seq_len=8192)
+    g = torch.Generator().manual_seed(21)
+    prepared = []
+    real_prepare = type(c._writer._commit).prepare
+
+    def counting_prepare(kernel, *a, **kw):
+        prepared.append(kernel.name)
+        return real_prepare(kernel, *a, **kw)
+
+    for layer in (2, 0, 1):
+        c.append(layer, *[realistic_kv(B, H, 256, D, generator=g) for _ in range(2)])  # full windows, no tile
+    type(c._writer._commit).prepare = counting_prepare
+    try:
+        for step, (layer, n) in enumerate(((1, 2 * T), (0, 300), (2, 1), (1, 40 * T), (0, 4 * T), (2, 40 * T))):
+            st = c._layers[layer]
+            n_new = A.plan_append(st.sink_len, st.window_len, n, c.sink_tokens, c.window, T)[1]
+            kv = [realistic_kv(B, H, n, D, generator=g) for _ in range(2)]
+            del drv.launches[:]
+            with c.deferred_checks():
+                c.append(layer, *kv)
+            launches = drv.launches
+            assert [x[0] for x in launches] == (["append_compress_cluster" if n_new <= c._writer.cluster_tiles
+                                                 else "append_compress"] if n_new else []) + ["append_commit"]
+            for name, _, _, a in launches:
+                assert (a["k"], a["v"], a["win_k"], a["win_v"], a["lens"]) == (
+                    kv[0].data_ptr(), kv[1].data_ptr(), st.window_k.data_ptr(), st.window_v.data_ptr(),
+                    st.lens.data_ptr()), (step, name)
+                if name == "append_commit":
+                    assert (a["n"], a["sink_k"], a["sink_v"]) == (n, st.sink_k.data_ptr(), st.sink_v.data_ptr())
+                else:
+                    assert (a["pool"], a["table"], a["cap"], a["n"], a["max_new"]) == (
+                        st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1], n, n_new), step
+    finally:
+        type(c._writer._commit).prepare = real_prepare
+    # the commit launch was prepared by the first appends; each compression form once, at its first use
+    assert sorted(prepared) == ["append_compress", "append_compress_cluster"]
 
 
 @pytest.mark.parametrize("batch,form", [(1, "cluster"), (4, "cluster"), (5, "cta")])
@@ -435,8 +473,9 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     parts = res["prompt_first_parts_us"]
     # the first append prepares the commit and the compress launch (each packing its arguments), inside the
     # appender's append, and allocates the layer's backups (the appender was made by the stand-in setup)
-    assert set(parts) == {"appender_init", "backup", "prepare_commit", "prepare_compress", "pack", "launch",
-                          "device_append"}
+    assert set(parts) == {"cache_append", "check_pair", "appender_init", "backup", "prepare_commit",
+                          "prepare_compress", "pack", "launch", "device_append"}
     assert parts["appender_init"] == 0 and min(parts["backup"], parts["prepare_commit"], parts["pack"]) > 0
     assert parts["pack"] <= parts["prepare_commit"] + parts["prepare_compress"]
     assert parts["prepare_commit"] + parts["prepare_compress"] + parts["launch"] <= parts["device_append"]
+    assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]

@@ -21,8 +21,9 @@ cache inside one ``deferred_checks`` block (the bench's ``prefill_compress``, wh
 H200 host against 1.4 ms of GPU work): ``prompt_first_us`` (the cache's first append: the appender, the layer's
 prepared launches and backups), ``prompt_rest_us`` (the median of the other 31), ``prompt_total_us``, medians
 over ``--rounds`` fresh caches (after one warm-up cache); ``prompt_first_parts_us``: in as many more fresh
-caches, the first append's wall time inside each of its parts (inclusive, so they overlap: ``device_append``
-holds the prepares and launches, ``prepare_*`` hold ``pack``; medians); ``--profile N`` also prints the N most
+caches, the first append's wall time inside each of its parts (inclusive, so they overlap: ``cache_append`` is
+the whole call, ``device_append`` holds the prepares and launches, ``prepare_*`` hold ``pack``; medians);
+``--profile N`` also prints the N most
 expensive functions of one fresh cache's 32 appends (cProfile, cumulative).
 
 On a CUDA machine everything is real (``python3 tools/host_overhead.py``; add ``--bench`` for the
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
                                                    lambda: cache.append(0, *toks[T - 1]))
     res["amortized_us"] = ((T - 1) * res["append_us"] + res["completing_us"]) / T
     res["appender_us"] = timed(lambda i: writer.append(st, toks[i][0], toks[i][1], 1, 0, None))[0]
-    commit = st.device.commit
+    commit = writer._commit_launch.launch
     res["launch_us"] = timed(lambda i: commit.launch())[0]
     res["checks_us"] = res["append_us"] - res["appender_us"]
     if device == "cuda":
@@ -234,7 +235,8 @@ def prompt_appends(args, device: str, kc, A) -> None:
 
     from kvarn_cutlass.runtime.module import Kernel, PreparedLaunch
 
-    parts = {"appender_init": (A.DeviceAppender, "__init__"), "backup": (kc.KVarNCache, "_backup"),
+    parts = {"cache_append": (kc.KVarNCache, "append"), "check_pair": (kc.KVarNCache, "_check_pair"),
+             "appender_init": (A.DeviceAppender, "__init__"), "backup": (kc.KVarNCache, "_backup"),
              "prepare_commit": (A.DeviceAppender, "_prepare_commit"),
              "prepare_compress": (A.DeviceAppender, "_prepare_compress"), "pack": (Kernel, "_pack"),
              "launch": (PreparedLaunch, "launch"), "device_append": (A.DeviceAppender, "append")}

@@ -20,11 +20,12 @@ Errors go into an int32 flag on the device (``ERROR_BITS``). The kernels never c
 once it is set and commit nothing then, so a failed append changes no length and no live token. The
 cache decides when the flag is read (at once, or at the end of a ``deferred_checks`` block).
 
-Host cost per call (the FlashInfer model: plan once, then only launch): the launches of a layer are
-prepared at its first append (every argument packed), and a call rewrites only the inputs' addresses
-and strides, in one ``struct.pack_into`` per launch (:meth:`PreparedLaunch.writer`), then makes one
-``cuLaunchKernelEx`` (two when a tile completes, the compression in the form that call's tile count
-picks); no torch op, allocation or synchronization, unless
+Host cost per call (the FlashInfer model: plan once, then only launch): a cache prepares each kernel's
+launch once, at the first append that needs it (every argument packed), for all its layers; a call
+rewrites only the inputs' addresses and strides and the layer's buffers, in two ``struct.pack_into``
+per launch (:meth:`PreparedLaunch.writer`), then makes one ``cuLaunchKernelEx`` (two when a tile
+completes, the compression in the form that call's tile count picks); no torch op, allocation or
+synchronization, unless
 an input must be copied first (rows not 16-byte aligned, or a view of the cache's own buffers; the
 cache converts inputs of another dtype to its own before).
 """
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from ..format import TileSpec
+from ..runtime.compiler import default_backend
 from ..runtime.spec import get_kernel
 from . import compress as C
 
@@ -121,9 +123,13 @@ def _index(signature: tuple[str, ...]) -> dict[str, int]:
 
 
 _A = _index(APPEND_COMPRESS_SIGNATURE)
-_B_N = _index(APPEND_COMMIT_SIGNATURE)["n"]
+_B = _index(APPEND_COMMIT_SIGNATURE)
 # k, v, k_sb .. v_st: the leading arguments of both kernels, rewritten per call (one writer each)
 _KV_ARGS = 8
+# then the layer's buffers, rewritten per call too (one writer each): append_compress's win_k, win_v, pool, table,
+# lens and append_commit's win_k, win_v, sink_k, sink_v, lens
+_LAYER_ARGS = 5
+assert _A["win_k"] == _B["win_k"] == _KV_ARGS and _A["lens"] == _B["lens"] == _KV_ARGS + _LAYER_ARGS - 1
 _SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
 
 
@@ -158,23 +164,36 @@ def _compress_grid_x(bh: int, n_new: int, aux_parts: int, ranks: int) -> int:
     return bh * n_new * ranks + -(-bh * aux_parts // ranks) * ranks
 
 
-class _LayerLaunches:
-    """Prepared launches of one layer's buffers; pointers refreshed when the pool moves.
+class _Launch:
+    """One kernel's prepared launch, shared by a cache's layers: ``kv`` and ``layer`` write the leading
+    input arguments and the layer's buffers (``_KV_ARGS`` and ``_LAYER_ARGS`` of them) per call; ``n``, the
+    chunk length it holds now."""
 
-    ``compress`` / ``cluster``: append_compress in the one-CTA and the cluster form, each prepared at its
-    first use (None before), with their writers of k, v and strides. ``bounds``: the sorted [start, end)
-    addresses of the layer's window and sink buffers, flattened, so that an address lies inside one of
-    them iff ``bisect_right(bounds, p)`` is odd (the buffers are separate allocations, hence disjoint).
-    ``n``: the chunk length the commit launch holds now."""
+    __slots__ = ("launch", "kv", "layer", "n")
 
-    __slots__ = ("compress", "cluster", "commit", "pool", "bounds", "compress_kv", "cluster_kv", "commit_kv",
-                 "commit_n", "n")
+    def __init__(self, launch, n: int):
+        self.launch, self.n = launch, n
+        self.kv = launch.writer(0, _KV_ARGS)
+        self.layer = launch.writer(_KV_ARGS, _LAYER_ARGS)
 
-    def __init__(self, commit, pool: torch.Tensor, bounds: list[int], n: int):
-        self.compress = self.cluster = self.compress_kv = self.cluster_kv = None
-        self.commit, self.pool, self.bounds, self.n = commit, pool, bounds, n
-        self.commit_kv = commit.writer(0, _KV_ARGS)
-        self.commit_n = commit.writer(_B_N, 1)
+
+class _LayerBuffers:
+    """A layer's fixed buffer addresses (its window, sink and lens never move, unlike the tile pool), read once:
+    ``bounds``, their sorted [start, end) addresses flattened, so that an address lies inside one of the window and
+    sink buffers iff ``bisect_right(bounds, p)`` is odd (separate allocations, hence disjoint); ``commit``,
+    append_commit's layer arguments; ``window_k``, ``window_v`` and ``lens``, append_compress's."""
+
+    __slots__ = ("bounds", "commit", "window_k", "window_v", "lens")
+
+    def __init__(self, st):
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                       for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
+        self.bounds = [p for span in spans for p in span]
+        self.window_k, self.window_v, self.lens = st.window_k.data_ptr(), st.window_v.data_ptr(), st.lens.data_ptr()
+        self.commit = (self.window_k, self.window_v, st.sink_k.data_ptr(), st.sink_v.data_ptr(), self.lens)
+
+
+_SETUPS: dict[tuple, tuple] = {}  # DeviceAppender's kernels and launch shapes, by what picks them
 
 
 def _kernel_ready(x: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, int, tuple[int, ...]]:
@@ -216,26 +235,12 @@ class DeviceAppender:
         self.smem = 0
         self.cta_threads = 32 * C.default_cta_warps(spec.tile_tokens, spec.head_dim)
         if kernels is None:
-            kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, cache.dtype, spec.scale_dtype, spec.v_bits,
-                                    spec.quantizer, C.cluster_warps(), C.cta_warps(spec.tile_tokens, spec.head_dim))
-            name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, cache.dtype,  # noqa: E731
-                                              spec.scale_dtype, spec.v_bits, spec.quantizer, role)
-            idx = self.device.index
-            kernels = (get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx),
-                       get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx),
-                       get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
-            smem = C._module_smem_bytes(kspec, idx)
-            self.smem = smem["compress_cta"]  # append_compress is one-CTA compression
-            self.cta_threads = C._layer_layout(kernels[0])[1]
-            limit = C._smem_limit(idx)
-            if self.smem > limit:
-                raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {self.smem} bytes "
-                                 f"of shared memory per block, {self.device} has {limit}")
-            form = get_kernel(kspec, name("append_compress_cluster"), APPEND_COMPRESS_SIGNATURE, idx)
-            ranks, threads = C._layer_layout(form)
-            # sm_90 (the kernel asks for a cluster); its CTAs' shared memory stays under 48 KB (tests/test_compress.py)
-            cluster = None if ranks == 1 else ClusterForm(form, ranks, threads, smem["compress"],
-                                                          C.cluster_halves(ranks, idx, threads))
+            cw, ow = C.cluster_warps(), C.cta_warps(spec.tile_tokens, spec.head_dim)
+            key = (spec, cache.dtype, self.device.index, cw, ow, default_backend())
+            setup = _SETUPS.get(key)
+            if setup is None:
+                setup = _SETUPS[key] = self._setup(spec, cache.dtype, self.device.index, cw, ow)
+            kernels, self.smem, self.cta_threads, cluster = setup
         self._compress, self._commit, self._snapshot = kernels
         self._cluster = cluster
         self._bh = cache.batch_size * cache.num_kv_heads
@@ -243,6 +248,32 @@ class DeviceAppender:
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
+        # the prepared launches, shared by the layers (each made at the first append that needs it)
+        self._commit_launch = self._compress_form = self._cluster_form = None
+
+    @staticmethod
+    def _setup(spec: TileSpec, dtype: torch.dtype, idx: int, cluster_warps: int, cta_warps: int):
+        """(kernels, one-CTA shared memory, one-CTA threads, cluster form) of the compiled kernels."""
+        kspec = C.compress_spec(spec.tile_tokens, spec.head_dim, dtype, spec.scale_dtype, spec.v_bits,
+                                spec.quantizer, cluster_warps, cta_warps)
+        name = lambda role: C.kernel_name(spec.tile_tokens, spec.head_dim, dtype,  # noqa: E731
+                                          spec.scale_dtype, spec.v_bits, spec.quantizer, role)
+        kernels = (get_kernel(kspec, name("append_compress"), APPEND_COMPRESS_SIGNATURE, idx),
+                   get_kernel(kspec, name("append_commit"), APPEND_COMMIT_SIGNATURE, idx),
+                   get_kernel(kspec, name("append_snapshot"), SNAPSHOT_SIGNATURE, idx))
+        smem = C._module_smem_bytes(kspec, idx)
+        cta_smem = smem["compress_cta"]  # append_compress is one-CTA compression
+        cta_threads = C._layer_layout(kernels[0])[1]
+        limit = C._smem_limit(idx)
+        if cta_smem > limit:
+            raise ValueError(f"compression of T={spec.tile_tokens}, D={spec.head_dim} needs {cta_smem} bytes "
+                             f"of shared memory per block, cuda:{idx} has {limit}")
+        form = get_kernel(kspec, name("append_compress_cluster"), APPEND_COMPRESS_SIGNATURE, idx)
+        ranks, threads = C._layer_layout(form)
+        # sm_90 (the kernel asks for a cluster); its CTAs' shared memory stays under 48 KB (tests/test_compress.py)
+        cluster = None if ranks == 1 else ClusterForm(form, ranks, threads, smem["compress"],
+                                                      C.cluster_halves(ranks, idx, threads))
+        return kernels, cta_smem, cta_threads, cluster
 
     # --- launches ----------------------------------------------------------------------------------
     def _prepare_compress(self, form: ClusterForm | None, st, k: torch.Tensor, v: torch.Tensor, n: int,
@@ -270,35 +301,20 @@ class DeviceAppender:
              c._errors, c._counter, c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads),
         )
 
-    def _launches(self, st, k, v, n) -> _LayerLaunches:
-        """The layer's prepared launches: made at its first append, re-pointed when its pool grew."""
-        ls = st.device
-        if ls is None:
-            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                           for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
-            ls = st.device = _LayerLaunches(self._prepare_commit(st, k, v, n), st.tiles,
-                                            [p for span in spans for p in span], n)
-        if ls.pool is not st.tiles:  # the pool grew (no max_seq_len)
-            for launch in (ls.compress, ls.cluster):
-                if launch is not None:
-                    launch.set_arg(_A["pool"], st.tiles.data_ptr())
-                    launch.set_arg(_A["table"], st.tile_table.data_ptr())
-                    launch.set_arg(_A["cap"], st.tiles.shape[1])
-            ls.pool = st.tiles
-        return ls
-
-    def _compress_launch(self, ls: _LayerLaunches, st, k, v, n: int, cluster: bool):
-        """(launch, its k/v writer) of the layer's append_compress in the cluster or the one-CTA form,
-        prepared now: at the first append that takes the form (a Kernel.prepare costs ~65 us of host time
-        on the dev CPU; a layer whose appends all take one form, e.g. a fresh cache's prompt in 512-token
-        chunks, prepares only that one)."""
-        launch = self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None)
-        writer = launch.writer(0, _KV_ARGS)
-        if cluster:
-            ls.cluster, ls.cluster_kv = launch, writer
+    def _launch_of(self, cluster: bool | None, st, k, v, n: int) -> _Launch:
+        """The cache's prepared launch of append_commit (``cluster`` None) or of append_compress in the cluster
+        or the one-CTA form, made now if this is its first use (a ``Kernel.prepare`` costs ~30-40 us of host
+        time on the dev CPU; a cache whose appends all take one compression form, e.g. a fresh cache's prompt in
+        512-token chunks, prepares only that one)."""
+        if cluster is None:
+            launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n), n)
         else:
-            ls.compress, ls.compress_kv = launch, writer
-        return launch, writer
+            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None), n)
+            if cluster:
+                self._cluster_form = launch
+            else:
+                self._compress_form = launch
+        return launch
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None,
                stream: torch.cuda.Stream | None = None) -> None:
@@ -307,13 +323,13 @@ class DeviceAppender:
         that append_compress fills with the window before the append, when a tile completes. ``stream``:
         launch there (after the work queued so far on the current stream, and with k, v kept alive for it)
         instead of on the current stream."""
-        ls = st.device
-        if ls is None or ls.pool is not st.tiles:
-            ls = self._launches(st, k, v, n)
+        lb = st.buffers
+        if lb is None:
+            lb = st.buffers = _LayerBuffers(st)
+        bounds = lb.bounds
         # The layout the kernels read (16-byte aligned rows, contiguous channels), and not a view of the
         # cache's own buffers, which the kernels rewrite while reading the input; else a copy. One
         # condition for both tensors (this is the whole per-call cost of the checks).
-        bounds = ls.bounds
         kp, vp = k.data_ptr(), v.data_ptr()
         k0, k1, k2, k3 = k.stride()
         v0, v1, v2, v3 = v.stride()
@@ -329,14 +345,16 @@ class DeviceAppender:
             k.record_stream(stream)  # freed on the current stream, reused only after the append has read them
             v.record_stream(stream)
         if n_new:
-            if n_new <= self.cluster_tiles:
-                a, kv, ranks = ls.cluster, ls.cluster_kv, self._cluster.ranks
-            else:
-                a, kv, ranks = ls.compress, ls.compress_kv, 1
-            if a is None:
-                a, kv = self._compress_launch(ls, st, k, v, n, ranks > 1)
-            kv(kp, vp, k0, k1, k2, v0, v1, v2)
+            cluster = n_new <= self.cluster_tiles
+            f = self._cluster_form if cluster else self._compress_form
+            if f is None:
+                f = self._launch_of(cluster, st, k, v, n)
+            ranks = self._cluster.ranks if cluster else 1
+            a = f.launch
+            f.kv(kp, vp, k0, k1, k2, v0, v1, v2)
+            f.layer(lb.window_k, lb.window_v, st.tiles.data_ptr(), st.tile_table.data_ptr(), lb.lens)
             aux_parts = -(-n // AUX_ROWS)
+            a.set_arg(_A["cap"], st.tiles.shape[1])
             a.set_arg(_A["n"], n)
             a.set_arg(_A["max_new"], n_new)
             a.set_arg(_A["aux_parts"], aux_parts)
@@ -344,11 +362,15 @@ class DeviceAppender:
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
             a.set_grid(_compress_grid_x(self._bh, n_new, aux_parts, ranks), 2)
             a.launch(stream)
-        ls.commit_kv(kp, vp, k0, k1, k2, v0, v1, v2)
-        if n != ls.n:  # decode appends one token per call: n rarely changes
-            ls.commit_n(n)
-            ls.n = n
-        ls.commit.launch(stream)
+        b = self._commit_launch
+        if b is None:
+            b = self._launch_of(None, st, k, v, n)
+        b.kv(kp, vp, k0, k1, k2, v0, v1, v2)
+        b.layer(*lb.commit)
+        if n != b.n:  # decode appends one token per call: n rarely changes
+            b.launch.set_arg(_B["n"], n)
+            b.n = n
+        b.launch.launch(stream)
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels
