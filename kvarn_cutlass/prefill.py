@@ -73,10 +73,8 @@ def prefill_attention(
         cache: the :class:`KVarNCache`; layer: layer index.
         scale: softmax scale, default 1/sqrt(head_dim); a positive finite number.
         out: optional output tensor (q's shape and dtype).
-        append: append k, v to the cache after the attention (default; on CUDA the compression of the tiles
-            the chunk completes runs on a second stream of the cache beside the attention, which reads the cache
-            as it was before the chunk). With False the cache is not changed (the caller appends the same k, v
-            before the next chunk).
+        append: append k, v to the cache after the attention (default). With False the cache is not
+            changed (the caller appends the same k, v before the next chunk).
         impl: ``"auto"`` | ``"gpu"`` | ``"torch"`` (module docstring).
         config: a :class:`kvarn_cutlass.ops.prefill.FusedConfig` for the GPU kernel (default: the tuned
             table, else the documented default). With ``impl="torch"`` only its ``k_operand`` matters
@@ -95,11 +93,7 @@ def prefill_attention(
         raise ValueError(f"impl='gpu' needs CUDA tensors; q is on {q.device} (use impl='torch')")
     scale = resolve_scale(scale, q.shape[-1])
     if impl == "gpu":
-        attend = lambda: _launch(q, k, v, cache, layer, scale, out, config)  # noqa: E731
-        if append:
-            # the tiles this chunk completes are compressed beside its attention, which does not read them
-            return cache._append(layer, k, v, beside=attend)
-        res = attend()
+        res = _launch(q, k, v, cache, layer, scale, out, config)
     else:
         k_operand = getattr(config, "k_operand", "f16")
         if k_operand == "int8" and cache.spec.quantizer != "uniform":
