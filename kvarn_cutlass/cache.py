@@ -101,11 +101,15 @@ class KVarNCache:
         device: where every tensor of the cache lives (``cpu``, ``cpu:0``, ``cuda``, ``cuda:1``, a
             ``torch.device``); stored normalized in ``device`` (``cpu``, ``cuda:<index>``).
         scale_dtype: float16 (default) or float32 for the scales inside tile records.
-        sinkhorn_iters: variance-normalization iterations of the codec.
+        sinkhorn_iters: variance-normalization iterations of the codec (default 2; docs/accuracy.md has what the
+            count buys).
         max_seq_len: optional capacity in tokens; preallocates the tile pool (needed to capture
             decode in CUDA graphs, since a growing pool moves). ``None`` grows the pool by doubling.
         quantizer: ``uniform`` (default) or ``lloyd_max`` (see ``kvarn_cutlass.format.QUANTIZERS``):
             how tile values are coded; stored in ``spec``.
+
+    A cache is used from one host thread at a time: on CUDA its appends share one prepared launch per
+    kernel across the layers (``ops.append``), rewritten by each call.
     """
 
     def __init__(
