@@ -41,7 +41,8 @@
 # 8. GPU_GENERATE=1: the greedy-agreement rows of docs/accuracy.md on CUDA -> $OUT/generate.jsonl
 # Device time is scarce (30 minutes a session): GPU_TEST_LIMIT (default 120 s per group) and
 # GPU_BENCH_LIMIT (default 300 s) bound the steps; GPU_BENCH_QUICK=1 passes --quick to the bench;
-# GPU_BENCH_PARTS="PART ..." passes --part PART for each (one section that runs in parts, e.g. e2e:
+# GPU_BENCH_PARTS="PART ..." passes --part PART for each to the e2e section, in a bench run of its own after the
+# other sections' (the section that runs in parts:
 # `kvarn-cutlass bench --section e2e --list-parts` names them and groups them into commands);
 # GPU_BENCH_OUT=DIR passes --out DIR (results.json, results.md, plots) and packs DIR into
 # $OUT/bench-results.tgz (one file: the tool returns at most 8);
@@ -151,11 +152,28 @@ if [ "$#" -gt 0 ]; then
   bench_args=()
   [ -n "${GPU_BENCH_QUICK:-}" ] && bench_args+=(--quick)
   [ -n "${GPU_BENCH_OUT:-}" ] && bench_args+=(--out "$GPU_BENCH_OUT")
-  for part in ${GPU_BENCH_PARTS:-}; do bench_args+=(--part "$part"); done
+  # the bench takes --part with exactly one section: with GPU_BENCH_PARTS the parts go to the one section that
+  # runs in parts (e2e), in a bench run of its own after the other sections' run
+  sections=() parted=()
   for s in "$@"; do
-    [ "$s" = "all" ] || bench_args+=(--section "$s")
+    if [ -n "${GPU_BENCH_PARTS:-}" ] && [ "$s" = e2e ]; then
+      parted=(--section e2e)
+      for part in $GPU_BENCH_PARTS; do parted+=(--part "$part"); done
+    elif [ "$s" != all ]; then
+      sections+=(--section "$s")
+    fi
   done
-  step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}"
+  if [ -n "${GPU_BENCH_PARTS:-}" ] && [ "${#parted[@]}" -eq 0 ]; then
+    echo "gpu_check: GPU_BENCH_PARTS needs the e2e section among the bench sections" | tee -a "$OUT/gpu_check.log"
+    echo "bench: exit 2" | tee -a "$SUMMARY"
+    failed=1
+  else
+    if [ "${#sections[@]}" -gt 0 ] || [ "${#parted[@]}" -eq 0 ]; then
+      step bench timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}" "${sections[@]}"
+    fi
+    [ "${#parted[@]}" -eq 0 ] || step bench_parts timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench \
+      "${bench_args[@]}" "${parted[@]}"
+  fi
   if [ -n "${GPU_BENCH_OUT:-}" ] && [ -d "$GPU_BENCH_OUT" ]; then
     tar czf "$OUT/bench-results.tgz" -C "$GPU_BENCH_OUT" .
   fi
