@@ -166,13 +166,12 @@ def _compress_grid_x(bh: int, n_new: int, aux_parts: int, ranks: int) -> int:
 
 class _Launch:
     """One kernel's prepared launch, shared by a cache's layers: ``kv`` and ``layer`` write the leading
-    input arguments and the layer's buffers (``_KV_ARGS`` and ``_LAYER_ARGS`` of them) per call; ``n``, the
-    chunk length it holds now."""
+    input arguments and the layer's buffers (``_KV_ARGS`` and ``_LAYER_ARGS`` of them) per call."""
 
-    __slots__ = ("launch", "kv", "layer", "n")
+    __slots__ = ("launch", "kv", "layer")
 
-    def __init__(self, launch, n: int):
-        self.launch, self.n = launch, n
+    def __init__(self, launch):
+        self.launch = launch
         self.kv = launch.writer(0, _KV_ARGS)
         self.layer = launch.writer(_KV_ARGS, _LAYER_ARGS)
 
@@ -250,6 +249,7 @@ class DeviceAppender:
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
         # the prepared launches, shared by the layers (each made at the first append that needs it)
         self._commit_launch = self._compress_form = self._cluster_form = None
+        self._commit_n = 0  # the chunk length the commit launch holds
 
     @staticmethod
     def _setup(spec: TileSpec, dtype: torch.dtype, idx: int, cluster_warps: int, cta_warps: int):
@@ -307,9 +307,10 @@ class DeviceAppender:
         time on the dev CPU; a cache whose appends all take one compression form, e.g. a fresh cache's prompt in
         512-token chunks, prepares only that one)."""
         if cluster is None:
-            launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n), n)
+            launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n))
+            self._commit_n = n
         else:
-            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None), n)
+            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None))
             if cluster:
                 self._cluster_form = launch
             else:
@@ -367,9 +368,9 @@ class DeviceAppender:
             b = self._launch_of(None, st, k, v, n)
         b.kv(kp, vp, k0, k1, k2, v0, v1, v2)
         b.layer(*lb.commit)
-        if n != b.n:  # decode appends one token per call: n rarely changes
+        if n != self._commit_n:  # decode appends one token per call: n rarely changes
             b.launch.set_arg(_B["n"], n)
-            b.n = n
+            self._commit_n = n
         b.launch.launch(stream)
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
