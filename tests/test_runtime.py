@@ -532,6 +532,7 @@ def test_pack_takes_numpy_scalars_and_rounds_f32_as_ctypes_does():
         ((None, None, None, torch.tensor(1.0), 4), TypeError, r"argument 3 \(f32 alpha\): .*Tensor.*synchronize"),
         ((None, "0x10", None, 1.0, 4), TypeError, r"argument 1 \(ptr x\): expected a CUDA tensor"),
         ((None, -1, None, 1.0, 4), ValueError, r"argument 1 \(ptr x\): address -1 is out of range"),
+        ((None, None, None, 1e39, 4), ValueError, r"argument 3 \(f32 alpha\): 1e\+39 is out of range for f32"),
         ((torch.zeros(4), None, None, 1.0, 4), ValueError, r"argument 0 \(ptr out\): tensor is on cpu"),
     ],
 )

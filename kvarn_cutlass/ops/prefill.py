@@ -446,7 +446,7 @@ class FusedPrefillKernel:
                     num_kv_heads, G, n, float(scale) * LOG2E, B, int(heavy_first), ws.data_ptr(), splits,
                     split_tiles,
                 )
-            except struct.error:  # a value out of its argument's range: prepare again, which names it
+            except (struct.error, OverflowError):  # a value out of its argument's range: prepare again, which names it
                 self._prepared = None
                 return self.launch(q, out, pool, tile_table, n_tiles, sink_k, sink_v, sink_len, win_k, win_v,
                                    win_len, chunk_k, chunk_v, num_kv_heads, scale)

@@ -362,7 +362,16 @@ class Kernel:
             )
         name, dev = self.name, self.module.device_index
         buf = (ctypes.c_uint8 * max(self._nbytes, _SLOT_ALIGN))()
-        self._struct.pack_into(buf, 0, *[_value(p, a, name, dev) for p, a in zip(self._params, args)])
+        values = [_value(p, a, name, dev) for p, a in zip(self._params, args)]
+        try:
+            self._struct.pack_into(buf, 0, *values)
+        except (OverflowError, struct.error):  # a finite real beyond f32's range (the checks pass every other value)
+            for p, packer, value in zip(self._params, self._arg_structs, values):
+                try:
+                    packer.pack(value)
+                except (OverflowError, struct.error):
+                    raise ValueError(f"kernel {name!r} {p.label}: {value!r} is out of range for {p.kind}") from None
+            raise
         base = ctypes.addressof(buf)
         array = (ctypes.c_void_p * max(len(self._params), 1))(*[base + off for off in self._offsets])
         return buf, array
@@ -475,7 +484,7 @@ class PreparedLaunch:
         """Replace argument ``index`` for later launches: an int address or int for ``ptr``/integer
         entries, a float for ``f32``/``f64``. Unchecked (the hot path of a launch whose pointers or
         sizes change per call): the caller passes values of the declared kind and range (a value outside
-        it raises ``struct.error``)."""
+        it raises ``struct.error``, or ``OverflowError`` for a finite real beyond f32's range)."""
         k = self.kernel
         k._arg_structs[index].pack_into(self._buf, k._offsets[index], value)
 
@@ -489,8 +498,9 @@ class PreparedLaunch:
         """A function ``w(*values)`` that replaces arguments ``first .. first + count - 1`` for later launches
         in one ``struct.pack_into`` over their slots: the per-call update of a hot launch (an input's
         address and strides), a few times cheaper than :meth:`set_args`. Values as for :meth:`set_arg`
-        (``bytes`` for ``bytes:N`` entries); a value outside its kind's range raises ``struct.error``
-        and leaves the run's slots zeroed (write them again before the next launch)."""
+        (``bytes`` for ``bytes:N`` entries); a value outside its kind's range raises ``struct.error`` (or
+        ``OverflowError``: a finite real beyond f32's range) and leaves the run's slots zeroed (write them again
+        before the next launch)."""
         k = self.kernel
         packer = k._writer_structs.get((first, count))
         if packer is None:
