@@ -86,6 +86,16 @@ def test_decode_table_equals_the_record(h200):
         assert abs(float(cells["fp16 MiB"]) - row["fp16_bytes"] / 2**20) <= 0.05
 
 
+def test_prefill_section_names_its_timing_when_the_record_has_it(h200):
+    path, raw = h200
+    raw["sections"]["prefill"]["results"].pop("timing", None)
+    path.write_text(json.dumps(raw))
+    assert "Timing:" not in render_markdown(load_record(path))
+    raw["sections"]["prefill"]["results"]["timing"] = "methods take turns, 5 rounds; medians"
+    path.write_text(json.dumps(raw))
+    assert "Timing: methods take turns, 5 rounds; medians." in render_markdown(load_record(path))
+
+
 def test_prefill_table_equals_the_record(h200):
     path, raw = h200
     md = render_markdown(load_record(path))

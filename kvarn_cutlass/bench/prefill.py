@@ -2,7 +2,8 @@
 
 Workload: a P-token prompt prefilled in chunks of C (Qwen3-8B heads: 32 q / 8 KV heads, head_dim 128
 or 256, k4v2_g128, window 256, fp16). Every time is a whole prompt with one synchronization at the
-end (CUDA events; a warm-up prompt, then the median of ``reps``):
+end (CUDA events; per point a warm-up prompt of each method, then ``reps`` rounds in which the methods take
+turns, and the median of each):
 
 * ``kvarn_e2e_ms``: ``prefill_attention`` per chunk, which attends and then appends (compression on
   the GPU), inside ``cache.deferred_checks()`` (the append's checks are read back once, after the
@@ -23,7 +24,7 @@ Run: ``kvarn-cutlass bench --section prefill``.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 from . import BenchOptions, register_section
 
@@ -77,10 +78,29 @@ def _matmul_tflops() -> float:
     return round(2 * 8192**3 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12, 1)
 
 
-def _timed(fn, reps: int) -> float:
-    """Median ms of ``fn()`` (which returns its own event-timed ms) after one warm-up call."""
-    fn()
-    return round(statistics.median(fn() for _ in range(reps)), 3)
+def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
+                 optional: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
+    """(median ms of each method, errors of the optional ones that could not run). Each method returns its own
+    event-timed ms; one warm-up call each, then ``reps`` rounds in which every method runs once, in turn, so
+    that a drift of clocks or of host load during the point lands on all of them alike (rather than on whichever
+    ran last). An optional method whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is
+    left out, with its error; any other error propagates."""
+    errors: dict[str, str] = {}
+    live = {}
+    for name, fn in methods.items():
+        try:
+            fn()
+        except RuntimeError as e:
+            if name not in optional:
+                raise
+            errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        live[name] = fn
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(reps):
+        for name, fn in live.items():
+            samples[name].append(fn())
+    return {name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors
 
 
 def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float, profile: bool = False) -> dict[str, Any]:
@@ -160,15 +180,17 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float, profile: b
         return a.elapsed_time(b)
 
     res: dict[str, Any] = {"P": P, "C": C, "head_dim": D, "q_heads": HQ, "kv_heads": HKV}
-    res["kvarn_e2e_ms"] = _timed(kvarn_prompt, reps)
-    res["append_ms"] = _timed(lambda: kvarn_prompt(attend=False), reps)
-    res["sdpa_flash_e2e_ms"] = _timed(lambda: sdpa_prompt(SDPBackend.FLASH_ATTENTION), reps)
+    times, errors = _interleaved({
+        "kvarn_e2e_ms": kvarn_prompt,
+        "append_ms": lambda: kvarn_prompt(attend=False),
+        "sdpa_flash_e2e_ms": lambda: sdpa_prompt(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn_e2e_ms": lambda: sdpa_prompt(SDPBackend.CUDNN_ATTENTION),
+        "dequant_sdpa_e2e_ms": dequant_prompt,
+    }, reps, optional=frozenset({"sdpa_cudnn_e2e_ms"}))  # no cuDNN attention for some shapes or builds: say so
+    res.update(times)
     res["sdpa_flash_gqa"] = _gqa_supported(SDPBackend.FLASH_ATTENTION)
-    try:
-        res["sdpa_cudnn_e2e_ms"] = _timed(lambda: sdpa_prompt(SDPBackend.CUDNN_ATTENTION), reps)
-    except RuntimeError as e:  # no cuDNN attention for this shape or build: say so
-        res["sdpa_cudnn_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["dequant_sdpa_e2e_ms"] = _timed(dequant_prompt, reps)
+    if "sdpa_cudnn_e2e_ms" in errors:
+        res["sdpa_cudnn_error"] = errors["sdpa_cudnn_e2e_ms"]
     res["kvarn_over_sdpa"] = round(res["kvarn_e2e_ms"] / res["sdpa_flash_e2e_ms"], 3)
     res["kvarn_over_dequant_sdpa"] = round(res["kvarn_e2e_ms"] / res["dequant_sdpa_e2e_ms"], 3)
     flops = 4 * HQ * D * P * P / 2
@@ -231,6 +253,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     out: dict[str, Any] = {
         "workload": "one layer, 32 q / 8 KV heads, k4v2_g128, window 256, fp16; whole prompt (attention and "
                     "append of every chunk) with one sync at the end",
+        "timing": f"CUDA events around each whole prompt; per point one warm-up of each method, then {reps} rounds "
+                  "in which the methods take turns; medians",
         "matmul_f16_8192_tflops": peak,
         "points": [_one_point(P, C, D, reps, peak, profile=(i == 0)) for i, (P, C, D) in enumerate(points)],
         "peak_memory_32k": _peak_memory(),

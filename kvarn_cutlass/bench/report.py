@@ -210,7 +210,8 @@ def _prefill_md(doc: dict[str, Any], images: list[str]) -> str | None:
     out = ["## Prefill", ""]
     if res.get("workload"):
         out.append(f"Workload: {res['workload']}. Baselines, timed the same way: SDPA over a static fp16 cache "
-                   "(chunk copied in), and `kc.dequantize_layer` (one kernel for the layer's tiles) then flash SDPA.")
+                   "(chunk copied in), and `kc.dequantize_layer` (one kernel for the layer's tiles) then flash SDPA."
+                   + (f" Timing: {res['timing']}." if res.get("timing") else ""))
         out.append("")
     out += [f"![{Path(i).stem}]({i})" for i in images]
     if images:
