@@ -135,13 +135,18 @@ def _value(p: _Param, value: Any, kernel: str, device_index: int) -> int | float
     return raw
 
 
+def _struct_code(p: _Param) -> str:
+    """The ``struct`` code of one argument (little-endian standard sizes once behind a "<")."""
+    return f"{p.size}s" if p.kind == "bytes" else _STRUCT_CODES[p.kind]
+
+
 def _slot_format(params: tuple[_Param, ...], offsets: tuple[int, ...], nbytes: int, first: int, count: int) -> str:
     """``struct`` format (little-endian, standard sizes) of arguments ``first .. first + count - 1`` in their
     slots, each slot's padding as pad bytes (which packing writes as zeros)."""
     fmt = ["<"]
     for i in range(first, first + count):
         q = params[i]
-        fmt.append(f"{q.size}s" if q.kind == "bytes" else _STRUCT_CODES[q.kind])
+        fmt.append(_struct_code(q))
         end = offsets[i + 1] if i + 1 < len(params) else nbytes
         fmt.append("x" * (end - offsets[i] - q.size))
     return "".join(fmt)
@@ -320,8 +325,7 @@ class Kernel:
         self._offsets, self._nbytes = _slot_offsets(params)
         # every argument in its slot, packed by one call (Kernel.prepare's cost is mostly per-argument work)
         self._struct = struct.Struct(_slot_format(params, self._offsets, self._nbytes, 0, len(params)))
-        self._arg_structs = tuple(struct.Struct("<" + (f"{p.size}s" if p.kind == "bytes" else _STRUCT_CODES[p.kind]))
-                                  for p in params)
+        self._arg_structs = tuple(struct.Struct("<" + _struct_code(p)) for p in params)
         self._writer_structs: dict[tuple[int, int], struct.Struct] = {}  # PreparedLaunch.writer's, by (first, count)
         self._func = func
         self._smem_opt_in = _DEFAULT_DYNAMIC_SMEM
