@@ -131,6 +131,20 @@ __device__ __forceinline__ float nanmin(float a, float b) {
   if (a == b) return (__float_as_uint(a) >> 31) ? a : b;
   return a < b ? a : b;
 }
+// The same without branches (PTX min.NaN / max.NaN, sm_80+: a NaN operand gives the canonical NaN), for
+// operands that are never -0 (the quantized values u = RN(y / scale + 0.0), the column factors s, all
+// >= +0 or NaN): there nanmin / nanmax and these agree bit for bit (the only NaN the kernel can hold
+// is the canonical one that its arithmetic makes; a NaN input is rejected before).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 // Halving tree over a compile-time array: x[i] + x[i + n/2] repeated; result in x[0].
 template <int N>
@@ -428,7 +442,8 @@ struct Recip {
 __device__ __forceinline__ Recip recip(float b) { return Recip{b, __frcp_rn(b)}; }
 __device__ __forceinline__ bool divisor_ok(float b) { return fabsf(b) >= 0x1p-32f && fabsf(b) <= 0x1p32f; }
 __device__ __forceinline__ bool dividend_ok(float a) {
-  return a == 0.0f || (fabsf(a) >= 0x1p-92f && fabsf(a) <= 0x1p92f);
+  // bitwise | and &: the same truth value as || and &&, without the branches of short-circuit evaluation
+  return (a == 0.0f) | ((fabsf(a) >= 0x1p-92f) & (fabsf(a) <= 0x1p92f));
 }
 __device__ __forceinline__ float div_rn(float a, Recip d) {
   const float q0 = __fmul_rn(a, d.y);
@@ -610,18 +625,24 @@ struct Shape {
   static constexpr int XW = D / 32 < W ? D / 32 : 0;  // the warp that also gathers the extras
   static constexpr int DR = D / R;      // K channels a rank quantizes (the transposed phase)
   static constexpr int NI = T / 32;     // tokens per lane there: t = lane + 32 * i
-  static constexpr int kPitch = T + 1;  // floats per transposed channel row (conflict-free)
+  static constexpr int kPitch = T + 1;  // R == 1: floats per transposed channel row (conflict-free)
+  // The transposed K values: R == 1 channel-major [DR][kPitch]; R > 1 token-major [T][DR + 1], so that
+  // the lanes of one push instruction that go to one rank write one token's DR / 32-lane run of
+  // contiguous channels (a few coalesced DSMEM writes instead of one per lane); the readers' columns
+  // (stride DR + 1, odd) stay conflict-free.
+  static constexpr int kTRow = R > 1 ? DR + 1 : 1, kTCol = R > 1 ? 1 : kPitch;  // position t * kTRow + cl * kTCol
+  static constexpr int kTrans = R > 1 ? T * (DR + 1) : DR * kPitch;
   // exchange slot of one rank per iteration: column partials [D], row RMS max / min, max r, input
   // error bits, the V half's nonzero-channel masks [NJ] (16-byte aligned: the extras are one v4 push)
   static constexpr int XB = (D + 4 + NJ + 3) / 4 * 4;
   // dynamic shared memory (floats): mbar (R > 1: 8-byte mbarriers, one per iteration parity and the
   // K transposition's, padded to 32 bytes) |
-  // big (the y slots when R == 1, then the transposed K values, [DR][kPitch]) | part [W][D] |
+  // big (the y slots when R == 1, then the transposed K values, kTrans) | part [W][D] |
   // xbuf [2][R][XB] (per iteration parity, every rank's slot; R == 1: this CTA's own) | bc [3][D] |
   // red [4W + W * NJ] | red2 [2W + 12] | best [T + D]
   static constexpr int kMbar = R > 1 ? 8 : 0;
   static constexpr int kYSlots = kYInRegs ? 0 : N * NT;
-  static constexpr int kBig = kYSlots > DR * kPitch ? kYSlots : DR * kPitch;
+  static constexpr int kBig = kYSlots > kTrans ? kYSlots : kTrans;
   static constexpr int kRed = 4 * W + W * NJ;
   static_assert((kMbar + kBig + W * D) % 4 == 0, "xbuf 16-byte aligned");
   static constexpr int kSmemFloats = kMbar + kBig + W * D + 2 * R * XB + 3 * D + kRed + 2 * W + 12 + T + D;
@@ -703,7 +724,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   unsigned long long* mbar = reinterpret_cast<unsigned long long*>(smem);  // [3] (R > 1) parity 0, 1, K transposition
-  float* big = smem + S::kMbar;   // y slots (R == 1) [N][NT]; then the transposed K values [DR][kPitch]
+  float* big = smem + S::kMbar;   // y slots (R == 1) [N][NT]; then the transposed K values (Shape::kTrans)
   float* part = big + S::kBig;    // [W][D]  per-warp column partials
   float* xbuf = part + W * D;     // [2][R][XB] receive slots, by iteration parity and sending rank
   float* bc = xbuf + 2 * R * XB;  // [3][D]  column RMS, new s, RN(1 / new s)
@@ -1032,7 +1053,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
   for (int j = 0; j < NJ; ++j) bs[j] = best[T + lane + 32 * j];
   float ms = bs[0];
 #pragma unroll
-  for (int j = 1; j < NJ; ++j) ms = nanmax(ms, bs[j]);
+  for (int j = 1; j < NJ; ++j) ms = max_nan(ms, bs[j]);  // s >= +0 or NaN: nanmax's value
   ms = warp_max_pos(ms);  // every warp holds every column
   const int diff = frexp_exponent(best_rmax) - frexp_exponent(ms);
   const int shift = diff >= 0 ? diff / 2 : -((1 - diff) / 2);  // floor(diff / 2)
@@ -1070,8 +1091,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
 #pragma unroll
       for (int i = 0; i < N; ++i) u[i] = __fadd_rn(__fdiv_rn(Y(i), rs[i / NJ]), 0.0f);  // canonical +0
     }
-    // transpose: u(t, c) to rank c / DR, row c % DR, column t
-    constexpr int DR = S::DR, P = S::kPitch, NI = S::NI;
+    // transpose: u(t, c) to rank c / DR, local channel c % DR, token t (layout: Shape::kTrans)
+    constexpr int DR = S::DR, NI = S::NI, TR = S::kTRow, TC = S::kTCol;  // (cl, t) at tb[t * TR + cl * TC]
     float* tb = big;
     if constexpr (!S::kYInRegs) __syncthreads();  // every y slot read: tb overwrites them
 #pragma unroll
@@ -1082,12 +1103,12 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         if constexpr (R > 1) {
           // pushed like the iteration exchange, counted on mbar[2] (one phase, parity 0); this
           // rank's own tokens by plain stores
-          float* p = tb + (c % DR) * P + token(k);
+          float* p = tb + token(k) * TR + (c % DR) * TC;
           const int q = c / DR;
           if (q == rank) *p = u[k * NJ + j];
           else st_async(mapa_u32(smem_u32(p), q), __float_as_uint(u[k * NJ + j]), mapa_u32(smem_u32(mbar + 2), q));
         } else {
-          st_rank<R>(tb + (c % DR) * P + token(k), c / DR, u[k * NJ + j]);
+          st_rank<R>(tb + token(k) * TR + (c % DR) * TC, c / DR, u[k * NJ + j]);
         }
       }
     }
@@ -1106,15 +1127,15 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       const int c = rank * DR + cl;
       float v[NI];
 #pragma unroll
-      for (int i = 0; i < NI; ++i) v[i] = tb[cl * P + lane + 32 * i];
+      for (int i = 0; i < NI; ++i) v[i] = tb[(lane + 32 * i) * TR + cl * TC];
       float step, low;
       unsigned short sbits, lbits;
       if constexpr (!LM) {
         float lo = v[0], hi = v[0];
 #pragma unroll
         for (int i = 1; i < NI; ++i) {
-          lo = nanmin(lo, v[i]);
-          hi = nanmax(hi, v[i]);
+          lo = min_nan(lo, v[i]);  // u: never -0 (canonical +0), so nanmin's value
+          hi = max_nan(hi, v[i]);
         }
         lo = warp_min(lo);
         hi = warp_max(hi);
@@ -1176,8 +1197,8 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
         float lo = v[0], hi = v[0];
 #pragma unroll
         for (int j = 1; j < NJ; ++j) {
-          lo = nanmin(lo, v[j]);
-          hi = nanmax(hi, v[j]);
+          lo = min_nan(lo, v[j]);  // u: never -0 (canonical +0), so nanmin's value
+          hi = max_nan(hi, v[j]);
         }
         lo = warp_min(lo);
         hi = warp_max(hi);
