@@ -479,3 +479,109 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     assert parts["pack"] <= parts["prepare_commit"] + parts["prepare_compress"]
     assert parts["prepare_commit"] + parts["prepare_compress"] + parts["launch"] <= parts["device_append"]
     assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]
+
+
+# ---- compression beside the caller's work (prefill_attention's append) --------------------------------
+class _Timeline:
+    """Stand-ins for torch.cuda's streams and events that log, into the recording driver's launch list, each
+    event record and stream wait, so that one list holds the order of everything the host queued."""
+
+    CURRENT = 0x50  # the recording kernels' current stream
+
+    def __init__(self, drv):
+        self.drv, self.made = drv, 0
+        tl = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                tl.made += 1
+                self.cuda_stream, self.priority = 0x100 * tl.made, priority
+
+            def wait_event(self, event):
+                tl.drv.launches.append(("wait", self.cuda_stream, event.id))
+
+        class Event:
+            def __init__(self):
+                tl.made += 1
+                self.id = tl.made
+
+            def record(self, stream=None):
+                tl.drv.launches.append(("record", self.id, tl.CURRENT if stream is None else stream.cuda_stream))
+
+        self.Stream, self.Event = Stream, Event
+        self.current = Stream.__new__(Stream)
+        self.current.cuda_stream, self.current.priority = self.CURRENT, -1  # a caller on a high-priority stream
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+
+
+def _beside_cache(drv, monkeypatch):
+    _Timeline(drv).install(monkeypatch)
+    B, H, D, T = 1, 2, 128, 128
+    c = _device_cache(drv, num_layers=2, batch_size=B, num_kv_heads=H, head_dim=D, window=256, dtype=torch.float16,
+                      max_seq_len=4096)
+    g = torch.Generator().manual_seed(31)
+    c.append(1, *[realistic_kv(B, H, 200, D, generator=g) for _ in range(2)])  # 200 in the window
+    return c, [realistic_kv(B, H, 300, D, generator=g) for _ in range(2)], T
+
+
+def test_compression_is_queued_behind_the_callers_work_and_the_commit_after_both(drv, monkeypatch):
+    """_append(beside=...) with a tile completing: an event of the current stream, the callable (seeing the
+    layer as before the append), then append_compress on the cache's second stream (of the current stream's
+    priority) after that event, so behind the callable's work but not waiting for it; then the current stream
+    waits for the compression and append_commit follows there."""
+    c, (k, v), T = _beside_cache(drv, monkeypatch)
+    seen = []
+
+    def attend():
+        seen.append((c.num_tiles(1), c.seq_len(1)))
+        drv.launches.append(("attend",))
+        return "result"
+
+    st = c._layers[1]
+    n_new = A.plan_append(st.sink_len, st.window_len, 300, c.sink_tokens, c.window, T)[1]
+    assert n_new == 2  # 200 + 300 tokens, window 256: two tiles complete, 244 tokens stay in the window
+    del drv.launches[:]
+    assert c._append(1, k, v, beside=attend) == "result"
+    (priority, stream), = c._beside_streams.items()
+    side = stream.cuda_stream
+    assert side != _Timeline.CURRENT and priority == stream.priority == -1
+    names = [(x[0], x[2]) if len(x) == 4 else x for x in drv.launches]
+    ready, done = names[0][1], names[4][1]
+    assert names == [("record", ready, _Timeline.CURRENT), ("attend",), ("wait", side, ready),
+                     ("append_compress", side), ("record", done, side), ("wait", _Timeline.CURRENT, done),
+                     ("append_commit", _Timeline.CURRENT)]
+    assert seen == [(0, 200)]  # the attention saw the layer before the chunk
+    assert (c.num_tiles(1), c.seq_len(1)) == (2, 500)
+    a, b = drv.launches[3][3], drv.launches[6][3]
+    assert a["max_new"] == n_new and a["n"] == b["n"] == 300 and a["k"] == b["k"] == k.data_ptr()
+    c._append(1, k, v, beside=attend)
+    assert len(c._beside_streams) == 1  # the same stream again
+
+
+def test_without_a_completed_tile_the_callers_work_comes_first_on_one_stream(drv, monkeypatch):
+    c, (k, v), T = _beside_cache(drv, monkeypatch)
+    del drv.launches[:]
+    one = [x[:, :, :40] for x in (k, v)]  # 200 + 40 tokens fit the window: no tile, no second stream
+    assert c._append(1, *one, beside=lambda: drv.launches.append(("attend",)) or 7) == 7
+    assert [x[0] for x in drv.launches] == ["attend", "append_commit"] and not c._beside_streams
+    assert drv.launches[1][2] == _Timeline.CURRENT
+
+
+def test_a_failing_callers_work_launches_nothing_and_changes_nothing(drv, monkeypatch):
+    c, (k, v), T = _beside_cache(drv, monkeypatch)
+    before = snapshot(c)
+
+    def attend():
+        raise RuntimeError("attention launch failed")
+
+    del drv.launches[:]
+    with pytest.raises(RuntimeError, match="attention launch failed"):
+        c._append(1, k, v, beside=attend)
+    assert [x[0] for x in drv.launches] == ["record"]  # the compression was never queued
+    assert_same_snapshot(before, snapshot(c))
+    c.append(1, k, v)  # and the cache goes on as if the failed call had not happened
+    assert c.seq_len(1) == 500
