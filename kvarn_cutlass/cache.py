@@ -153,6 +153,13 @@ class KVarNCache:
         self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)
         self._layers = [self._new_layer(capacity, self._lens[i]) for i in range(num_layers)]
         self._init_write_state()
+        if self._on_cuda:
+            # plan once: the append kernels' lookups and prepared launches (~0.3 ms of host time on an H200
+            # host), here rather than in the first append, where the GPU would wait for them
+            from .ops.append import DeviceAppender
+
+            self._writer = DeviceAppender(self)
+            self._writer.prepare_launches(self._layers[0])
 
     # --- construction helpers ------------------------------------------------------------------
     def _init_write_state(self) -> None:
@@ -160,7 +167,7 @@ class KVarNCache:
         self._errors = torch.zeros(1, dtype=torch.int32, device=self.device)
         # append_commit's count of finished blocks (the last one commits; it resets the count)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._writer = None  # ops.append.DeviceAppender, built at the first append on CUDA
+        self._writer = None  # ops.append.DeviceAppender (on CUDA: built by the constructor)
         self._backups: dict[int, Backup] = {}  # per layer, allocated when a block or step graph needs one
         self._deferred: _Block | None = None
         # inside deferred_checks(overlap_appends=True) on CUDA: the stream the appends run on (made at the first

@@ -224,15 +224,21 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv):
     assert st.tiles.shape[1] > 8
 
 
-def test_one_prepared_launch_per_kernel_serves_every_layer(drv):
+@pytest.mark.parametrize("planned", [False, True])
+def test_one_prepared_launch_per_kernel_serves_every_layer(drv, planned):
     """The cache prepares each kernel's launch once and writes the layer's buffers into it per call: appends
-    alternating between layers, in both compression forms, each launch with its own layer's pointers."""
+    alternating between layers, in both compression forms, each launch with its own layer's pointers. With
+    ``planned`` (what the constructor of a CUDA cache does) every launch is prepared before the first append,
+    from layer 0 and a stand-in of the inputs, and no append prepares one."""
     B, H, D, T = 1, 4, 128, 128
     c = _device_cache(drv, cluster=True, num_layers=3, batch_size=B, num_kv_heads=H, head_dim=D, window=256,
                       dtype=torch.float16, max_seq_len=8192)
     g = torch.Generator().manual_seed(21)
     prepared = []
     real_prepare = type(c._writer._commit).prepare
+    if planned:
+        c._writer.prepare_launches(c._layers[0])
+        type(c._writer._commit).prepare = lambda *a, **kw: pytest.fail("an append prepared a launch")
 
     def counting_prepare(kernel, *a, **kw):
         prepared.append(kernel.name)
@@ -264,7 +270,7 @@ def test_one_prepared_launch_per_kernel_serves_every_layer(drv):
     finally:
         type(c._writer._commit).prepare = real_prepare
     # the commit launch was prepared by the first appends; each compression form once, at its first use
-    assert sorted(prepared) == ["append_compress", "append_compress_cluster"]
+    assert sorted(prepared) == ([] if planned else ["append_compress", "append_compress_cluster"])
 
 
 @pytest.mark.parametrize("batch,form", [(1, "cluster"), (4, "cluster"), (5, "cta")])
@@ -471,13 +477,14 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     assert res["device"] == "cpu" and res["prompt_tokens"] == 16384 and res["chunk_tokens"] == 512
     assert 0 < res["prompt_rest_us"] and res["prompt_first_us"] + 31 * 0.5 * res["prompt_rest_us"] <= res["prompt_total_us"]
     parts = res["prompt_first_parts_us"]
-    # the first append prepares the commit and the compress launch (each packing its arguments), inside the
-    # appender's append, and allocates the layer's backups (the appender was made by the stand-in setup)
+    # the launches were prepared with the cache (as a CUDA cache's constructor does): the first append only
+    # allocates the layer's backups and launches
     assert set(parts) == {"cache_append", "check_pair", "appender_init", "backup", "prepare_commit",
                           "prepare_compress", "pack", "launch", "device_append"}
-    assert parts["appender_init"] == 0 and min(parts["backup"], parts["prepare_commit"], parts["pack"]) > 0
-    assert parts["pack"] <= parts["prepare_commit"] + parts["prepare_compress"]
-    assert parts["prepare_commit"] + parts["prepare_compress"] + parts["launch"] <= parts["device_append"]
+    assert res["construct_us"] > 0
+    assert parts["appender_init"] == parts["prepare_commit"] == parts["prepare_compress"] == parts["pack"] == 0
+    assert min(parts["backup"], parts["launch"]) > 0
+    assert parts["launch"] <= parts["device_append"]
     assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]
 
 

@@ -248,7 +248,7 @@ class DeviceAppender:
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
         self._compressed = None  # the event after a compression beside the caller's work (made at the first)
-        # the prepared launches, shared by the layers (each made at the first append that needs it)
+        # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs one)
         self._commit_launch = self._compress_form = self._cluster_form = None
         self._commit_n = 0  # the chunk length the commit launch holds
 
@@ -301,6 +301,13 @@ class DeviceAppender:
             (k, v, *k.stride()[:3], *v.stride()[:3], st.window_k, st.window_v, st.sink_k, st.sink_v, st.lens,
              c._errors, c._counter, c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads),
         )
+
+    def prepare_launches(self, st) -> None:
+        """Prepare append_commit and append_compress in each form now, from layer ``st`` (every argument a call
+        changes is written by that call), so that no append pays for it."""
+        k = st.window_k[:, :, :1]  # a stand-in of the inputs' layout: each call writes its own k, v
+        for cluster in (None, False) if self._cluster is None else (None, False, True):
+            self._launch_of(cluster, st, k, k, 1)
 
     def _launch_of(self, cluster: bool | None, st, k, v, n: int) -> _Launch:
         """The cache's prepared launch of append_commit (``cluster`` None) or of append_compress in the cluster
