@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
@@ -174,7 +173,6 @@ class KVarNCache:
         # such block, kept for the cache's lifetime)
         self._overlap = False
         self._write_stream = None
-        self._beside_streams = {}  # priority -> the stream of _append's compression beside the caller's work
         self._decode_plan = None  # kvarn_cutlass.decode.DecodePlan, made at the first decode (decode.get_plan)
         self._unchecked = None  # a step graph (kvarn_cutlass.step_graph) with replays not yet checked
         # (shape, dtype) of the last k, v that append accepted: the same again needs no full check
@@ -342,16 +340,6 @@ class KVarNCache:
         On CUDA: one kernel launch (two when a tile completes) and, outside a
         :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
         """
-        self._append(layer, k, v)
-
-    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, beside: Callable[[], Any] | None = None):
-        """:meth:`append`; with ``beside``, a callable that queues work reading the layer as it is before this
-        append (a chunk's attention, ``prefill_attention``), called once after the host-side checks and before
-        the append changes anything, and whose result is returned. On CUDA, outside an overlapped block, the
-        compression of the tiles the append completes is then queued on a second stream of the cache (of the
-        current stream's priority) beside that work, behind it (both only read the window; the compression
-        writes pool slots and backups the work does not read), and the commit, which rewrites the window,
-        after both."""
         # The hot path (a decode step's one token per layer) costs a few comparisons: a layer that is a
         # plain int in range, and k, v plain tensors of the shape and dtype of the last accepted pair on
         # the cache's device; anything else takes the full checks, which name the bad argument.
@@ -382,9 +370,8 @@ class KVarNCache:
         writer = self._writer
         if writer is None:
             if not self._on_cuda:
-                res = None if beside is None else beside()
                 self._append_host(layer, st, k, v, (n_sink, n_new, keep))
-                return res
+                return
             from .ops.append import DeviceAppender
 
             writer = self._writer = DeviceAppender(self)
@@ -397,32 +384,19 @@ class KVarNCache:
             if blk is not None and layer not in blk.backed_up:
                 backup = self._backup(layer)
                 blk.backed_up[layer] = "device"
-        res = None
         if self._overlap:
-            if beside is not None:
-                res = beside()
             stream = self._write_stream
             writer.append(st, k, v, n, n_new, backup, stream)
             ev = st.written = st.written or torch.cuda.Event()
             ev.record(stream)
             st.awaited = None
-        elif beside is not None and n_new:
-            # the caller's priority: a higher one would put the compression's CTAs ahead of the attention's
-            priority = torch.cuda.current_stream(self.device).priority
-            side = self._beside_streams.get(priority)
-            if side is None:
-                side = self._beside_streams[priority] = torch.cuda.Stream(self.device, priority=priority)
-            res = writer.append(st, k, v, n, n_new, backup, beside=(side, beside))
         else:
-            if beside is not None:
-                res = beside()
             writer.append(st, k, v, n, n_new, backup)
         if blk is None:
             self._raise_device_errors()
         st.n_tiles += n_new
         st.sink_len += n_sink
         st.window_len = keep
-        return res
 
     def _check_pair(self, k, v) -> None:
         """The full checks of append's k and v (raising an error that names the argument); remembers the

@@ -25,8 +25,6 @@ Backends (``impl``):
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import codec
@@ -40,18 +38,6 @@ __all__ = ["prefill_attention", "IMPLS"]
 IMPLS = ("auto", "gpu", "torch")
 Q_DTYPES = (torch.float16, torch.bfloat16)
 _EMULATION_ROWS = 1024  # rows per slab of the torch path (bounds its score tensors)
-BESIDE_ENV = "KVARN_PREFILL_BESIDE"
-
-
-def compress_beside() -> bool:
-    """Whether ``prefill_attention(..., append=True)`` on CUDA queues the compression of the tiles a chunk
-    completes on a second stream behind the chunk's attention (``$KVARN_PREFILL_BESIDE`` = 1), so that its
-    CTAs take the SMs the attention leaves idle and its tail, instead of after it on the current stream
-    (``0``, the default: an A/B, docs/perf-notes.md). Read at every call."""
-    text = os.environ.get(BESIDE_ENV, "").strip() or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"${BESIDE_ENV}={text!r}: choose 0 or 1")
-    return text == "1"
 
 
 def _check_args(q, cache, layer, scale, impl, out):
@@ -87,10 +73,8 @@ def prefill_attention(
         cache: the :class:`KVarNCache`; layer: layer index.
         scale: softmax scale, default 1/sqrt(head_dim); a positive finite number.
         out: optional output tensor (q's shape and dtype).
-        append: append k, v to the cache after the attention (default; on CUDA, with ``$KVARN_PREFILL_BESIDE``
-            = 1, the compression of the tiles the chunk completes is queued on a second stream of the cache
-            behind the attention, which does not read them: :func:`compress_beside`). With False the cache is
-            not changed (the caller appends the same k, v before the next chunk).
+        append: append k, v to the cache after the attention (default). With False the cache is not
+            changed (the caller appends the same k, v before the next chunk).
         impl: ``"auto"`` | ``"gpu"`` | ``"torch"`` (module docstring).
         config: a :class:`kvarn_cutlass.ops.prefill.FusedConfig` for the GPU kernel (default: the tuned
             table, else the documented default). With ``impl="torch"`` only its ``k_operand`` matters
@@ -109,11 +93,7 @@ def prefill_attention(
         raise ValueError(f"impl='gpu' needs CUDA tensors; q is on {q.device} (use impl='torch')")
     scale = resolve_scale(scale, q.shape[-1])
     if impl == "gpu":
-        attend = lambda: _launch(q, k, v, cache, layer, scale, out, config)  # noqa: E731
-        if append and compress_beside():
-            # the tiles this chunk completes are compressed beside its attention, which does not read them
-            return cache._append(layer, k, v, beside=attend)
-        res = attend()
+        res = _launch(q, k, v, cache, layer, scale, out, config)
     else:
         k_operand = getattr(config, "k_operand", "f16")
         if k_operand == "int8" and cache.spec.quantizer != "uniform":

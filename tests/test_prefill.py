@@ -752,68 +752,6 @@ def test_gpu_every_candidate_config():
                 assert e < TOL, (D, cfg, n, nt, e)
 
 
-BESIDE_CASES = [
-    ([700, 300, 512, 1], dict()),
-    ([300, 200, 600], dict(sink=128, window=128, D=64, group=3, B=2)),
-    ([400, 1030], dict(D=256, Hkv=1, group=2, quantizer="lloyd_max")),
-    ([2048, 2048, 130], dict(Hkv=8, dtype=torch.bfloat16)),  # enough tiles for the one-CTA compression form
-]
-
-
-@gpu
-@pytest.mark.parametrize("chunks,kw", BESIDE_CASES)
-def test_gpu_compress_beside(monkeypatch, chunks, kw):
-    """$KVARN_PREFILL_BESIDE=1 (the compression of a chunk's tiles on a second stream behind its attention):
-    outputs, records, window and lengths bit for bit those of the serial order, with every chunk's inputs
-    freed right after its call and their memory rewritten by the next chunk's work; and within TOL of the
-    reference."""
-    _gpu_skip()
-    from kvarn_cutlass import prefill as P
-
-    B, Hkv, group, D = kw.get("B", 1), kw.get("Hkv", 2), kw.get("group", 4), kw.get("D", 128)
-    dtype = kw.get("dtype", torch.float16)
-    cache_kw = {k: kw[k] for k in ("quantizer",) if k in kw}
-
-    def prompt(beside: str):
-        monkeypatch.setenv(P.BESIDE_ENV, beside)
-        gen = torch.Generator().manual_seed(sum(chunks))
-        oc = outliers(gen, D)
-        cache = kc.KVarNCache(1, B, Hkv, D, window=kw.get("window", 256), sink_tokens=kw.get("sink", 0),
-                              dtype=dtype, device="cuda", **cache_kw)
-        outs, errs = [], []
-        for n in chunks:
-            q, k, v = (x.cuda() for x in make_chunk(gen, B, Hkv, Hkv * group, n, D, dtype, oc, 0.2))
-            ref = kc.reference.attention(q, cache, 0, k=k.clone(), v=v.clone())
-            out = prefill_attention(q, k, v, cache, 0)
-            del k, v  # freed while the second stream may still read them
-            torch.cuda._sleep(2_000_000)  # hold the current stream back, then rewrite freed memory
-            torch.randn(B, Hkv, n, D, device="cuda").to(dtype)
-            outs.append(out.clone())
-            errs.append(rel(out, ref))
-        torch.cuda.synchronize()
-        state = [t.cpu() for t in (cache.tile_bytes(0), *cache.window_kv(0), *cache.sink_kv(0),
-                                   cache.device_lengths())]
-        return outs, errs, state, (cache.seq_len(0), cache.num_tiles(0))
-
-    serial, beside = prompt("0"), prompt("1")
-    assert max(beside[1]) < TOL, beside[1]
-    assert all(torch.equal(a, b) for a, b in zip(serial[0], beside[0]))
-    assert all(torch.equal(a, b) for a, b in zip(serial[2], beside[2]))
-    assert serial[3] == beside[3]
-
-
-def test_compress_beside_knob(monkeypatch):
-    from kvarn_cutlass import prefill as P
-
-    monkeypatch.delenv(P.BESIDE_ENV, raising=False)
-    assert P.compress_beside() is False
-    monkeypatch.setenv(P.BESIDE_ENV, "1")
-    assert P.compress_beside() is True
-    monkeypatch.setenv(P.BESIDE_ENV, "on")
-    with pytest.raises(ValueError, match=P.BESIDE_ENV):
-        P.compress_beside()
-
-
 @gpu
 def test_gpu_rechunking_oracle():
     """640 tokens in one call, as 300 + 340, in chunks of 44 and 84, and token by token: identical tiles."""

@@ -247,7 +247,6 @@ class DeviceAppender:
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
-        self._compressed = None  # the event after a compression beside the caller's work (made at the first)
         # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs one)
         self._commit_launch = self._compress_form = self._cluster_form = None
         self._commit_n = 0  # the chunk length the commit launch holds
@@ -326,19 +325,12 @@ class DeviceAppender:
         return launch
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None,
-               stream: torch.cuda.Stream | None = None, beside: tuple[torch.cuda.Stream, Any] | None = None):
+               stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
         that append_compress fills with the window before the append, when a tile completes. ``stream``:
         launch there (after the work queued so far on the current stream, and with k, v kept alive for it)
-        instead of on the current stream. ``beside``: (a second stream, a callable) with ``n_new`` > 0 and
-        no ``stream``: the callable is called first (it queues work on the current stream that only reads
-        the layer: a chunk's attention), then append_compress goes on the second stream, after the work the
-        current stream had queued before the callable, so the compression's CTAs are queued behind the
-        callable's and take the SMs its tail leaves; the current stream waits for the compression and
-        append_commit follows there. Returns the callable's result; when it raises nothing is launched.
-        Nothing that the current stream queues later can run before the compression has read k, v, so they
-        need no ``record_stream``."""
+        instead of on the current stream."""
         lb = st.buffers
         if lb is None:
             lb = st.buffers = _LayerBuffers(st)
@@ -353,7 +345,6 @@ class DeviceAppender:
                 or (bisect_right(bounds, kp) | bisect_right(bounds, vp)) & 1):
             k, kp, (k0, k1, k2, _) = _kernel_ready(k, bounds)
             v, vp, (v0, v1, v2, _) = _kernel_ready(v, bounds)
-        compress_stream = stream
         if stream is not None:
             # the current stream has queued what wrote k, v and what reads the window the append rewrites
             ready = self._inputs_ready = self._inputs_ready or torch.cuda.Event()
@@ -361,13 +352,6 @@ class DeviceAppender:
             stream.wait_event(ready)
             k.record_stream(stream)  # freed on the current stream, reused only after the append has read them
             v.record_stream(stream)
-        res = None
-        if beside is not None:
-            compress_stream, attend = beside
-            ready = self._inputs_ready = self._inputs_ready or torch.cuda.Event()
-            ready.record()  # before the callable's work: the compression does not wait for it
-            res = attend()
-            compress_stream.wait_event(ready)
         if n_new:
             cluster = n_new <= self.cluster_tiles
             f = self._cluster_form if cluster else self._compress_form
@@ -385,11 +369,7 @@ class DeviceAppender:
             a.set_arg(_A["backup_k"], 0 if backup is None else backup.window_k.data_ptr())
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
             a.set_grid(_compress_grid_x(self._bh, n_new, aux_parts, ranks), 2)
-            a.launch(compress_stream)
-        if beside is not None:
-            done = self._compressed = self._compressed or torch.cuda.Event()
-            done.record(compress_stream)
-            torch.cuda.current_stream(self.device).wait_event(done)
+            a.launch(stream)
         b = self._commit_launch
         if b is None:
             b = self._launch_of(None, st, k, v, n)
@@ -399,7 +379,6 @@ class DeviceAppender:
             b.launch.set_arg(_B["n"], n)
             self._commit_n = n
         b.launch.launch(stream)
-        return res
 
     def prepare_step(self, st, k: torch.Tensor, v: torch.Tensor, backup: Backup):
         """Launches for a step graph: append the static k, v [batch, heads, n, head_dim] with both kernels
