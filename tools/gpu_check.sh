@@ -7,7 +7,8 @@
 #    KVARN_GIT_COMMIT=<git rev-parse --short=12 HEAD here> in front of the command; the bench records it)
 #   (the GPU machine has no network; fetch the wheels it lacks here first, into the ignored .whl/:
 #    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#      --platform manylinux_2_17_x86_64 -d .whl nvidia-cutlass==4.2.0.0 pydot treelib)
+#      --platform manylinux_2_17_x86_64 -d .whl nvidia-cutlass==4.2.0.0 pydot treelib platformdirs filelock tqdm \
+#      pytest-xdist execnet)
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site and puts it and the checkout on PYTHONPATH
 # 2. prints nvidia-smi and the software versions
