@@ -42,7 +42,7 @@ import torch
 from . import codec
 from ._validate import check_device
 from .format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, TileSpec
-from .ops.append import INPUT_ORDER, Backup, error_message, plan_append
+from .ops.append import INPUT_ORDER, Backup, DeviceAppender, error_message, plan_append
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -155,8 +155,6 @@ class KVarNCache:
         if self._on_cuda:
             # plan once: the append kernels' lookups and prepared launches (~0.3 ms of host time on an H200
             # host), here rather than in the first append, where the GPU would wait for them
-            from .ops.append import DeviceAppender
-
             self._writer = DeviceAppender(self)
             self._writer.prepare_launches(self._layers[0])
 
@@ -368,13 +366,9 @@ class KVarNCache:
             n_sink, n_new, keep = plan_append(st.sink_len, st.window_len, n, self.sink_tokens, self.window,
                                               self.spec.tile_tokens)
         writer = self._writer
-        if writer is None:
-            if not self._on_cuda:
-                self._append_host(layer, st, k, v, (n_sink, n_new, keep))
-                return
-            from .ops.append import DeviceAppender
-
-            writer = self._writer = DeviceAppender(self)
+        if writer is None:  # a CPU cache (a CUDA cache's constructor builds its appender)
+            self._append_host(layer, st, k, v, (n_sink, n_new, keep))
+            return
         # the device path (kept inline: it is the hot path)
         blk = self._deferred
         backup = None

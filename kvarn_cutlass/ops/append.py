@@ -310,9 +310,8 @@ class DeviceAppender:
 
     def _launch_of(self, cluster: bool | None, st, k, v, n: int) -> _Launch:
         """The cache's prepared launch of append_commit (``cluster`` None) or of append_compress in the cluster
-        or the one-CTA form, made now if this is its first use (a ``Kernel.prepare`` costs ~30-40 us of host
-        time on the dev CPU; a cache whose appends all take one compression form, e.g. a fresh cache's prompt in
-        512-token chunks, prepares only that one)."""
+        or the one-CTA form, made now (a ``Kernel.prepare`` costs ~30-40 us of host time on the dev CPU): by
+        :meth:`prepare_launches`, or at the first use of a launch it did not make."""
         if cluster is None:
             launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n))
             self._commit_n = n
