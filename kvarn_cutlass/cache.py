@@ -498,9 +498,11 @@ class KVarNCache:
         """The backup buffers of ``layer`` (allocated on first use)."""
         bk = self._backups.get(layer)
         if bk is None:
+            # uninitialized: every read of a backup follows its write (a full copy on the host path; on the
+            # device path the append's window rows, and _restore copies back only those)
             B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
-            z = lambda n: torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
-            bk = self._backups[layer] = Backup(z(self.window), z(self.window), z(self.sink_tokens), z(self.sink_tokens))
+            e = lambda n: torch.empty(B, H, n, D, dtype=self.dtype, device=self.device)  # noqa: E731
+            bk = self._backups[layer] = Backup(e(self.window), e(self.window), e(self.sink_tokens), e(self.sink_tokens))
         return bk
 
     def _backup_host(self, layer: int) -> None:
@@ -516,8 +518,12 @@ class KVarNCache:
             kind = backed_up.get(i)
             if kind == "host" or (kind == "device" and device_tiles[i] != n_tiles):
                 bk = self._backups[i]
-                st.window_k.copy_(bk.window_k)
-                st.window_v.copy_(bk.window_v)
+                # the device backup holds the window rows of the append that wrote it, at least window_len
+                # of them (a layer's window only shrinks when a tile completes, and the first such append
+                # of the block or step wrote the backup); the rows past window_len hold nothing anyone reads
+                rows = slice(None) if kind == "host" else slice(0, window_len)
+                st.window_k[:, :, rows].copy_(bk.window_k[:, :, rows])
+                st.window_v[:, :, rows].copy_(bk.window_v[:, :, rows])
                 if kind == "host":
                     st.sink_k.copy_(bk.sink_k)
                     st.sink_v.copy_(bk.sink_v)

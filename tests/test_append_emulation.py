@@ -185,9 +185,10 @@ class EmulatedAppender:
             for x, is_v in ((k, False), (v, True)):  # the aux blocks: every chunk token
                 bits |= _check_rows(x[b, :, :n_sink], False, is_v, f16_scales)
                 bits |= _check_rows(x[b, :, n_sink:n], True, is_v, f16_scales)
-            if backup is not None:
-                backup.window_k[b, :, :wl] = st.window_k[b, :, :wl]
-                backup.window_v[b, :, :wl] = st.window_v[b, :, :wl]
+            if backup is not None:  # the kernel writes the live rows only: the rest stays as allocated (poison)
+                for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
+                    bk[b, :, :wl] = win[b, :, :wl]
+                    bk[b, :, wl:] = float("nan")
         c._errors |= bits
 
     def _commit(self, st, k, v, n):
