@@ -22,7 +22,8 @@
 # 6. copies that record to $OUT
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
-#    reasons too; GPU_NCU_TARGETS picks the kernels)
+#    reasons too; GPU_NCU_TARGETS picks the kernels: compress decode prefill prefill_c2048 prefill_d256;
+#    GPU_NCU_SOURCE=1: per-SASS-instruction stall samples as CSV -> $OUT/ncu_source.tgz)
 # 6b0. GPU_PREFILL_PHASES=1 (or CONFIG): tools/prefill_phases.py, the fused prefill kernel's tile and exact phases
 #    per query-key pair against SDPA flash -> $OUT/prefill_phases.json
 # 6b'''. GPU_E2E_PROFILE=1: tools/e2e_profile.py (the e2e bench's time per kernel group, both caches)
@@ -187,19 +188,33 @@ if [ -n "${GPU_NCU:-}" ]; then
     short_scoreboard mio_throttle math_pipe_throttle wait not_selected dispatch_stall lg_throttle membar \
     branch_resolving no_instruction)
   STALL_METRICS=${STALL_METRICS%,}
+  # GPU_NCU_SOURCE=1: also per-SASS-instruction counters (SourceCounters: warp-stall samples, executed
+  # instructions) of each target, printed from its report as CSV into $OUT/ncu_source.tgz
+  src_dir="$OUT/ncu_source"
+  [ -z "${GPU_NCU_SOURCE:-}" ] || mkdir -p "$src_dir"
   ncu_one() {  # TARGET KERNEL_REGEX
+    local rep=()
+    [ -z "${GPU_NCU_SOURCE:-}" ] || rep=(--section SourceCounters --export "$src_dir/$1" --force-overwrite)
     timeout "${GPU_NCU_LIMIT:-90}" "$NCU" --clock-control none --kernel-name "regex:$2" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis ${GPU_NCU_STALLS:+--metrics "$STALL_METRICS"} \
-      python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
+      "${rep[@]}" python3 tools/ncu_targets.py "$1" >>"$OUT/ncu.txt" 2>&1
+    local rc=$?
+    if [ -n "${GPU_NCU_SOURCE:-}" ] && [ -f "$src_dir/$1.ncu-rep" ]; then
+      "$NCU" --import "$src_dir/$1.ncu-rep" --page details >>"$OUT/ncu.txt" 2>&1
+      "$NCU" --import "$src_dir/$1.ncu-rep" --page source --csv --print-source sass >"$src_dir/$1.sass.csv" 2>&1
+      rm -f "$src_dir/$1.ncu-rep"
+    fi
+    return $rc
   }
   for t in ${GPU_NCU_TARGETS:-compress decode prefill}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
       decode) step ncu_decode ncu_one decode kvarn_decode_n ;;
-      prefill) step ncu_prefill ncu_one prefill kvarn_prefill_fused ;;
+      prefill*) step "ncu_$t" ncu_one "$t" kvarn_prefill_fused ;;
     esac
   done
+  [ -z "${GPU_NCU_SOURCE:-}" ] || { tar czf "$OUT/ncu_source.tgz" -C "$src_dir" . && rm -rf "$src_dir"; }
 fi
 
 # 6b0. GPU_PREFILL_PHASES=1 (or a config name): the fused prefill kernel's per-pair time in its tile and exact

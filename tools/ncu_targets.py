@@ -10,8 +10,8 @@ steady-state launch):
 
 * ``compress``: one layer, 8 KV heads, D=128, one 128-token tile each, k4v2_g128 (kvarn_compress_*);
 * ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_n1_*: one kernel per step);
-* ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_sv_*, kvarn_kscore_*,
-  the CUTLASS GEMM ``kscore_sm90*``).
+* ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_fused_*); ``prefill_c2048``:
+  a 2048-token chunk there; ``prefill_d256``: the 512-token chunk at head_dim 256.
 * ``prefill_small`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).
 
 ``tools/gpu_check.sh`` runs them when GPU_NCU=1 and writes the reports to $OUT/ncu.txt.
@@ -54,8 +54,8 @@ def decode() -> None:
     torch.cuda.synchronize()
 
 
-def prefill() -> None:
-    Hq, Hkv, D, P, C = 32, 8, 128, 16384, 512
+def prefill(D: int = 128, C: int = 512) -> None:
+    Hq, Hkv, P = 32, 8, 16384
     cache = kc.KVarNCache(1, 1, Hkv, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=P + C * REPEATS)
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(1, Hkv, P, D, device="cuda", dtype=torch.float16, generator=g)
@@ -130,7 +130,9 @@ def decode_small() -> None:
     torch.cuda.synchronize()
 
 
-TARGETS = {"compress": compress, "decode": decode, "prefill": prefill, "prefill_small": prefill_small,
+TARGETS = {"compress": compress, "decode": decode, "prefill": prefill,
+           "prefill_c2048": lambda: prefill(C=2048), "prefill_d256": lambda: prefill(D=256),
+           "prefill_small": prefill_small,
            "append_small": append_small, "decode_small": decode_small}
 
 if __name__ == "__main__":
