@@ -21,9 +21,15 @@ DQV = "dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);"
 PARAMS = "tile_params(rec, f, P, gtid);"
 FACTORS = "const TileFactors f = tile_factors(P.red);"
 # wgmma consumers: a tile block's turn, softmax and pending P.V, and the P.V flushed after the last tile
-WG_TILE = """            if (pending() == 1) turn(K1{}, K1{}, bi);
-            else turn(K1{}, K0{}, bi);
-            online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
+WG_TILE = """            if (pending() == 1) {
+                turn(K1{}, K1{}, bi);
+                softmax_scores<true>(s, fk, kf, lsc, rescale, st, lane, 0, 0, 0, false, a_acc);
+                finish_pv();
+            } else {
+                turn(K1{}, K0{}, bi);
+                softmax_scores<true>(s, fk, kf, lsc, rescale, st, lane, 0, 0, 0, false, a_acc);
+            }
+            rescale_acc(acc, a_acc);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
 """
@@ -38,6 +44,8 @@ VARIANTS = {
     "no_dequant": NO_DEQUANT,
     "neither": NO_MATH + NO_DEQUANT,
     "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 0, 0, 1.f, 0};")],
+    # wgmma: each turn waits for its P . V with the scores (the softmax no longer overlaps it); outputs exact
+    "pv_serial": [("cute::warpgroup_wait<1>();", "cute::warpgroup_wait<0>();")],
 }
 args = sys.argv[1:]
 D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)

@@ -129,12 +129,14 @@ static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgm
 // 168 the consumers spill and ptxas serializes the wgmmas); 2 x 184 + 136 = 504. At D=64 (16 registers) every
 // wgmma config fits as it is; with two producer warpgroups at D=128 the consumers' share of 512 x 128 is too
 // small (168 spilled 64 bytes, 152 220), so kvarn_cutlass.ops.prefill.FusedConfig.fits refuses those.
+// Two producer groups (512 threads, D <= 128): 2 x 112 + 2 x 144. The producers spilled ~100 bytes in their
+// per-tile and per-block code at 104; 144 holds the consumers with a P . V in flight during the softmax.
 constexpr bool QR_TRADE = Q_REGS && D == 128 && NC == 8 && NP == 4;
 constexpr int QR_CONSUMER_REGS = 184, QR_PRODUCER_REGS = 136;
 constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8) || QR_TRADE;
 constexpr int LAUNCH_REGS = 65536 / NT / 8 * 8;
-constexpr int PRODUCER_REGS = QR_TRADE ? QR_PRODUCER_REGS : D == 256 ? 104 : NG == 2 ? 104 : 88;
-constexpr int CONSUMER_REGS = QR_TRADE ? QR_CONSUMER_REGS : D == 256 ? 200 : NG == 2 ? 152 : 168;
+constexpr int PRODUCER_REGS = QR_TRADE ? QR_PRODUCER_REGS : D == 256 ? 104 : NG == 2 ? 112 : 88;
+constexpr int CONSUMER_REGS = QR_TRADE ? QR_CONSUMER_REGS : D == 256 ? 200 : NG == 2 ? 144 : 168;
 static_assert(!REG_TRADE || (NP / 4) * PRODUCER_REGS + (NC / 4) * CONSUMER_REGS <= (NT / 128) * LAUNCH_REGS,
               "the CTA's register pool");
 static_assert(!Q_REGS || WGMMA, "Q_REGS: the register A operand of wgmma");
@@ -471,14 +473,15 @@ struct RowState {
     int qi[MT][2];     // query index i of the row (causal mask)
 };
 
-// Online softmax of one block's scores s (in place: s becomes P), and the accumulator rescale. TILE: the
-// scores' tile factor fk (a power of two; the row scales are in the K operand), no mask, and P' = p * 2^-kf
-// (kf an integer >= 0 as a float, folded into the exponential's argument; lsc = 2^kf gives the row sum
-// its p back); else the causal/end mask.
+// Online softmax of one block's scores s (in place: s becomes P): the running max and sum, and a_acc, the
+// factor of each row's accumulator (apply it with rescale_acc before the block's P . V). TILE: the scores'
+// tile factor fk (a power of two; the row scales are in the K operand), no mask, and P' = p * 2^-kf (kf an
+// integer >= 0 as a float, folded into the exponential's argument; lsc = 2^kf gives the row sum its p
+// back); else the causal/end mask.
 template <bool TILE>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, float kf, float lsc, float acc_rescale,
-                                               RowState& st, float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
-                                               bool need_mask) {
+__device__ __forceinline__ void softmax_scores(float (&s)[MT][SN][4], float fk, float kf, float lsc, float acc_rescale,
+                                               RowState& st, int lane, int e0, int E, int E0, bool need_mask,
+                                               float (&a_acc)[MT][2]) {
     const int tq = lane & 3;
     if (!TILE && need_mask) {
 #pragma unroll
@@ -495,7 +498,6 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, 
     }
 
     // online softmax per row (quad-reduced max; the sum stays per thread until the end)
-    float a_acc[MT][2];
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
@@ -524,7 +526,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, 
             a_acc[mi][hr] = alpha * acc_rescale;
         }
     }
-    // the accumulator rescale, skipped when no row of the warp changed its max (most blocks after the first)
+}
+// acc *= a_acc per row, skipped when no row of the warp changed its max (most blocks after the first)
+__device__ __forceinline__ void rescale_acc(float (&acc)[MT][ON][4], const float (&a_acc)[MT][2]) {
     bool moved = false;
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) moved |= a_acc[mi][0] != 1.f || a_acc[mi][1] != 1.f;
@@ -539,7 +543,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, 
                 acc[mi][dn][3] *= a_acc[mi][1];
             }
     }
-
+}
+template <bool TILE>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][SN][4], float fk, float kf, float lsc, float acc_rescale,
+                                               RowState& st, float (&acc)[MT][ON][4], int lane, int e0, int E, int E0,
+                                               bool need_mask) {
+    float a_acc[MT][2];
+    softmax_scores<TILE>(s, fk, kf, lsc, acc_rescale, st, lane, e0, E, E0, need_mask, a_acc);
+    rescale_acc(acc, a_acc);
 }
 
 #if WGMMA
@@ -822,12 +833,20 @@ __device__ __forceinline__ void build_luts(u8* lut, int ptid) {
 #endif
 }
 
+// (x & MASK) | 0x64006400 in one LOP3: with both constants immediates ptxas emits two (a LOP3 takes one
+// immediate), so the magic number comes in a register
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or_magic(u32 x) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "n"(MASK), "r"(0x64006400u));
+    return d;
+}
 // (1024 + code) pairs of the 4-bit fields k and k + 4 of w (f16: 0x6400 | code), minus 1024: exact.
 __device__ __forceinline__ __half2 nib_pair(u32 w, int k) {
-    return __hsub2(u2h(((w >> (4 * k)) & 0x000F000Fu) | 0x64006400u), bcast(1024.f));
+    return __hsub2(u2h(and_or_magic<0x000F000Fu>(w >> (4 * k))), bcast(1024.f));
 }
 __device__ __forceinline__ __half2 crumb_pair(u32 w, int k) {  // 2-bit fields k and k + 8
-    return __hsub2(u2h(((w >> (2 * k)) & 0x00030003u) | 0x64006400u), bcast(1024.f));
+    return __hsub2(u2h(and_or_magic<0x00030003u>(w >> (2 * k))), bcast(1024.f));
 }
 __device__ __forceinline__ u32 lo_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x5410); }
 __device__ __forceinline__ u32 hi_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x7632); }
@@ -883,7 +902,9 @@ __device__ __forceinline__ u32 affine_scaled(__half2 v, uint2 p, ratio_t r) {
 
 // K codes of tokens [t0, t0 + BN) -> kd [D][KS] f16, channel-major: item = (channel, 8-token word), times
 // the tokens' normalized row scales rs (see Params). Consecutive producer threads read consecutive words of
-// one channel and write 16 contiguous bytes each.
+// one channel and write 16 contiguous bytes each. A thread's item i is channel c0 + i * CSTEP of its word wi
+// (every mapping below is linear in i), so its loads and stores are one base address each plus compile-time
+// offsets: computing each item's channel and word from its index cost ~24 instructions an item.
 __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const u8* lut, u8* sKd, int t0, int ptid) {
     constexpr int WPC = BN / 8;  // words per channel in a block
     constexpr int ITEMS = D * WPC;
@@ -892,49 +913,52 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
     // shared-memory load above a shared-memory store, so a plain loop pays two load latencies per item.
     constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;
     static_assert(NI % NB == 0, "whole batches");
-    // item -> (channel, word of 8 tokens)
     static_assert(WPC == 4 || WPC == 8, "32- or 64-token blocks");
-    auto where = [&](int i, int& c, int& wi) {
-        const int item = ptid + i * GT;
+    // item ptid + i * GT is channel c0 + i * CSTEP, word wi: GT is a multiple of the period of the word index
+    // in each mapping, so i moves only the channel
+    constexpr int CSTEP = GT / WPC;
+    static_assert(GT % (WGMMA ? 8 * WPC : WPC) == 0 && (!WGMMA || CSTEP % 8 == 0),
+                  "a thread's items: one word, channels CSTEP apart (whole core matrices)");
+    // the mapping from ptid is recomputed per block (a few instructions): hoisted out of the producers'
+    // block loop it would hold registers across tile_params, where the producers have none to spare
+    asm volatile("" : "+r"(ptid));
+    int c0, wi;
 #if WGMMA
-        // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core
-        // matrices)
-        if constexpr (WPC == 8) {
-            // 64-token blocks: a warp's code words fall on 16 banks twice (2-way) rather than 4 times
-            const int j = item & 7, p = (item >> 3) & 3, hw = (item >> 5) & 1;
-            c = (item >> 6) * 8 + j;
-            wi = 4 * (((j >> 1) + hw) & 1) + p;
-        } else {
-            // 32-token blocks: a warp takes 8 channels x 4 words (128-token tiles put the channels' code rows
-            // 64 bytes apart, so any 32 words of a block lie on 8 banks: 4-way, as in the mma.sync mapping).
-            // Item i is channel c(0) + i * GT / 4 of word wi(0), written so (the channel group plus the channel
-            // in it): from the item index ptxas recomputed every item's shifts and masks, 177 instructions a
-            // batch of 4 items against 132
-            c = ((ptid >> 5) + i * (GT / 32)) * 8 + (ptid & 7);
-            wi = (ptid >> 3) & 3;
-        }
+    // 8 lanes of a store phase write rows of 8 different channels (distinct 16-byte slots of the core matrices)
+    if constexpr (WPC == 8) {
+        // 64-token blocks: a warp's code words fall on 16 banks twice (2-way) rather than 4 times
+        const int j = ptid & 7, p = (ptid >> 3) & 3, hw = (ptid >> 5) & 1;
+        c0 = (ptid >> 6) * 8 + j;
+        wi = 4 * (((j >> 1) + hw) & 1) + p;
+    } else {
+        // 32-token blocks: a warp takes 8 channels x 4 words (128-token tiles put the channels' code rows
+        // 64 bytes apart, so any 32 words of a block lie on 8 banks: 4-way, as in the mma.sync mapping)
+        c0 = (ptid >> 5) * 8 + (ptid & 7);
+        wi = (ptid >> 3) & 3;
+    }
+    constexpr int KD_STEP = (CSTEP / 8) * (BN * 16);  // kd_off(c + CSTEP, t) - kd_off(c, t)
 #else
-        c = item / WPC;
-        wi = item - c * WPC;
+    c0 = ptid / WPC;
+    wi = ptid - c0 * WPC;
+    constexpr int KD_STEP = CSTEP * KS * 2;
 #endif
-    };
-    // a thread's items all fall on the same 8 tokens (the word index repeats with a period dividing GT)
-    static_assert(GT % (WGMMA ? 8 * WPC : WPC) == 0, "a producer thread keeps its tokens");
-    int c_, wi0;
-    where(0, c_, wi0);
-    const ratio_t* rs2 = reinterpret_cast<const ratio_t*>(P.rs) + (t0 + wi0 * 8) / 2;
+    constexpr int CODE_STEP = CSTEP * (T / 2);
+    // int offsets, not pointers, live across the batches (the producers have no registers to spare)
+    const int code0 = OFF_K_CODES + c0 * (T / 2) + t0 / 2 + wi * 4, kd0 = kd_off(c0, wi * 8);
+    const ratio_t* rs2 = reinterpret_cast<const ratio_t*>(P.rs) + (t0 + wi * 8) / 2;
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
+        const u8* codes = rec + code0 + i0 * CODE_STEP;
+        const uint2* kp = P.kp + c0 + i0 * CSTEP;
+        u8* dst = sKd + kd0 + i0 * KD_STEP;
         u32 w[NB];
-        uint2 kp[NB];
+        uint2 kpv[NB];
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            int c, wi;
-            where(i0 + i, c, wi);
-            w[i] = *reinterpret_cast<const u32*>(rec + OFF_K_CODES + c * (T / 2) + t0 / 2 + wi * 4);
-            kp[i] = P.kp[c];
+            w[i] = *reinterpret_cast<const u32*>(codes + i * CODE_STEP);
+            kpv[i] = kp[i * CSTEP];
         }
-        // the tokens' row scales, loaded with the batch's codes
+        // the tokens' row scales (the same 8 tokens for every item of the thread), loaded with the batch's codes
         ratio_t rsv[4];
 #if SCALE_F32
         const float4 ra = reinterpret_cast<const float4*>(rs2)[0], rb = reinterpret_cast<const float4*>(rs2)[1];
@@ -946,14 +970,12 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 #endif
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            int c, wi;
-            where(i0 + i, c, wi);
             __half2 v[4];
             values8(w[i], v, lut);
             u32 out[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kp[i], rsv[j]);  // tokens 2j, 2j + 1
-            *reinterpret_cast<uint4*>(sKd + kd_off(c, wi * 8)) = make_uint4(out[0], out[1], out[2], out[3]);
+            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kpv[i], rsv[j]);  // tokens 2j, 2j + 1
+            *reinterpret_cast<uint4*>(dst + i * KD_STEP) = make_uint4(out[0], out[1], out[2], out[3]);
         }
     }
 }
@@ -1395,8 +1417,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         if (bi + NSTAGE < sc.nb) bar_arrive(BAR_EMPTY + bi % NSTAGE, HANDOFF);
     };
 #if WGMMA
-    // A turn issues the block's S = Q . K^T together with the previous block's P . V, then waits for both;
-    // the softmax of the block follows, so the P . V of a block overlaps the next block's scores. With two
+    // A turn issues the block's S = Q . K^T together with the previous block's P . V and waits for the scores;
+    // the block's softmax runs while the P . V finishes, which it waits for before rescaling the accumulator
+    // and packing its P (FA3's intra-warpgroup overlap). With two
     // consumer warpgroups the turns alternate (FA3's ping-pong): one warpgroup's MMAs run while the other
     // does its softmax.
     constexpr bool PINGPONG = NC == 8;
@@ -1432,16 +1455,33 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if constexpr (SC == 1 && Q_REGS) issue_scores_regq(qa, sK, s[0]);
             if constexpr (SC == 1 && !Q_REGS) issue_scores<true>(aQw, sK, s[0]);
             if constexpr (SC == 2) issue_scores<false>(aQw, sK, s[0]);
+            if constexpr (SC != 0 && PV != 0) cute::warpgroup_commit_batch();  // the scores, a batch of their own
             if constexpr (PV == 1) issue_pv<true>(pa, pst + ST_KD, acc[0]);
             if constexpr (PV == 2) issue_pv<false>(pa, pst + ST_EK, acc[0]);
             cute::warpgroup_commit_batch();
         }
         if (PINGPONG) bar_arrive(BAR_TURN + (wg ^ 1), 256);
+        if constexpr (SC != 0 && PV != 0) {
+            // only the scores: the P . V runs on beside this block's softmax (FA3's intra-warpgroup overlap);
+            // finish_pv waits for it before the accumulator is rescaled and pa rewritten
+            cute::warpgroup_wait<1>();
+            fence_acc(s[0]);
+            if constexpr (Q_REGS && SC == 1) fence_frags(qa);
+        } else {
+            cute::warpgroup_wait<0>();
+            fence_acc(s[0]);
+            fence_acc(acc[0]);
+            if constexpr (Q_REGS && SC == 1) fence_frags(qa);
+            if (PV != 0) release(pv_bi);
+            pv_bi = -1;
+        }
+    };
+    // after a turn that issued scores and a P . V: wait for the P . V, free its stage
+    auto finish_pv = [&]() {
         cute::warpgroup_wait<0>();
-        fence_acc(s[0]);
         fence_acc(acc[0]);
-        if constexpr (Q_REGS && SC == 1) fence_frags(qa);
-        if (PV != 0) release(pv_bi);
+        if constexpr (Q_REGS) fence_frags(qa);
+        release(pv_bi);
         pv_bi = -1;
     };
     using K0 = cuda::std::integral_constant<int, 0>;
@@ -1452,11 +1492,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
         bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
+        float a_acc[MT][2];
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
-            if (pending() == 1) turn(K1{}, K1{}, bi);
-            else turn(K1{}, K0{}, bi);
-            online_softmax<true>(s, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);
+            // (each branch waits where it must: ptxas serializes every wgmma if any path could write an
+            // operand of one in flight, and it does not see that two tests of one condition agree)
+            if (pending() == 1) {
+                turn(K1{}, K1{}, bi);
+                softmax_scores<true>(s, fk, kf, lsc, rescale, st, lane, 0, 0, 0, false, a_acc);
+                finish_pv();
+            } else {
+                turn(K1{}, K0{}, bi);
+                softmax_scores<true>(s, fk, kf, lsc, rescale, st, lane, 0, 0, 0, false, a_acc);
+            }
+            rescale_acc(acc, a_acc);
             pack_p<false>(s[0], pa);
             pv_bi = bi;
             if (bi == sc.nba - 1) {
@@ -1467,9 +1516,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             const int e0 = (bi - sc.nba) * BN;
             if (e0 < sc.E0 + wq_last + 1) {  // some row of this warpgroup sees a key of the block
                 const bool need_mask = e0 + BN > min(sc.E, sc.E0 + wq_first + 1);  // some key is hidden from some row
-                if (pending() == 2) turn(K2{}, K2{}, bi);
-                else turn(K2{}, K0{}, bi);
-                online_softmax<false>(s, 1.f, 0.f, 1.f, 1.f, st, acc, lane, e0, sc.E, sc.E0, need_mask);
+                if (pending() == 2) {
+                    turn(K2{}, K2{}, bi);
+                    softmax_scores<false>(s, 1.f, 0.f, 1.f, 1.f, st, lane, e0, sc.E, sc.E0, need_mask, a_acc);
+                    finish_pv();
+                } else {
+                    turn(K2{}, K0{}, bi);
+                    softmax_scores<false>(s, 1.f, 0.f, 1.f, 1.f, st, lane, e0, sc.E, sc.E0, need_mask, a_acc);
+                }
+                rescale_acc(acc, a_acc);
                 pack_p<(bool)CACHE_BF16>(s[0], pa);
                 pv_bi = bi;
             } else {  // no scores, but a turn all the same: the turns stay paired across the warpgroups
