@@ -2,7 +2,8 @@
 (text substitutions of csrc/prefill_fused.cu, built under their own names), on the tuner's shape (16k
 context, one 512-token chunk, 32 q / 8 KV heads, k4v2_g128, D=128 unless a D<head_dim> argument says
 otherwise). The variants' outputs are wrong by design; the shipped one is checked against the torch path.
-Run on a GPU: python3 tools/prefill_variants.py [D256] [CONFIG ...]   (config names, default: the tuned one)
+Run on a GPU: python3 tools/prefill_variants.py [D256] [only=VARIANT,...] [CONFIG ...]   (config names, default:
+the tuned one)
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")"""
 import statistics, sys
 from pathlib import Path
@@ -46,9 +47,19 @@ VARIANTS = {
     "no_tile_setup": [(PARAMS, "if (t0 < 0) " + PARAMS), (FACTORS, "const TileFactors f{0, 0, 0, 0, 1.f, 0};")],
     # wgmma: each turn waits for its P . V with the scores (the softmax no longer overlaps it); outputs exact
     "pv_serial": [("cute::warpgroup_wait<1>();", "cute::warpgroup_wait<0>();")],
+    # dequant_k's loads in batches of 4 items at every head_dim (D=256 ships 8); outputs exact
+    "k_batch_4": [("NB = NI < 4 ? NI : (D == 256 ? 8 : 4);", "NB = NI < 4 ? NI : 4;")],
 }
 args = sys.argv[1:]
 D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
+# only=NAME[,NAME...]: time only those variants (shipped is always timed first)
+only = next((a[5:].split(",") for a in args if a.startswith("only=")), None)
+args = [a for a in args if not a.startswith("only=")]
+if only is not None:
+    unknown = set(only) - set(VARIANTS)
+    if unknown:
+        sys.exit(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "shipped" or k in only}
 CONFIGS = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
 g = torch.Generator(device="cuda").manual_seed(0)
 ctx, n = 16384, 512
