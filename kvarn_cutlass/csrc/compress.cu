@@ -1337,7 +1337,7 @@ __device__ __forceinline__ uint4 row_vec(const IN* base, long long st, int r, in
 // The caller makes sure a batch's loads read nothing its stores write.
 template <int NT, class Load, class Store>
 __device__ __forceinline__ void copy_batched(int total, int tid, Load load, Store store) {
-  constexpr int CB = 4;  // 4 x 16 bytes in flight a thread; 8 took the kernel past 64 registers
+  constexpr int CB = 8;
   for (int q0 = tid; q0 < total; q0 += NT * CB) {
     uint4 x[CB];
 #pragma unroll
