@@ -1330,25 +1330,6 @@ __device__ __forceinline__ uint4 row_vec(const IN* base, long long st, int r, in
   return reinterpret_cast<const uint4*>(base + (long long)r * st)[c];
 }
 
-// dst[q] = src[q] for q in [0, total), 16-byte vectors, by the NT threads of a block: load(q) -> uint4,
-// store(q, x). Each thread loads CB vectors before it stores them: where a load picks its source by a
-// condition (the window's in-place rewrite reads the window or the chunk) the compiler issued one vector at
-// a time, a memory latency each (a 512-token chunk's commit moves 64 KB a block, 16 vectors a thread: ~7 us).
-// The caller makes sure a batch's loads read nothing its stores write.
-template <int NT, class Load, class Store>
-__device__ __forceinline__ void copy_batched(int total, int tid, Load load, Store store) {
-  constexpr int CB = 8;
-  for (int q0 = tid; q0 < total; q0 += NT * CB) {
-    uint4 x[CB];
-#pragma unroll
-    for (int u = 0; u < CB; ++u)
-      if (q0 + u * NT < total) x[u] = load(q0 + u * NT);
-#pragma unroll
-    for (int u = 0; u < CB; ++u)
-      if (q0 + u * NT < total) store(q0 + u * NT, x[u]);
-  }
-}
-
 // True in every thread when the error flag is set (one atomic read, one barrier).
 __device__ __forceinline__ bool block_sees_error(int* err) {
   return __syncthreads_or(threadIdx.x == 0 && atomicOr(err, 0) != 0) != 0;
@@ -1471,31 +1452,27 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
   int bits = 0;
   if (!block_sees_error(err)) {
     const bool self_check = pl.n_new == 0;  // with tiles, append_compress checked every chunk token
-    copy_batched<NT>(pl.n_sink * VPR, tid, [&](int q) { return row_vec(chunk, st, q / VPR, q % VPR); },
-                     [&](int q, const uint4& x) {
-                       if (self_check) bits |= check_vec<IN, F16_SCALES>(x, false, is_v);
-                       sink[ln.sink_len * VPR + q] = x;
-                     });
+    for (int q = tid; q < pl.n_sink * VPR; q += NT) {
+      const int r = q / VPR, c = q % VPR;
+      const uint4 x = row_vec(chunk, st, r, c);
+      if (self_check) bits |= check_vec<IN, F16_SCALES>(x, false, is_v);
+      sink[(ln.sink_len + r) * VPR + c] = x;
+    }
     if (pl.n_new == 0) {  // the window grows: tokens past the live length, checked here
-      copy_batched<NT>((pl.stream_len - ln.window_len) * VPR, tid,
-                       [&](int q) { return row_vec(chunk, st, pl.n_sink + q / VPR, q % VPR); },
-                       [&](int q, const uint4& x) {
-                         bits |= check_vec<IN, F16_SCALES>(x, true, is_v);
-                         win[ln.window_len * VPR + q] = x;
-                       });
+      for (int q = tid; q < (pl.stream_len - ln.window_len) * VPR; q += NT) {
+        const int r = q / VPR, c = q % VPR;
+        const uint4 x = row_vec(chunk, st, pl.n_sink + r, c);
+        bits |= check_vec<IN, F16_SCALES>(x, true, is_v);
+        win[(ln.window_len + r) * VPR + c] = x;
+      }
     } else {  // in-place rewrite: window[j] = stream[s + j], in rounds of s (append_plan.cuh)
       const int s = pl.n_new * T, rounds = kva_rounds(pl, T);
       for (int round = 0; round < rounds; ++round) {
-        // a round reads stream positions s + [lo, hi), at or past hi, and writes [lo, hi): a batch's loads may
-        // go before its stores
         const int lo = round * s, hi = min(lo + s, pl.keep);
-        copy_batched<NT>((hi - lo) * VPR, tid,
-                         [&](int q) {
-                           const int j = lo + q / VPR, c = q % VPR, p = s + j;
-                           return p < ln.window_len ? win[p * VPR + c]
-                                                    : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
-                         },
-                         [&](int q, const uint4& x) { win[lo * VPR + q] = x; });
+        for (int q = tid; q < (hi - lo) * VPR; q += NT) {
+          const int j = lo + q / VPR, c = q % VPR, p = s + j;
+          win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
+        }
         __syncthreads();  // this round's reads before the next round's writes
       }
     }
