@@ -53,10 +53,8 @@ class StepAppends:
     """
 
     def __init__(self, cache: KVarNCache, k: torch.Tensor, v: torch.Tensor):
-        if cache._writer is None:
-            from .ops.append import DeviceAppender
-
-            cache._writer = DeviceAppender(cache)
+        if cache._writer is None:  # a CUDA cache's constructor makes its appender
+            raise ValueError(f"cache is on {cache.device}: a step graph's appends need a CUDA cache")
         self.cache = cache
         self.n = k.shape[3]
         # the lengths before the last step that started with a clean error flag

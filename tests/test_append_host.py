@@ -486,3 +486,13 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     assert min(parts["backup"], parts["launch"]) > 0
     assert parts["launch"] <= parts["device_append"]
     assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]
+
+
+def test_step_appends_refuse_a_cpu_cache():
+    from kvarn_cutlass.step_graph import StepAppends
+
+    c = kc.KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device="cpu", max_seq_len=256)
+    k = torch.zeros(1, 1, 2, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="cache is on cpu"):
+        StepAppends(c, k, k.clone())
+    assert c._writer is None and not c._backups  # nothing was built for it
