@@ -48,7 +48,7 @@ VARIANTS = {
     # wgmma: each turn waits for its P . V with the scores (the softmax no longer overlaps it); outputs exact
     "pv_serial": [("cute::warpgroup_wait<1>();", "cute::warpgroup_wait<0>();")],
     # dequant_k's loads in batches of 4 items at every head_dim (D=256 ships 8); outputs exact
-    "k_batch_4": [("NB = NI < 4 ? NI : (D == 256 ? 8 : 4);", "NB = NI < 4 ? NI : 4;")],
+    "k_batch_4": [("NB = NI < 4 ? NI : (D == 256 && !SCALE_F32 ? 8 : 4);", "NB = NI < 4 ? NI : 4;")],
 }
 args = sys.argv[1:]
 D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)

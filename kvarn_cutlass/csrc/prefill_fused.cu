@@ -912,8 +912,9 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
     // Items in batches whose loads are all issued before the first store: the compiler cannot move a
     // shared-memory load above a shared-memory store, so a plain loop pays two load latencies per item.
     // D=256 has one producer warpgroup, which its consumers wait for (a fifth of their stall samples at
-    // FULL): all 8 of a thread's items in one batch, one load latency a block; at D <= 128 8 spill.
-    constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : (D == 256 ? 8 : 4);
+    // FULL): all 8 of a thread's items in one batch, one load latency a block (f16 scales; with f32 scales,
+    // and at D <= 128, 8 spill).
+    constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : (D == 256 && !SCALE_F32 ? 8 : 4);
     static_assert(NI % NB == 0, "whole batches");
     static_assert(WPC == 4 || WPC == 8, "32- or 64-token blocks");
     // item ptid + i * GT is channel c0 + i * CSTEP, word wi: GT is a multiple of the period of the word index
