@@ -28,10 +28,9 @@
 //      factor fV = 2^eV, eV = ec + ev (a power of two: 2^ec > max_c col_scale)
 // ek, ev, er, ec chosen per tile from the record's scales so that |kd|, |vd| < 2^15: the f16 operands
 // never overflow whatever the magnitudes (the tile factors stay in f32 / as exponents). The accumulator
-// is kept in units of fV_run = 2^eV_run, the largest tile factor so far: P' = p * 2^-(eV_run - eV) <= 2^8
-// (p <= 2^RESCALE_SLACK: the running max lags the true one by at most that) is the f16 MMA operand (the
-// power of two is folded into the exponential's argument, and the row sum gets the p back by one multiply
-// per row), and when a tile raises eV_run the accumulator is rescaled by
+// is kept in units of fV_run = 2^eV_run, the largest tile factor so far: P' = p * 2^-(eV_run - eV) <= 1
+// is the f16 MMA operand (the power of two is folded into the exponential's argument, and the row sum
+// gets the p back by one multiply per row), and when a tile raises eV_run the accumulator is rescaled by
 // 2^(old - new) (<= 1; nothing can overflow). After the tiles the consumers multiply the accumulator by
 // fV_run and rotate it back (inverse WHT in registers). kvarn_cutlass.prefill._emulate does the same
 // arithmetic in torch.
@@ -467,9 +466,6 @@ __device__ __forceinline__ void stage_q(u8* sQ, float* sRowf, const q_t* q, long
 
 // Online-softmax state and accumulator of one warp's rows. Thread layout of the m16n8 fragments:
 // rows g and g + 8 (g = lane / 4) of each m16 tile, columns 2 * (lane % 4) + {0, 1} of each n8 tile.
-// Log2 units by which a block's max may exceed the running max before the running max moves; P <= 2^8.
-constexpr float RESCALE_SLACK = 8.f;
-
 struct RowState {
     float m[MT][2];    // running max, log2 units
     float l[MT][2];    // running sum (this thread's columns; reduced over the quad at the end)
@@ -512,11 +508,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][SN][4], float fk, 
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float rf = TILE ? st.rowf[mi][hr] * fk : st.rowf[mi][hr];  // exact: powers of two
-            // the running max moves only when the block's exceeds it by RESCALE_SLACK (FlashAttention 4's
-            // conditional rescale): p <= 2^RESCALE_SLACK stays exact in f16/bf16, the row sum is f32, and most
-            // blocks then leave the accumulator alone (rescale_acc skips it)
-            const float m_blk = mx * rf;
-            const float m_new = m_blk > st.m[mi][hr] + RESCALE_SLACK ? m_blk : st.m[mi][hr];
+            const float m_new = fmaxf(st.m[mi][hr], mx * rf);
             const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen only masked keys
             const float alpha = fast_exp2(st.m[mi][hr] - m_use);     // 0 for the first block (m = -inf)
             st.m[mi][hr] = m_new;
@@ -1389,7 +1381,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     bar_sync(BAR_CONS, NC * 32);
     load_rowf();
     // the tile factors: fK of the block's tile, and its eV against the running max eV_run (see the header):
-    // P' = p * 2^-kf, kf = min(eV_run - eV, KF_MAX) (a clamped kf makes P' 0 in f16 all the same: p <= 2^8)
+    // P' = p * 2^-kf, kf = min(eV_run - eV, KF_MAX) (a clamped kf makes P' 0 in f16 all the same: p <= 1)
     constexpr int KF_MAX = 64;
     int ev_run = -(1 << 20);  // no tile yet
     float fk = 1.f, kf = 0.f, lsc = 1.f;
