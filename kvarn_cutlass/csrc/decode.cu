@@ -190,9 +190,11 @@ __device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float
     }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+// 16 bytes global -> shared, asynchronously; smem is a shared-window address (smem_u32)
+__device__ __forceinline__ void cp_async16_u32(unsigned smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async16_u32(smem_u32(smem), gmem); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -239,30 +241,39 @@ __device__ __forceinline__ int ldsm_row(int lane) {
     return 16 * (m >> 1) + 2 * (m & 1) + 4 * (k >> 1) + (k & 1);
 }
 
-// Copies chunks [A, B) of the record unchanged; thread tid takes chunks tid, tid + NT, ...
+// One thread's share of a record copy, tile-invariant, so the tile loop only adds the slot's shared address
+// and the record's global address: chunk tid + k NT of each section (16 bytes), the K and V code sections
+// swizzled (kdst = 16 swz<KCPR>(tid), vdst = 16 swz<VCPR>(tid)), everything else as is.
+struct RecordCopy {
+    unsigned plain, kdst, vdst;  // byte offsets in the record's slot: 16 tid, kdst, vdst
+    int t16;                     // byte offset in the global record: 16 tid
+};
+__device__ __forceinline__ RecordCopy record_copy(int tid) {
+    return {16u * tid, 16u * swz<KCPR>(tid), 16u * swz<VCPR>(tid), 16 * tid};
+}
+// Chunks [A, B) of the record unchanged.
 template <int A, int B>
-__device__ __forceinline__ void copy_plain(unsigned char* dst, const unsigned char* src, int tid) {
+__device__ __forceinline__ void copy_plain(unsigned dst, const unsigned char* src, int tid) {
     constexpr int N = (B - A) / 16;
 #pragma unroll
-    for (int k = 0; k < (N + NT - 1) / NT; ++k) {
-        const int c = tid + k * NT;
-        if (N % NT == 0 || c < N) cp_async16(dst + A + 16 * c, src + A + 16 * c);
-    }
+    for (int k = 0; k < (N + NT - 1) / NT; ++k)
+        if (N % NT == 0 || tid + k * NT < N) cp_async16_u32(dst + A + 16 * k * NT, src + A + 16 * k * NT);
 }
-// One record into shared memory: K and V code sections swizzled (kdst = 16 swz<KCPR>(tid),
-// vdst = 16 swz<VCPR>(tid): tile-invariant), everything else as is.
-__device__ __forceinline__ void load_record(unsigned char* dst, const unsigned char* src, int tid, int kdst, int vdst) {
+// One record into the ring slot at shared address slot from the global record rec.
+__device__ __forceinline__ void load_record(unsigned slot, const unsigned char* rec, const RecordCopy& rc, int tid) {
     constexpr int KCH = KBYTES / 16, VCH = VBYTES / 16;
     static_assert(KCH % NT == 0 && (VCH % NT == 0 || VCH < NT), "code sections in whole rounds of 128 chunks");
+    const unsigned char* src = rec + rc.t16;
+    const unsigned dst = slot + rc.plain, dk = slot + rc.kdst + OFF_K, dv = slot + rc.vdst + OFF_V;
     copy_plain<0, OFF_K>(dst, src, tid);
 #pragma unroll
-    for (int k = 0; k < KCH / NT; ++k) cp_async16(dst + OFF_K + kdst + k * NT * 16, src + OFF_K + 16 * tid + k * NT * 16);
+    for (int k = 0; k < KCH / NT; ++k) cp_async16_u32(dk + k * NT * 16, src + OFF_K + k * NT * 16);
     copy_plain<OFF_K + KBYTES, OFF_V>(dst, src, tid);
     if constexpr (VCH >= NT) {
 #pragma unroll
-        for (int k = 0; k < VCH / NT; ++k) cp_async16(dst + OFF_V + vdst + k * NT * 16, src + OFF_V + 16 * tid + k * NT * 16);
+        for (int k = 0; k < VCH / NT; ++k) cp_async16_u32(dv + k * NT * 16, src + OFF_V + k * NT * 16);
     } else {
-        if (tid < VCH) cp_async16(dst + OFF_V + vdst, src + OFF_V + 16 * tid);
+        if (tid < VCH) cp_async16_u32(dv, src + OFF_V);
     }
     copy_plain<OFF_V + VBYTES, REC>(dst, src, tid);
 }
@@ -521,10 +532,26 @@ __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k
 // unit u = a slot of the B fragments, k-step u / 8, half (u / 4) % 2 (b0 / b1), lane quad u % 4; its
 // channels 32 (u / 8) + 16 ((u / 4) % 2) + 4 (u % 4) + [0, 4) are the K slots of those registers (see the
 // score loop). kfac = kscale / (127 * LFOLD) (lloyd_max: / SC as well), kscale = scale * log2(e) / sqrt(D).
+constexpr int FOLD_LPP = D / 4 < 32 ? D / 4 : 32, FOLD_UPL = D / 4 / FOLD_LPP;
+// A lane's tile-invariant part of the fold's addressing: per unit k, the first channel c0 and the word offset
+// of its B-fragment slot within a (tile, n-block) (the pair adds (j 2 + n-block) KS FRAG_WORDS + 2 hl).
+struct FoldLane {
+    int c0[FOLD_UPL], frag[FOLD_UPL];
+};
+__device__ __forceinline__ FoldLane fold_lane(int tid) {
+    FoldLane f;
+#pragma unroll
+    for (int k = 0; k < FOLD_UPL; ++k) {
+        const int u = tid % FOLD_LPP + FOLD_LPP * k;
+        f.c0[k] = (u >> 3) * 32 + ((u >> 2) & 1) * 16 + (u & 3) * 4;
+        f.frag[k] = (u >> 3) * FRAG_WORDS + ((u >> 2) & 1) + 2 * (u & 3);
+    }
+    return f;
+}
 __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
-                                           int tid) {
-    constexpr int LPP = D / 4 < 32 ? D / 4 : 32, UPL = D / 4 / LPP, PPR = NT / LPP, PPW = 32 / LPP;
+                                           int tid, const FoldLane& fl) {
+    constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP, PPW = 32 / LPP;
     if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
     const int pl = tid % LPP;
     const int npairs = ntl * G;
@@ -539,8 +566,7 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
         float amax = 0.f, bias = 0.f;
 #pragma unroll
         for (int k = 0; k < UPL; ++k) {
-            const int u = pl + LPP * k;
-            const int c0 = (u >> 3) * 32 + ((u >> 2) & 1) * 16 + (u & 3) * 4;
+            const int c0 = fl.c0[k];
             const float4 qv = *reinterpret_cast<const float4*>(qrot + h * D + c0);
             float cs[4], cm[4];
             ld_scales<4>(rec + OFF_CSTEP, c0, cs);
@@ -579,12 +605,11 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
         if constexpr (!QZ) ssum = group_sum_u32<LPP>(ssum);
         if (valid) {
             const int nb = h >> 2, hl = 2 * (h & 3) * 4;  // lane (g = 2 (h % 4) + level, q) of the fragment
+            unsigned* f = fragB + (j * 2 + nb) * KS * FRAG_WORDS + 2 * hl;
 #pragma unroll
             for (int k = 0; k < UPL; ++k) {
-                const int u = pl + LPP * k;
-                unsigned* f = fragB + ((j * 2 + nb) * KS + (u >> 3)) * FRAG_WORDS + ((u >> 2) & 1);
-                f[2 * (hl + (u & 3))] = hw[k];
-                f[2 * (hl + 4 + (u & 3))] = lw[k];
+                f[fl.frag[k]] = hw[k];
+                f[fl.frag[k] + 8] = lw[k];
             }
             if (pl == 0) {
                 const float a = amax * kfac;
@@ -860,14 +885,16 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
         const int s = t < nloc ? trow[t] : 0;
         return s < 0 ? 0 : (s >= nslots ? nslots - 1 : s);
     };
-    const int kdst = 16 * swz<KCPR>(tid), vdst = 16 * swz<VCPR>(tid);
+    RecordCopy rc = record_copy(tid);
+    FoldLane fl = fold_lane(tid);
+    const unsigned ring_s = smem_u32(ring);
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nit) {
 #pragma unroll
             for (int jt = 0; jt < TPI; ++jt)
                 if (s * TPI + jt < nloc)
-                    load_record(ring + s * RSLOT + jt * REC, head + slot_of(s * TPI + jt) * sstride, tid, kdst, vdst);
+                    load_record(ring_s + s * RSLOT + jt * REC, head + slot_of(s * TPI + jt) * sstride, rc, tid);
         }
         cp_async_commit();
     }
@@ -915,10 +942,12 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
         {
             const int nx = it + NS - 1;
             if (nx < nit) {
-                unsigned char* dst = ring + ws * RSLOT;  // slot (it + NS - 1) % NS = (it - 1) % NS: free now
+                // the copy's offsets are held in registers, not recomputed from tid every iteration
+                asm volatile("" : "+r"(rc.plain), "+r"(rc.kdst), "+r"(rc.vdst), "+r"(rc.t16));
+                const unsigned dst = ring_s + ws * RSLOT;  // slot (it + NS - 1) % NS = (it - 1) % NS: free now
 #pragma unroll
                 for (int jt = 0; jt < TPI; ++jt)
-                    if (nx * TPI + jt < nloc) load_record(dst + jt * REC, head + pre[jt] * sstride, tid, kdst, vdst);
+                    if (nx * TPI + jt < nloc) load_record(dst + jt * REC, head + pre[jt] * sstride, rc, tid);
 #pragma unroll
                 for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((nx + 1) * TPI + jt);
             }
@@ -928,7 +957,8 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
         rs = rs + 1 == NS ? 0 : rs + 1;
         ws = ws + 1 == NS ? 0 : ws + 1;
         const int ntl = min(TPI, nloc - it * TPI);
-        fold_tiles(sl, ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid);
+        asm volatile("" : "+r"(fl.c0[0]), "+r"(fl.frag[0]));  // kept in registers, as rc above
+        fold_tiles(sl, ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
         __syncthreads();
         if (jw < ntl)
             warp_tile<NB>(st, sl + jw * REC, fragB + jw * 2 * KS * FRAG_WORDS, kcf + jw * 8, kci + jw * 8, pw, koff, vsw,
