@@ -1002,81 +1002,82 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 }
 
 // --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
-// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). This block's L2 round
-// trips are on the step's latency chain (at batch 1 the whole GPU waits for it), so both ranges (tile part
-// j < S, exact part j >= S) go through one pass with an accumulator each, and the partial rows are loaded in
-// batches of MB (64 registers of loads) before any is used: at S + E = 65 that is 5 batches of row loads
-// where one range after the other, 8 rows a batch, took 10. A partial with m = -inf (an empty split) never
-// wrote its row: its weight 0 is applied by a select, because the stale row may hold anything (pl is always
-// written).
+// One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
+// block's L2 round trips are on the step's latency chain, so the m and l of both ranges (tile part, exact
+// part) are loaded together, once, and the partial rows in unconditional batches (unroll 8). A partial
+// with m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the
+// stale row may hold anything (pl is always written).
+struct RangeHead {
+    int j0, n;     // partials [j0, j0 + n)
+    float m0, l0;  // m and l of partial j0 + lane (lane < n)
+    float M;       // max m of the range (-inf: no token)
+};
+
+__device__ __forceinline__ RangeHead range_head(const float* pm, const float* pl, size_t base, int G, int gg,
+                                                int j0, int j1, int lane) {
+    RangeHead r;
+    r.j0 = j0;
+    r.n = j1 - j0;
+    const size_t i0 = (base + j0) * G + gg;
+    r.m0 = lane < r.n ? __ldcg(pm + i0 + lane * G) : neg_inf();
+    r.l0 = lane < r.n ? __ldcg(pl + i0 + lane * G) : 0.f;
+    float m = r.m0;
+    for (int j = lane + 32; j < r.n; j += 32) m = fmaxf(m, __ldcg(pm + i0 + j * G));
+    r.M = m;
+    return r;
+}
+
+// L = sum_j 2^(m_j - M) l_j and o = sum_j 2^(m_j - M) o_j over the range (M already warp-reduced).
+template <int CPL>
+__device__ __forceinline__ void range_rows(const RangeHead& r, const float* po, const float* pm, const float* pl,
+                                           size_t base, int G, int gg, int lane, float& L, float (&o)[CPL]) {
+    const size_t i0 = (base + r.j0) * G + gg;
+    const float* row = po + i0 * D + lane * CPL;
+    float l = 0.f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) o[k] = 0.f;
+    for (int j32 = 0; j32 < r.n; j32 += 32) {
+        const int j = j32 + lane;
+        const float mj = j32 == 0 ? r.m0 : (j < r.n ? __ldcg(pm + i0 + j * G) : neg_inf());
+        const float lj = j32 == 0 ? r.l0 : (j < r.n ? __ldcg(pl + i0 + j * G) : 0.f);
+        const float wj = mj == neg_inf() ? 0.f : exp2f(mj - r.M);
+        l = fmaf(wj, lj, l);
+        const int nj = min(32, r.n - j32);
+#pragma unroll 8
+        for (int jj = 0; jj < nj; ++jj, row += G * D) {
+            const float wgt = __shfl_sync(0xffffffffu, wj, jj);
+            if constexpr (CPL % 4 == 0) {
+#pragma unroll
+                for (int k = 0; k < CPL; k += 4) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(row + k));
+                    const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[k + e] = wgt != 0.f ? fmaf(wgt, vv[e], o[k + e]) : o[k + e];
+                }
+            } else {
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(row));
+                o[0] = wgt != 0.f ? fmaf(wgt, v.x, o[0]) : o[0];
+                o[1] = wgt != 0.f ? fmaf(wgt, v.y, o[1]) : o[1];
+            }
+        }
+    }
+    L = group_sum<32>(l);
+}
+
 __device__ void final_merge(const float* po, const float* pm, const float* pl, void* out, int b, int h, int Hkv,
                             int G, int S, int E, bool out_bf) {
     constexpr int CPL = D / 32;
-    constexpr int MB = 64 / CPL;  // partial rows per batch of loads
-    constexpr int V4 = CPL % 4 == 0 ? CPL / 4 : 1;  // 16-byte loads per row (CPL = 2: one 8-byte load)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int n = S + E;
-    const size_t base = (size_t)(b * Hkv + h) * n;
+    const size_t base = (size_t)(b * Hkv + h) * (S + E);
     for (int gg = w; gg < G; gg += NW) {
-        const size_t i0 = base * G + gg;  // partial j of head gg: m, l at i0 + j G, its row at (i0 + j G) D
-        // m and l of partials lane (kept) and lane + 32 k (read again below): the maxima of both ranges
-        const float m0 = lane < n ? __ldcg(pm + i0 + lane * G) : neg_inf();
-        const float l0 = lane < n ? __ldcg(pl + i0 + lane * G) : 0.f;
-        float Mt = lane < S ? m0 : neg_inf(), Me = lane < S ? neg_inf() : m0;
-        for (int j = lane + 32; j < n; j += 32) {
-            const float m = __ldcg(pm + i0 + j * G);
-            if (j < S) Mt = fmaxf(Mt, m);
-            else Me = fmaxf(Me, m);
-        }
-        Mt = group_max<32>(Mt);
-        Me = group_max<32>(Me);
-        float Lt = 0.f, Le = 0.f, ot[CPL], oe[CPL];
-#pragma unroll
-        for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
-        for (int j32 = 0; j32 < n; j32 += 32) {
-            const int j = j32 + lane;
-            const float mj = j32 == 0 ? m0 : (j < n ? __ldcg(pm + i0 + j * G) : neg_inf());
-            const float lj = j32 == 0 ? l0 : (j < n ? __ldcg(pl + i0 + j * G) : 0.f);
-            const float wj = mj == neg_inf() ? 0.f : exp2f(mj - (j < S ? Mt : Me));
-            if (j < S) Lt = fmaf(wj, lj, Lt);
-            else Le = fmaf(wj, lj, Le);
-            const int nj = min(32, n - j32);
-            for (int jb = 0; jb < nj; jb += MB) {
-                float v[MB][CPL];
-                const float* row = po + (i0 + (size_t)(j32 + jb) * G) * D + lane * CPL;
-#pragma unroll
-                for (int jj = 0; jj < MB; ++jj, row += (size_t)G * D) {
-                    if (jb + jj < nj) {
-                        if constexpr (CPL % 4 == 0) {
-#pragma unroll
-                            for (int k = 0; k < V4; ++k) {
-                                const float4 x = __ldcg(reinterpret_cast<const float4*>(row) + k);
-                                v[jj][4 * k] = x.x, v[jj][4 * k + 1] = x.y, v[jj][4 * k + 2] = x.z, v[jj][4 * k + 3] = x.w;
-                            }
-                        } else {
-                            const float2 x = __ldcg(reinterpret_cast<const float2*>(row));
-                            v[jj][0] = x.x, v[jj][1] = x.y;
-                        }
-                    } else {
-#pragma unroll
-                        for (int k = 0; k < CPL; ++k) v[jj][k] = 0.f;
-                    }
-                }
-#pragma unroll
-                for (int jj = 0; jj < MB; ++jj) {
-                    const float wgt = __shfl_sync(0xffffffffu, wj, (jb + jj) & 31);  // 0 past nj (m = -inf)
-                    const bool tile = j32 + jb + jj < S;
-                    const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
-#pragma unroll
-                    for (int k = 0; k < CPL; ++k) {
-                        ot[k] = wt != 0.f ? fmaf(wt, v[jj][k], ot[k]) : ot[k];
-                        oe[k] = we != 0.f ? fmaf(we, v[jj][k], oe[k]) : oe[k];
-                    }
-                }
-            }
-        }
-        Lt = group_sum<32>(Lt);
-        Le = group_sum<32>(Le);
+        RangeHead rt = range_head(pm, pl, base, G, gg, 0, S, lane);
+        RangeHead re = range_head(pm, pl, base, G, gg, S, S + E, lane);
+        rt.M = group_max<32>(rt.M);
+        re.M = group_max<32>(re.M);
+        float Lt, Le, ot[CPL], oe[CPL];
+        range_rows<CPL>(rt, po, pm, pl, base, G, gg, lane, Lt, ot);
+        range_rows<CPL>(re, po, pm, pl, base, G, gg, lane, Le, oe);
+        const float Mt = rt.M, Me = re.M;
         wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
         const float M = fmaxf(Mt, Me);
         const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
