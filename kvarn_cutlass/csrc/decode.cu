@@ -1003,81 +1003,97 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 
 // --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
 // One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
-// block's L2 round trips are on the step's latency chain, so the m and l of both ranges (tile part, exact
-// part) are loaded together, once, and the partial rows in unconditional batches (unroll 8). A partial
-// with m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the
-// stale row may hold anything (pl is always written).
-struct RangeHead {
-    int j0, n;     // partials [j0, j0 + n)
-    float m0, l0;  // m and l of partial j0 + lane (lane < n)
-    float M;       // max m of the range (-inf: no token)
-};
+// block's L2 round trips are on the step's latency chain (the rest of the GPU is idle), so they are few: the
+// partial rows go in batches of MB rows through the warp's quarter of the (now free) shared memory by
+// cp.async, two batches in flight, each batch's m and l loaded beside its rows (lane r: row r), and each
+// range (tile part j < S, exact part j >= S) keeps a running max, so no pass over the maxima comes first.
+// At D = 128 (MB = 12) and S + E = 65: 6 batches, two at a time, where rows loaded into registers 8 at a
+// time after a pass over the maxima took about 12 dependent round trips. A partial with m = -inf (an empty
+// split) never wrote its row: its weight 0 is applied by a select, because the stale row may hold anything
+// (pl is always written).
+constexpr int MERGE_REGION = SMEM / NW / 16 * 16;                    // bytes of shared memory per warp
+constexpr int MERGE_ROWS = MERGE_REGION / (2 * D * 4) < 32 ? MERGE_REGION / (2 * D * 4) : 32;  // MB
+static_assert(MERGE_ROWS >= 4, "two batches of partial rows per warp must fit in shared memory");
 
-__device__ __forceinline__ RangeHead range_head(const float* pm, const float* pl, size_t base, int G, int gg,
-                                                int j0, int j1, int lane) {
-    RangeHead r;
-    r.j0 = j0;
-    r.n = j1 - j0;
-    const size_t i0 = (base + j0) * G + gg;
-    r.m0 = lane < r.n ? __ldcg(pm + i0 + lane * G) : neg_inf();
-    r.l0 = lane < r.n ? __ldcg(pl + i0 + lane * G) : 0.f;
-    float m = r.m0;
-    for (int j = lane + 32; j < r.n; j += 32) m = fmaxf(m, __ldcg(pm + i0 + j * G));
-    r.M = m;
-    return r;
-}
-
-// L = sum_j 2^(m_j - M) l_j and o = sum_j 2^(m_j - M) o_j over the range (M already warp-reduced).
-template <int CPL>
-__device__ __forceinline__ void range_rows(const RangeHead& r, const float* po, const float* pm, const float* pl,
-                                           size_t base, int G, int gg, int lane, float& L, float (&o)[CPL]) {
-    const size_t i0 = (base + r.j0) * G + gg;
-    const float* row = po + i0 * D + lane * CPL;
-    float l = 0.f;
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) o[k] = 0.f;
-    for (int j32 = 0; j32 < r.n; j32 += 32) {
-        const int j = j32 + lane;
-        const float mj = j32 == 0 ? r.m0 : (j < r.n ? __ldcg(pm + i0 + j * G) : neg_inf());
-        const float lj = j32 == 0 ? r.l0 : (j < r.n ? __ldcg(pl + i0 + j * G) : 0.f);
-        const float wj = mj == neg_inf() ? 0.f : exp2f(mj - r.M);
-        l = fmaf(wj, lj, l);
-        const int nj = min(32, r.n - j32);
-#pragma unroll 8
-        for (int jj = 0; jj < nj; ++jj, row += G * D) {
-            const float wgt = __shfl_sync(0xffffffffu, wj, jj);
-            if constexpr (CPL % 4 == 0) {
-#pragma unroll
-                for (int k = 0; k < CPL; k += 4) {
-                    const float4 v = __ldcg(reinterpret_cast<const float4*>(row + k));
-                    const float vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) o[k + e] = wgt != 0.f ? fmaf(wgt, vv[e], o[k + e]) : o[k + e];
-                }
-            } else {
-                const float2 v = __ldcg(reinterpret_cast<const float2*>(row));
-                o[0] = wgt != 0.f ? fmaf(wgt, v.x, o[0]) : o[0];
-                o[1] = wgt != 0.f ? fmaf(wgt, v.y, o[1]) : o[1];
-            }
-        }
-    }
-    L = group_sum<32>(l);
-}
-
-__device__ void final_merge(const float* po, const float* pm, const float* pl, void* out, int b, int h, int Hkv,
-                            int G, int S, int E, bool out_bf) {
-    constexpr int CPL = D / 32;
+__device__ void final_merge(unsigned char* smem, const float* po, const float* pm, const float* pl, void* out,
+                            int b, int h, int Hkv, int G, int S, int E, bool out_bf) {
+    constexpr int CPL = D / 32, CH = D / 4, MB = MERGE_ROWS;  // CH: 16-byte chunks of a row
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const size_t base = (size_t)(b * Hkv + h) * (S + E);
+    const int n = S + E;
+    const size_t base = (size_t)(b * Hkv + h) * n;
+    float* buf = reinterpret_cast<float*>(smem + w * MERGE_REGION);  // [2][MB][D]
+    const unsigned buf_s = smem_u32(buf);
+    cp_async_wait<0>();
+    __syncwarp();
     for (int gg = w; gg < G; gg += NW) {
-        RangeHead rt = range_head(pm, pl, base, G, gg, 0, S, lane);
-        RangeHead re = range_head(pm, pl, base, G, gg, S, S + E, lane);
-        rt.M = group_max<32>(rt.M);
-        re.M = group_max<32>(re.M);
-        float Lt, Le, ot[CPL], oe[CPL];
-        range_rows<CPL>(rt, po, pm, pl, base, G, gg, lane, Lt, ot);
-        range_rows<CPL>(re, po, pm, pl, base, G, gg, lane, Le, oe);
-        const float Mt = rt.M, Me = re.M;
+        const size_t i0 = base * G + gg;  // partial j of head gg: m, l at i0 + j G, its row at (i0 + j G) D
+        // batch k: rows [k MB, k MB + MB) into buf[k % 2]; lane r < its row count gets row k MB + r's m and l
+        const int nbat = (n + MB - 1) / MB;
+        float m_next, l_next;
+        auto issue = [&](int k) {
+            const int j0 = k * MB, cnt = min(MB, n - j0);
+            const unsigned dst = buf_s + (k & 1) * MB * D * 4;
+#pragma unroll 1
+            for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
+                const int r = f / CH, c = f % CH;
+                cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
+            }
+            cp_async_commit();
+            m_next = lane < cnt ? __ldcg(pm + i0 + (size_t)(j0 + lane) * G) : neg_inf();
+            l_next = lane < cnt ? __ldcg(pl + i0 + (size_t)(j0 + lane) * G) : 0.f;
+        };
+        issue(0);
+        // per range a running max M (online, as the tile loop's softmax: no pass over the maxima first) and
+        // L = sum_j 2^(m_j - M) l_j, o = sum_j 2^(m_j - M) o_j
+        float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, ot[CPL], oe[CPL];
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
+        for (int k = 0; k < nbat; ++k) {
+            const float mj = m_next, lj = l_next;
+            if (k + 1 < nbat) issue(k + 1);
+            else cp_async_commit();  // an empty group: batch k is then always the second newest
+            const int j0 = k * MB, cnt = min(MB, n - j0), jl = j0 + lane;
+            const bool tile_l = jl < S;
+            const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
+            const float ne = fmaxf(Me, group_max<32>(tile_l ? neg_inf() : mj));
+            const float st = Mt == neg_inf() ? 0.f : exp2f(Mt - nt), se = Me == neg_inf() ? 0.f : exp2f(Me - ne);
+            Mt = nt, Me = ne;
+            Lt *= st, Le *= se;
+#pragma unroll
+            for (int e = 0; e < CPL; ++e) ot[e] *= st, oe[e] *= se;
+            const float wj = mj == neg_inf() ? 0.f : exp2f(mj - (tile_l ? Mt : Me));
+            if (tile_l) Lt = fmaf(wj, lj, Lt);
+            else Le = fmaf(wj, lj, Le);  // (lanes past cnt add 0 x 0)
+            cp_async_wait<1>();
+            __syncwarp();  // every lane's copies of batch k are visible to the warp
+            const float* rows = buf + (k & 1) * MB * D + lane * CPL;
+#pragma unroll 2
+            for (int r = 0; r < cnt; ++r) {
+                const float wgt = __shfl_sync(0xffffffffu, wj, r);
+                const bool tile = j0 + r < S;
+                const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
+                float v[CPL];
+                if constexpr (CPL % 4 == 0) {
+#pragma unroll
+                    for (int q4 = 0; q4 < CPL / 4; ++q4) {
+                        const float4 x = reinterpret_cast<const float4*>(rows + r * D)[q4];
+                        v[4 * q4] = x.x, v[4 * q4 + 1] = x.y, v[4 * q4 + 2] = x.z, v[4 * q4 + 3] = x.w;
+                    }
+                } else {
+                    const float2 x = *reinterpret_cast<const float2*>(rows + r * D);
+                    v[0] = x.x, v[1] = x.y;
+                }
+#pragma unroll
+                for (int e = 0; e < CPL; ++e) {
+                    ot[e] = wt != 0.f ? fmaf(wt, v[e], ot[e]) : ot[e];
+                    oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
+                }
+            }
+            __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
+        }
+        cp_async_wait<0>();
+        Lt = group_sum<32>(Lt);
+        Le = group_sum<32>(Le);
         wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
         const float M = fmaxf(Mt, Me);
         const float wt = Mt == neg_inf() ? 0.f : exp2f(Mt - M);
@@ -1140,7 +1156,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     if (!last) return;
     __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
     if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
-    final_merge(po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
+    final_merge(smem, po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
 }
 
 }  // namespace kvd
