@@ -47,8 +47,9 @@ from kvarn_cutlass.bench.timing import rotation_count, time_cuda  # noqa: E402
 from kvarn_cutlass.format import TileSpec  # noqa: E402
 from kvarn_cutlass.runtime import build  # noqa: E402
 
-# The A/B candidates of docs/perf-notes.md "Decode occupancy" (d128 k4v2_g128, G = 4): ring 2 alone (the
-# control: 4 blocks as now, one record in flight per block instead of two), 5 and 6 resident blocks.
+# The A/B candidates of docs/perf-notes.md "Decode occupancy" (d128 k4v2_g128, G = 4): ring 2 alone (one record
+# in flight per block instead of two; 5 blocks by shared memory and registers since the final merge's rows moved
+# to shared memory), 5 and 6 resident blocks by min_blocks.
 CANDIDATES = ("ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6")
 SHAPES = ((1, 4096), (1, 131072), (16, 16384), (16, 32768), (16, 131072))
 # Split counts swept per shape (every variant): the split cost model's choices (4 at b16 for 4 blocks, 5-6 for

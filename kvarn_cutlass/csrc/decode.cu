@@ -1004,13 +1004,13 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 // --- the last block of (b, h): merge the S + E partials, inverse WHT, normalize, store -----------------------
 // One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
 // block's L2 round trips are on the step's latency chain (the rest of the GPU is idle), so they are few: the
-// partial rows go in batches of MB rows through the warp's quarter of the (now free) shared memory by
-// cp.async, two batches in flight, each batch's m and l loaded beside its rows (lane r: row r), and each
-// range (tile part j < S, exact part j >= S) keeps a running max, so no pass over the maxima comes first.
-// At D = 128 (MB = 12) and S + E = 65: 6 batches, two at a time, where rows loaded into registers 8 at a
-// time after a pass over the maxima took about 12 dependent round trips. A partial with m = -inf (an empty
-// split) never wrote its row: its weight 0 is applied by a select, because the stale row may hold anything
-// (pl is always written).
+// partial rows go in batches of at most MB rows through the warp's quarter of the (now free) shared memory by
+// cp.async, two batches in flight, the m and l of each block of 32 rows loaded with its first batch, and each
+// range (tile part j < S, exact part j >= S) keeps a running max, moved once per block of 32, so no pass over
+// the maxima comes first. At D = 128 (MB = 12) and S + E = 65: 7 batches, two at a time, where rows loaded
+// into registers 8 at a time after a pass over the maxima took about 12 dependent round trips. A partial with
+// m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the stale row
+// may hold anything (pl is always written).
 constexpr int MERGE_REGION = SMEM / NW / 16 * 16;                    // bytes of shared memory per warp
 constexpr int MERGE_ROWS = MERGE_REGION / (2 * D * 4) < 32 ? MERGE_REGION / (2 * D * 4) : 32;  // MB
 static_assert(MERGE_ROWS >= 4, "two batches of partial rows per warp must fit in shared memory");
@@ -1027,11 +1027,14 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
     __syncwarp();
     for (int gg = w; gg < G; gg += NW) {
         const size_t i0 = base * G + gg;  // partial j of head gg: m, l at i0 + j G, its row at (i0 + j G) D
-        // batch k: rows [k MB, k MB + MB) into buf[k % 2]; lane r < its row count gets row k MB + r's m and l
-        const int nbat = (n + MB - 1) / MB;
-        float m_next, l_next;
+        // Rows go in blocks of 32 (lane r holds row 32 blk + r's m and l, loaded with the block's first batch),
+        // each block in BPB batches of at most MB rows; batch k (block k / BPB) is copied into buf[k % 2].
+        // The running max moves once per block, so the sums do not depend on MB (a variant's shared memory).
+        constexpr int BPB = (32 + MB - 1) / MB;
+        const int nbat = (n / 32) * BPB + (n % 32 + MB - 1) / MB;
+        float m_next = neg_inf(), l_next = 0.f;
         auto issue = [&](int k) {
-            const int j0 = k * MB, cnt = min(MB, n - j0);
+            const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
             const unsigned dst = buf_s + (k & 1) * MB * D * 4;
 #pragma unroll 1
             for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
@@ -1039,37 +1042,42 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
                 cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
             }
             cp_async_commit();
-            m_next = lane < cnt ? __ldcg(pm + i0 + (size_t)(j0 + lane) * G) : neg_inf();
-            l_next = lane < cnt ? __ldcg(pl + i0 + (size_t)(j0 + lane) * G) : 0.f;
+            if (k % BPB == 0) {
+                const int j = 32 * blk + lane;
+                m_next = j < n ? __ldcg(pm + i0 + (size_t)j * G) : neg_inf();
+                l_next = j < n ? __ldcg(pl + i0 + (size_t)j * G) : 0.f;
+            }
         };
         issue(0);
         // per range a running max M (online, as the tile loop's softmax: no pass over the maxima first) and
         // L = sum_j 2^(m_j - M) l_j, o = sum_j 2^(m_j - M) o_j
-        float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, ot[CPL], oe[CPL];
+        float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, wj = 0.f, ot[CPL], oe[CPL];
 #pragma unroll
         for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
         for (int k = 0; k < nbat; ++k) {
-            const float mj = m_next, lj = l_next;
+            const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
+            if (k % BPB == 0) {  // a new block of 32 rows: its weights (before issue(k + 1) may load the next's)
+                const float mj = m_next, lj = l_next;
+                const bool tile_l = 32 * blk + lane < S;
+                const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
+                const float ne = fmaxf(Me, group_max<32>(tile_l ? neg_inf() : mj));
+                const float st = Mt == neg_inf() ? 0.f : exp2f(Mt - nt), se = Me == neg_inf() ? 0.f : exp2f(Me - ne);
+                Mt = nt, Me = ne;
+                Lt *= st, Le *= se;
+#pragma unroll
+                for (int e = 0; e < CPL; ++e) ot[e] *= st, oe[e] *= se;
+                wj = mj == neg_inf() ? 0.f : exp2f(mj - (tile_l ? Mt : Me));
+                if (tile_l) Lt = fmaf(wj, lj, Lt);
+                else Le = fmaf(wj, lj, Le);  // (lanes past n add 0 x 0)
+            }
             if (k + 1 < nbat) issue(k + 1);
             else cp_async_commit();  // an empty group: batch k is then always the second newest
-            const int j0 = k * MB, cnt = min(MB, n - j0), jl = j0 + lane;
-            const bool tile_l = jl < S;
-            const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
-            const float ne = fmaxf(Me, group_max<32>(tile_l ? neg_inf() : mj));
-            const float st = Mt == neg_inf() ? 0.f : exp2f(Mt - nt), se = Me == neg_inf() ? 0.f : exp2f(Me - ne);
-            Mt = nt, Me = ne;
-            Lt *= st, Le *= se;
-#pragma unroll
-            for (int e = 0; e < CPL; ++e) ot[e] *= st, oe[e] *= se;
-            const float wj = mj == neg_inf() ? 0.f : exp2f(mj - (tile_l ? Mt : Me));
-            if (tile_l) Lt = fmaf(wj, lj, Lt);
-            else Le = fmaf(wj, lj, Le);  // (lanes past cnt add 0 x 0)
             cp_async_wait<1>();
             __syncwarp();  // every lane's copies of batch k are visible to the warp
             const float* rows = buf + (k & 1) * MB * D + lane * CPL;
 #pragma unroll 2
             for (int r = 0; r < cnt; ++r) {
-                const float wgt = __shfl_sync(0xffffffffu, wj, r);
+                const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
                 const bool tile = j0 + r < S;
                 const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
                 float v[CPL];
