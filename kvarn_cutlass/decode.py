@@ -29,10 +29,11 @@ copy. The graph holds only the kernel launch, which stays valid while the sequen
 boundaries because the pool never moves (``max_seq_len`` preallocates it) and the grid is sized from
 the capacity.
 
-Kernel variants (A/B runs of the occupancy, docs/perf-notes.md "Decode occupancy"): :class:`DecodeVariant`
-sets the ring depth and the launch-bounds minimum blocks per SM at compile time (``DecodePlan(variant=)``
-or ``$KVARN_DECODE_VARIANT``); :func:`residency` gives the resident blocks per SM of a variant from its CUBIN
-and :func:`choose_splits` plans for the residency the variant's kernel has.
+Kernel variants (docs/perf-notes.md "Decode occupancy"): :class:`DecodeVariant` sets the ring depth and the
+launch-bounds minimum blocks per SM at compile time (``DecodePlan(variant=)`` or ``$KVARN_DECODE_VARIANT``);
+:func:`residency` gives the resident blocks per SM of a variant from its CUBIN and :func:`choose_splits` plans
+for the residency the variant's kernel has. Plans that name none run :func:`plan_variant`'s choice: the ring-2
+kernel for grids of two or more waves of its blocks (large batch x context), else the shipped one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ __all__ = [
     "Residency",
     "decode_spec",
     "decode_variant",
+    "plan_variant",
     "occupancy",
     "residency",
     "decode_specs",
@@ -505,6 +507,33 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
     return plan_splits(batch * num_kv_heads, cap_tiles, sms, occ, min_tps, split_saturation(variant, occ))
 
 
+# The plans' kernel where no variant is named: the ring-2 kernel (one iteration of records in flight per block
+# instead of two, a ring slot less of shared memory: 5 resident blocks at d128 where the shipped kernel holds 4)
+# when the launch is at least RING2_MIN_WAVES waves of its resident blocks, so that blocks wait for slots and
+# the SMs' extra block is what hides the memory latency. Measured (docs/perf-notes.md, "Decode: the final
+# merge's L2 round trips", tools/decode_variants.py): 0.955x the shipped kernel's time at b16/16k and b16/32k
+# (2,176 and 3,200 blocks), 1.02x at b1/128k (584 blocks, about one wave) and 1.02x at b1/4k (200).
+RING2_VARIANT = DecodeVariant(ring=2)
+RING2_MIN_WAVES = 2
+
+
+def plan_variant(batch: int, num_kv_heads: int, cap_tiles: int, window: int, sink: int, device: torch.device,
+                 spec: TileSpec, min_tps: int | None = None) -> DecodeVariant:
+    """The kernel variant a plan of this shape runs when none is named: ``$KVARN_DECODE_VARIANT`` when set
+    (A/B runs), else :data:`RING2_VARIANT` where it holds more resident blocks per SM than the shipped kernel
+    and the shipped plan's grid (``batch * num_kv_heads * (S + E)`` blocks, :func:`choose_splits`,
+    :func:`exact_blocks` for buffer capacities ``window`` and ``sink``) is at least RING2_MIN_WAVES waves of
+    them on ``device``; else the shipped kernel."""
+    if os.environ.get(VARIANT_ENV, "").strip():
+        return decode_variant()
+    occ, occ2 = occupancy(spec, device), occupancy(spec, device, RING2_VARIANT)
+    if occ2 <= occ:
+        return DEFAULT_VARIANT
+    S = choose_splits(batch, num_kv_heads, cap_tiles, device, spec, min_tps, DEFAULT_VARIANT)
+    blocks = batch * num_kv_heads * (S + exact_blocks(spec, window, sink, device, DEFAULT_VARIANT))
+    return RING2_VARIANT if blocks >= RING2_MIN_WAVES * sm_count(device) * occ2 else DEFAULT_VARIANT
+
+
 _kernel_cache: dict = {}
 
 
@@ -631,7 +660,8 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
     elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != device
           or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {q.dtype} tensor {list(q.shape)} on {device}")
-    variant = decode_variant() if workspace is None else workspace.variant
+    variant = (plan_variant(B, Hkv, cap, window_k.shape[2], sink_k.shape[2], device, spec) if workspace is None
+               else workspace.variant)
     E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2], device, variant)
     if workspace is None:
         workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec, variant=variant), E,
@@ -673,8 +703,8 @@ class DecodePlan:
         cache: a KVarNCache on a CUDA device.
         splits: tile splits per (sequence, KV head); default from :func:`choose_splits`.
         min_tps: fewest tiles per split block; default :func:`min_tiles_per_split`.
-        variant: the kernel variant every launch of the plan runs (:class:`DecodeVariant`, A/B runs);
-            default :func:`decode_variant` (``$KVARN_DECODE_VARIANT``, else the shipped kernel).
+        variant: the kernel variant every launch of the plan runs (:class:`DecodeVariant`); default: per
+            workspace, :func:`plan_variant` of the cache's shape (``$KVARN_DECODE_VARIANT`` when set).
     """
 
     def __init__(self, cache: KVarNCache, splits: int | None = None, min_tps: int | None = None,
@@ -692,7 +722,7 @@ class DecodePlan:
         self.min_tps = min_tps
         if variant is not None and not isinstance(variant, DecodeVariant):
             raise TypeError(f"variant must be a DecodeVariant or None, got {type(variant).__name__}")
-        self.variant = decode_variant() if variant is None else variant
+        self.variant = variant  # None: plan_variant, per workspace
         B = cache.batch_size
         self.lens = cache.device_lengths()
         # Stands in for a pool that has no tiles yet (no max_seq_len): the kernel needs a valid pointer,
@@ -719,12 +749,16 @@ class DecodePlan:
         ws = self._workspaces.get(key)
         if ws is None:
             c = self.cache
-            s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
-                                                      self.min_tps, self.variant)
             buf = c.buffers(0)
-            e = exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2], self.device, self.variant)
+            W, SC = buf["window_k"].shape[2], buf["sink_k"].shape[2]
+            v = self.variant
+            if v is None:
+                v = plan_variant(c.batch_size, c.num_kv_heads, max(cap, 1), W, SC, self.device, c.spec, self.min_tps)
+            s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
+                                                      self.min_tps, v)
+            e = exact_blocks(c.spec, W, SC, self.device, v)
             ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
-                                                         s, e, self.min_tps, self.variant)
+                                                         s, e, self.min_tps, v)
         return ws
 
     def launch(self, q: torch.Tensor, layer: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:

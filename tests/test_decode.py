@@ -391,6 +391,32 @@ def test_split_plan_of_the_bench_shapes():
 
 
 
+def test_plan_variant_takes_ring2_for_grids_of_two_waves(monkeypatch):
+    """plan_variant on the bench shapes (8 KV heads, 132 SMs, the shipped kernel 4 resident blocks, ring 2 5, 8
+    exact blocks): ring 2 where the shipped plan's grid is at least two waves of ring 2's residency (batch 16:
+    128 x (4 + 8) = 1,536 blocks at 4k and more at longer contexts), the shipped kernel at batch 1 (at most 8 x
+    (65 + 8) = 584 blocks); the shipped kernel wherever ring 2 holds no more blocks; $KVARN_DECODE_VARIANT
+    decides when set."""
+    V, ring2 = decode.DecodeVariant, decode.RING2_VARIANT
+    occ = {V(): 4, ring2: 5}
+    monkeypatch.setattr(decode, "occupancy", lambda spec, device, variant=V(): occ[variant])
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "exact_blocks", lambda spec, window, sink, device=None, variant=None: 8)
+    monkeypatch.delenv(decode.VARIANT_ENV, raising=False)
+    spec, dev = TileSpec(), torch.device("cuda", 0)
+    pick = lambda batch, cap: decode.plan_variant(batch, 8, cap, 256, 0, dev, spec)  # noqa: E731
+    assert [pick(16, c) for c in (33, 129, 257, 1025)] == [ring2] * 4
+    assert [pick(1, c) for c in (33, 129, 257, 1025)] == [V()] * 4
+    assert pick(2, 1025) == V() and pick(4, 1025) == ring2  # 16 x 73 = 1,168 blocks; 32 x 73 = 2,336
+    occ[ring2] = 4
+    assert pick(16, 257) == V()
+    monkeypatch.setenv(decode.VARIANT_ENV, "ring=2,min_blocks=6")
+    assert pick(1, 33) == V(ring=2, min_blocks=6)
+    monkeypatch.setenv(decode.VARIANT_ENV, "default")
+    occ[ring2] = 5
+    assert pick(16, 257) == V()
+
+
 # --- a model of one warp: PTX semantics of ldmatrix.trans, prmt, mma.m16n8k32, and the kernel's indices ----
 def prmt(a: int, b: int, s: int) -> int:
     """__byte_perm(a, b, s): byte k of the result = byte (s >> 4k) & 7 of b:a (no sign mode in the kernel)."""

@@ -583,3 +583,24 @@ def test_occupancy_arithmetic_matches_the_driver(preset, D, variant):
         status, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel._func, decode.NUM_THREADS, smem)
         assert int(status) == 0 and n == res.blocks, (kernel.name, n, res)
     assert decode.occupancy(spec, dev, v) == want[0].blocks
+
+
+def test_default_plan_runs_ring2_on_grids_of_two_waves():
+    """On the device: ring 2 holds one d128 block per SM more than the shipped kernel, so a plan that names no
+    variant runs it at batch 16 (8 KV heads, 4k context: 128 x (S + E) blocks, two waves and more) and the
+    shipped kernel at batch 1; the ring-2 output equals the shipped kernel's at the same splits bit for bit and
+    the float64 reference within 1e-3."""
+    spec, dev = kc.TileSpec(), torch.device("cuda")
+    V = decode.DecodeVariant
+    assert decode.occupancy(spec, dev, decode.RING2_VARIANT) > decode.occupancy(spec, dev)
+    assert decode.plan_variant(1, 8, 1025, 256, 0, dev, spec) == V()
+    c = make_cache(16, 8, 128, n=4096, window=256, seed=97)
+    ws = decode.DecodePlan(c).workspace(4)
+    assert ws.variant == decode.RING2_VARIANT
+    q = _randn(_gen(97), 16, 32, 1, 128)
+    got, want = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    decode.DecodePlan(c).launch(q, 0, got)
+    decode.DecodePlan(c, splits=ws.splits, variant=V()).launch(q, 0, want)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert rel(got, reference.attention(q, c, 0)) < TOL

@@ -109,7 +109,7 @@ def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None, min_
     plan = DecodePlan(cache)
     ws = plan.workspace(HQ // HKV)
     res["splits"], res["exact_blocks"], res["min_tps"] = ws.splits, ws.exact, ws.min_tps
-    res["kernel_variant"] = str(plan.variant)  # $KVARN_DECODE_VARIANT of an A/B run, else "default"
+    res["kernel_variant"] = str(ws.variant)  # decode.plan_variant's choice ($KVARN_DECODE_VARIANT in an A/B run)
     res["graph_us"] = round(graph_time(plan), 2)
     i_box = [0]
 
