@@ -237,7 +237,7 @@ OCCUPANCY_CLAIMS = [
         ("d128_k4v2", {}, "ring=2,min_blocks=5", 5),
         ("d128_k4v2", {}, "ring=2,min_blocks=6", 6),
         ("d128_k4v4", {"preset": "k4v4_g128"}, "default", 3),
-        ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2", 5),
+        ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2", 4),
         ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2,min_blocks=5", 5),
         ("d64_k4v2", {"head_dim": 64}, "default", 6),
         ("d64_k4v2", {"head_dim": 64}, "ring=2,min_blocks=8", 8),
