@@ -534,6 +534,19 @@ def plan_variant(batch: int, num_kv_heads: int, cap_tiles: int, window: int, sin
     return RING2_VARIANT if blocks >= RING2_MIN_WAVES * sm_count(device) * occ2 else DEFAULT_VARIANT
 
 
+# Grids of at least EXACT_LAST_MIN_WAVES waves of resident blocks take every tile block before the exact blocks
+# (kernel flags bit 2), so the short exact blocks fill the last wave's tail; smaller grids take each (sequence,
+# KV head)'s blocks in turn. Measured (docs/perf-notes.md, "Exact blocks last"): 0.87-0.95x at b16/4k-32k, while
+# at batch 1 (one wave) the exact blocks after the tile blocks put them on the step's path (b1/16k +2.7 us).
+EXACT_LAST_MIN_WAVES = 2
+
+
+def exact_blocks_last(blocks: int, device: torch.device, spec: TileSpec, variant: DecodeVariant) -> bool:
+    """Whether a launch of ``blocks`` blocks of ``variant``'s kernel dispatches its exact blocks last: at least
+    EXACT_LAST_MIN_WAVES waves of the kernel's resident blocks (:func:`occupancy`) on ``device``."""
+    return blocks >= EXACT_LAST_MIN_WAVES * sm_count(device) * occupancy(spec, device, variant)
+
+
 _kernel_cache: dict = {}
 
 
@@ -673,7 +686,8 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
         )
     q = q.contiguous()
     S = workspace.splits
-    flags = (1 if q.dtype == torch.bfloat16 else 0) | (2 if window_k.dtype == torch.bfloat16 else 0)
+    flags = ((1 if q.dtype == torch.bfloat16 else 0) | (2 if window_k.dtype == torch.bfloat16 else 0)
+             | (4 if exact_blocks_last(B * Hkv * (S + E), device, spec, variant) else 0))
     args = (q, tiles, tile_table, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
             workspace.pm, workspace.pl, workspace.tickets, out, Hkv, G, cap, B * cap, window_k.shape[2],
             sink_k.shape[2], S, E, workspace.min_tps, flags, scale)

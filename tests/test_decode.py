@@ -417,6 +417,18 @@ def test_plan_variant_takes_ring2_for_grids_of_two_waves(monkeypatch):
     assert pick(16, 257) == V()
 
 
+def test_exact_blocks_last_for_grids_of_two_waves(monkeypatch):
+    """The bench shapes' grids (132 SMs): batch 16 (ring 2, 5 blocks: 128 x (5 + 8) = 1,664 blocks at 4k and more
+    beyond) takes its exact blocks last, batch 1 (at most 8 x (65 + 8) = 584 blocks of 4) in turn per pair."""
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "occupancy", lambda spec, device, variant: 5 if variant.ring == 2 else 4)
+    spec, dev = TileSpec(), torch.device("cuda", 0)
+    assert decode.exact_blocks_last(128 * (5 + 8), dev, spec, decode.RING2_VARIANT)
+    assert not decode.exact_blocks_last(8 * (65 + 8), dev, spec, decode.DecodeVariant())
+    assert decode.exact_blocks_last(2 * 132 * 4, dev, spec, decode.DecodeVariant())
+    assert not decode.exact_blocks_last(2 * 132 * 5 - 1, dev, spec, decode.RING2_VARIANT)
+
+
 # --- a model of one warp: PTX semantics of ldmatrix.trans, prmt, mma.m16n8k32, and the kernel's indices ----
 def prmt(a: int, b: int, s: int) -> int:
     """__byte_perm(a, b, s): byte k of the result = byte (s >> 4k) & 7 of b:a (no sign mode in the kernel)."""

@@ -1,9 +1,10 @@
 // Split-tile KVarN decode attention, one kernel per layer and step: one new query token per sequence.
 //
-// Grid (S + E, num_kv_heads, batch), 128 threads (4 warps), of B * Hkv * (S + E) blocks taken in linear order:
-// first the B * Hkv * S tile blocks (j fastest, then h, then b), then the B * Hkv * E exact blocks (e fastest),
-// so the short exact blocks do not hold slots that the first wave of tile blocks needs (at b1/128k 8 x (65 + 8)
-// blocks against 4 x 132 slots) and fill the last wave's tail instead. Block (j, h, b):
+// Grid (S + E, num_kv_heads, batch), 128 threads (4 warps). Blocks are dispatched in linear order, and flags
+// bit 2 (decode.py sets it for grids of several waves) maps that order to all B * Hkv * S tile blocks (j fastest,
+// then h, then b) and then the B * Hkv * E short exact blocks, which fill the last wave's tail; without it each
+// (sequence, KV head) takes its S + E blocks in turn (at batch 1 the exact blocks then run beside the tile blocks
+// instead of after them). Block (j, h, b):
 //   j < S : tiles [j*tps, min(n, (j+1)*tps)) of sequence b, KV head h, for all G q heads of the group
 //           (tps = max(min_tps, ceil(n / S)) from the live tile count n on the device, so one grid serves
 //           every length; blocks past the live range write neutral partials). Tile records are found
@@ -1122,21 +1123,25 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
     }
 }
 
-// Block (split, h, b) of the linear block order (the grid comment at the top). The block index is read with
-// volatile moves, so that a second call recomputes it instead of holding it in registers in between.
-__device__ __forceinline__ void block_coords(int S, int E, int Hkv, int& split, int& h, int& b) {
+// Block (split, h, b) of the block order (the grid comment at the top). The block index is read with volatile
+// moves, so that a second call recomputes it instead of holding it in registers in between.
+__device__ __forceinline__ void block_coords(int S, int E, int Hkv, bool exact_last, int& split, int& h, int& b) {
     unsigned x, y, z, nz;
     asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
     asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
     asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
     asm volatile("mov.u32 %0, %%nctaid.z;" : "=r"(nz));
+    if (!exact_last) {
+        split = (int)x, h = (int)y, b = (int)z;
+        return;
+    }
     const int lin = (int)x + (S + E) * ((int)y + Hkv * (int)z), tile_blocks = S * Hkv * (int)nz;
     const bool tile = lin < tile_blocks;
     const int r = tile ? lin : lin - tile_blocks, n = tile ? S : E, pair = r / n;
     split = (tile ? 0 : S) + r % n, h = pair % Hkv, b = pair / Hkv;
 }
 
-// flags: bit 0 = q (and out) bf16, bit 1 = window/sink bf16.
+// flags: bit 0 = q (and out) bf16, bit 1 = window/sink bf16, bit 2 = the exact blocks after every tile block.
 template <int NB>
 __device__ __forceinline__ void decode_block(const void* q, const unsigned char* pool, const int* table,
                                              const void* win_k, const void* win_v, const void* sink_k,
@@ -1156,7 +1161,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
 #endif
     const int tid = threadIdx.x;
     int split, h, b;
-    block_coords(S, E, Hkv, split, h, b);
+    block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);
     const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
     const bool q_bf = flags & 1;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -1175,7 +1180,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
             pl[slot + tid] = 0.f;
         }
     }
-    block_coords(S, E, Hkv, split, h, b);  // (again: kept live through the tile loop they cost registers)
+    block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // (again: kept live through the tile loop they cost registers)
     // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
     __threadfence();  // this thread's partial writes are visible device-wide before the ticket
     __syncthreads();
