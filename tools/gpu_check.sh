@@ -22,7 +22,8 @@
 # 6. copies that record to $OUT
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
-#    reasons too; GPU_NCU_TARGETS picks the kernels: compress decode prefill prefill_c2048 prefill_d256;
+#    reasons too; GPU_NCU_TARGETS picks the kernels: compress decode decode_b1_16k decode_b1_128k prefill
+#    prefill_c2048 prefill_d256;
 #    GPU_NCU_SOURCE=1: per-SASS-instruction stall samples as CSV -> $OUT/ncu_source.tgz)
 # 6b0. GPU_PREFILL_PHASES=1 (or CONFIG): tools/prefill_phases.py, the fused prefill kernel's tile and exact phases
 #    per query-key pair against SDPA flash -> $OUT/prefill_phases.json
@@ -210,7 +211,7 @@ if [ -n "${GPU_NCU:-}" ]; then
   for t in ${GPU_NCU_TARGETS:-compress decode prefill}; do
     case $t in
       compress) step ncu_compress ncu_one compress kvarn_compress ;;
-      decode) step ncu_decode ncu_one decode kvarn_decode_n ;;
+      decode*) step "ncu_$t" ncu_one "$t" kvarn_decode_n ;;
       prefill*) step "ncu_$t" ncu_one "$t" kvarn_prefill_fused ;;
     esac
   done

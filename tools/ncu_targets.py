@@ -10,6 +10,8 @@ steady-state launch):
 
 * ``compress``: one layer, 8 KV heads, D=128, one 128-token tile each, k4v2_g128 (kvarn_compress_*);
 * ``decode``: batch 16, 32k context, 32 q / 8 KV heads (kvarn_decode_n1_*: one kernel per step);
+  ``decode_b1_16k`` / ``decode_b1_128k``: batch 1 at 16k / 128k (one wave of 2- / 16-tile split blocks: the
+  step's fixed cost against its tile loop);
 * ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_fused_*); ``prefill_c2048``:
   a 2048-token chunk there; ``prefill_d256``: the 512-token chunk at head_dim 256.
 * ``prefill_small`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).
@@ -41,8 +43,8 @@ def compress() -> None:
     torch.cuda.synchronize()
 
 
-def decode() -> None:
-    B, Hq, Hkv, D, ctx = 16, 32, 8, 128, 32768
+def decode(B: int = 16, ctx: int = 32768) -> None:
+    Hq, Hkv, D = 32, 8, 128
     cache = kc.KVarNCache(1, B, Hkv, D, window=256, dtype=torch.float16, device="cuda", max_seq_len=ctx)
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in range(0, ctx, 4096):
@@ -130,7 +132,8 @@ def decode_small() -> None:
     torch.cuda.synchronize()
 
 
-TARGETS = {"compress": compress, "decode": decode, "prefill": prefill,
+TARGETS = {"compress": compress, "decode": decode, "decode_b1_16k": lambda: decode(1, 16384),
+           "decode_b1_128k": lambda: decode(1, 131072), "prefill": prefill,
            "prefill_c2048": lambda: prefill(C=2048), "prefill_d256": lambda: prefill(D=256),
            "prefill_small": prefill_small,
            "append_small": append_small, "decode_small": decode_small}
