@@ -400,6 +400,17 @@ def occupancy(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEF
     """Resident blocks per SM of the G <= 4 decode kernel of ``spec`` and ``variant`` on ``device``: the driver's
     occupancy query of the loaded kernel at its dynamic shared memory (:func:`residency`'s arithmetic on the
     same CUBIN if the query fails)."""
+    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, variant, device.index)
+    n = _occupancy_cache.get(key)
+    if n is None:
+        n = _occupancy_cache[key] = _query_occupancy(spec, device, variant)
+    return n
+
+
+_occupancy_cache: dict = {}  # occupancy's answers: asked per launch set-up (exact_blocks_last), fixed per kernel
+
+
+def _query_occupancy(spec: TileSpec, device: torch.device, variant: DecodeVariant) -> int:
     kernel = _kernels(spec, device, variant)[0]
     try:
         from cuda.bindings import driver

@@ -1180,7 +1180,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
             pl[slot + tid] = 0.f;
         }
     }
-    block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // (again: kept live through the tile loop they cost registers)
+    block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // recomputed: held through the tile loop they cost registers
     // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
     __threadfence();  // this thread's partial writes are visible device-wide before the ticket
     __syncthreads();
