@@ -396,11 +396,16 @@ def _check_len_tensor(name: str, x: Any, batch: int, device: torch.device) -> No
 
 
 # --- workspace ---------------------------------------------------------------------------------
+def _kernel_key(spec: TileSpec, device: torch.device, variant: DecodeVariant) -> tuple:
+    """What a loaded decode kernel depends on: the caches of kernels and of their occupancy are keyed by it."""
+    return (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, variant, device.index)
+
+
 def occupancy(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEFAULT_VARIANT) -> int:
     """Resident blocks per SM of the G <= 4 decode kernel of ``spec`` and ``variant`` on ``device``: the driver's
     occupancy query of the loaded kernel at its dynamic shared memory (:func:`residency`'s arithmetic on the
     same CUBIN if the query fails)."""
-    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, variant, device.index)
+    key = _kernel_key(spec, device, variant)
     n = _occupancy_cache.get(key)
     if n is None:
         n = _occupancy_cache[key] = _query_occupancy(spec, device, variant)
@@ -563,7 +568,7 @@ _kernel_cache: dict = {}
 
 def _kernels(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEFAULT_VARIANT):
     """(kernel for G <= 4, kernel for G <= 8) of ``spec`` and ``variant`` on ``device``."""
-    key = (spec.preset, spec.head_dim, spec.scale_dtype, spec.quantizer, variant, device.index)
+    key = _kernel_key(spec, device, variant)
     ks = _kernel_cache.get(key)
     if ks is None:
         ks_spec = decode_spec(spec, variant)
