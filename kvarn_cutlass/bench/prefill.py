@@ -16,8 +16,8 @@ turns, and the median of each):
   into fp16 buffers, the chunk copied behind them, flash SDPA, and the chunk's append.
 
 Also per point: ``kvarn_over_sdpa`` = kvarn_e2e_ms / sdpa_flash_e2e_ms, the TFLOPS-equivalent
-(4 * Hq * D * P^2 / 2 / time) against a fp16 matmul measured in the same run, and for the first point a
-kernel profile (GPU time per kernel over one prompt). Peak extra memory of a 32k prompt.
+(4 * Hq * D * P^2 / 2 / time) against a fp16 matmul measured in the same run, and a kernel profile (GPU
+time per kernel over one prompt, against the prompt's wall time under the profiler). Peak extra memory of a 32k prompt.
 Run: ``kvarn-cutlass bench --section prefill``.
 """
 
@@ -103,7 +103,7 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     return {name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors
 
 
-def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float, profile: bool = False) -> dict[str, Any]:
+def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -197,8 +197,7 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float, profile: b
     res["tflops_eq_kvarn"] = round(flops / (res["kvarn_e2e_ms"] * 1e-3) / 1e12, 1)
     res["tflops_eq_sdpa_flash"] = round(flops / (res["sdpa_flash_e2e_ms"] * 1e-3) / 1e12, 1)
     res["kvarn_fraction_of_matmul_peak"] = round(res["tflops_eq_kvarn"] / peak_tflops, 3)
-    if profile:
-        res["kernels"] = _kernel_profile(kvarn_prompt)
+    res["kernels"] = _kernel_profile(kvarn_prompt)
     return res
 
 
@@ -256,7 +255,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         "timing": f"CUDA events around each whole prompt; per point one warm-up of each method, then {reps} rounds "
                   "in which the methods take turns; medians",
         "matmul_f16_8192_tflops": peak,
-        "points": [_one_point(P, C, D, reps, peak, profile=(i == 0)) for i, (P, C, D) in enumerate(points)],
+        "points": [_one_point(P, C, D, reps, peak) for P, C, D in points],
         "peak_memory_32k": _peak_memory(),
     }
     out["bar_met"] = all(p["kvarn_over_sdpa"] <= 1.0 for p in out["points"])
