@@ -198,6 +198,7 @@ class EmulatedAppender:
         f16_scales = c.spec.scale_dtype == torch.float16
         clean = int(c._errors) == 0
         bits = 0
+        parts = A.commit_parts(n, c.window, c.batch_size * c.num_kv_heads)
         for b in range(c.batch_size):
             nt, wl, sl, (n_sink, n_new, keep) = self._plan(st, b, n)
             if not clean:
@@ -211,11 +212,17 @@ class EmulatedAppender:
                     win[b, :, wl:keep] = chunk[:, n_sink:n]
                     continue
                 s = n_new * T
-                for q in range(_rounds(n_new, keep, T)):
-                    j = torch.arange(q * s, min((q + 1) * s, keep))
+                rounds = _rounds(n_new, keep, T)
+                # one round: its rows split over the commit's parts, which run in any order (here the last first);
+                # more rounds: part 0 alone, round after round
+                spans = ([(keep * z // parts, keep * (z + 1) // parts) for z in reversed(range(parts))] if rounds == 1
+                         else [(q * s, min((q + 1) * s, keep)) for q in range(rounds)])
+                for lo, hi in spans:
+                    j = torch.arange(lo, hi)
                     src = s + j
                     read = set(src[src < wl].tolist())
-                    assert not read & set(j.tolist()), f"round {q} reads window positions it writes"
+                    written = set(range(keep)) if rounds == 1 else set(j.tolist())
+                    assert not read & written, f"rows {lo}..{hi} read window positions that are written"
                     vals = torch.empty(c.num_kv_heads, len(j), c.head_dim, dtype=c.dtype)
                     w = src < wl
                     vals[:, w] = win[b][:, src[w]]

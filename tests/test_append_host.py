@@ -219,7 +219,9 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv):
             chunk.data_ptr(), chunk.data_ptr(), (n + 9) * D * H, (n + 9) * D, D), n
         assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
         assert a["backup_k"] == c._backups[0].window_k.data_ptr() and a["backup_v"] == c._backups[0].window_v.data_ptr()
-        assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, 1), n, chunk.data_ptr())
+        # the commit's rows in blocks of 64 (the 256-row window a rewrite keeps, or the one token's row)
+        parts = {1: 1, 4 * T: 4, 5 * T: 4, 300: 4}[n]
+        assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, parts), n, chunk.data_ptr())
     # the pool grew along the way (no max_seq_len), and each launch above read the pool it had then
     assert st.tiles.shape[1] > 8
 
@@ -314,7 +316,7 @@ def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch(drv):
     assert (a_name, b_name) == ("append_compress", "append_commit")
     assert c.num_tiles(0) == 1 and c.seq_len(0) == 321  # (the recorded kernels committed nothing on the device)
     assert a["max_new"] == 1 and a["n"] == b["n"] == 300 and a["aux_parts"] == 2
-    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 1)
+    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 4)  # the commit: 256 kept rows in 4 blocks
     for args in (a, b):
         assert (args["k"], args["v"]) == (chunk.data_ptr(),) * 2
         assert (args["k_sb"], args["k_sh"], args["k_st"]) == ((2 * T + 300) * D * H, (2 * T + 300) * D, D)
@@ -496,3 +498,13 @@ def test_step_appends_refuse_a_cpu_cache():
     with pytest.raises(ValueError, match="cache is on cpu"):
         StepAppends(c, k, k.clone())
     assert c._writer is None and not c._backups  # nothing was built for it
+
+
+def test_commit_parts_split_rows_within_the_block_budget():
+    # one token (a decode step): one block per (sequence, head, half), whatever the batch
+    assert [A.commit_parts(1, 256, pairs) for pairs in (1, 8, 128)] == [1, 1, 1]
+    # rows in shares of 64, bounded by the window (a rewrite keeps at most `window` rows)
+    assert [A.commit_parts(n, 256, 8) for n in (64, 65, 128, 256, 512, 8192)] == [1, 2, 2, 4, 4, 4]
+    assert A.commit_parts(2048, 1024, 8) == 8  # 16 rows-blocks, capped at 128 blocks / (2 * 8) pairs
+    # a launch that already has a block per SM keeps one block per (sequence, head, half)
+    assert A.commit_parts(512, 256, 128) == 1 and A.commit_parts(512, 256, 32) == 2

@@ -1265,11 +1265,14 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 //   "aux" CTAs x 2, one each (padded with idle CTAs to whole clusters), check every chunk token
 //   (below) and, given a backup buffer, copy the window as it is into it (what a failed deferred
 //   block restores). Nothing visible changes.
-// * append_commit, grid (batch * heads, 2 halves), 256 threads: writes the sink and window. With no
-//   tile completing the window only grows: chunk tokens go to window[wl, ...) beyond the live
+// * append_commit, grid (batch * heads, 2 halves, parts), 256 threads: writes the sink and window. With
+//   no tile completing the window only grows: chunk tokens go to window[wl, ...) beyond the live
 //   length, so the block checks them as it writes. With tiles, the window is rewritten in place in
-//   rounds (append_plan.cuh) from tokens the compress launch has checked. The block that finishes
-//   last commits the new lengths, only if the error flag is still clean.
+//   rounds (append_plan.cuh) from tokens the compress launch has checked. The rows of a copy are
+//   split over the `parts` blocks of a (sequence, head, half), so that a prefill chunk's window
+//   (256 rows of a head, ~64 KB) is not one block's serial copy; a rewrite of more than one round
+//   (a round's reads are the next round's writes) stays on part 0, ordered by its barriers. The
+//   block that finishes last commits the new lengths, only if the error flag is still clean.
 //
 // Error protocol: *err is OR-ed, never cleared by the kernels. A block that finds it set does no
 // work (a compressing half: through compress_impl's ENTRY_CHECK, the same answer on every rank of
@@ -1449,17 +1452,26 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
   const long long st = is_v ? v_st : k_st;
   uint4* win = reinterpret_cast<uint4*>((is_v ? win_v : win_k) + bh * window * D);
   uint4* sink = reinterpret_cast<uint4*>((is_v ? sink_v : sink_k) + bh * sink_cap * D);
+  const int parts = gridDim.z, part = blockIdx.z;
+  // this block's share [lo, hi) of `rows` rows
+  const auto share = [parts, part](int rows, int& lo, int& hi) {
+    lo = (int)((long long)rows * part / parts);
+    hi = (int)((long long)rows * (part + 1) / parts);
+  };
   int bits = 0;
   if (!block_sees_error(err)) {
     const bool self_check = pl.n_new == 0;  // with tiles, append_compress checked every chunk token
-    for (int q = tid; q < pl.n_sink * VPR; q += NT) {
+    int lo, hi;
+    share(pl.n_sink, lo, hi);
+    for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
       const int r = q / VPR, c = q % VPR;
       const uint4 x = row_vec(chunk, st, r, c);
       if (self_check) bits |= check_vec<IN, F16_SCALES>(x, false, is_v);
       sink[(ln.sink_len + r) * VPR + c] = x;
     }
     if (pl.n_new == 0) {  // the window grows: tokens past the live length, checked here
-      for (int q = tid; q < (pl.stream_len - ln.window_len) * VPR; q += NT) {
+      share(pl.stream_len - ln.window_len, lo, hi);
+      for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
         const int r = q / VPR, c = q % VPR;
         const uint4 x = row_vec(chunk, st, pl.n_sink + r, c);
         bits |= check_vec<IN, F16_SCALES>(x, true, is_v);
@@ -1467,13 +1479,21 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
       }
     } else {  // in-place rewrite: window[j] = stream[s + j], in rounds of s (append_plan.cuh)
       const int s = pl.n_new * T, rounds = kva_rounds(pl, T);
-      for (int round = 0; round < rounds; ++round) {
-        const int lo = round * s, hi = min(lo + s, pl.keep);
-        for (int q = tid; q < (hi - lo) * VPR; q += NT) {
-          const int j = lo + q / VPR, c = q % VPR, p = s + j;
+      if (rounds == 1) {  // reads (window rows >= s, chunk) and writes (rows < keep <= s) are disjoint
+        share(pl.keep, lo, hi);
+        for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
+          const int j = q / VPR, c = q % VPR, p = s + j;
           win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
         }
-        __syncthreads();  // this round's reads before the next round's writes
+      } else if (part == 0) {
+        for (int round = 0; round < rounds; ++round) {
+          const int lo = round * s, hi = min(lo + s, pl.keep);
+          for (int q = tid; q < (hi - lo) * VPR; q += NT) {
+            const int j = lo + q / VPR, c = q % VPR, p = s + j;
+            win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
+          }
+          __syncthreads();  // this round's reads before the next round's writes
+        }
       }
     }
   }
@@ -1483,7 +1503,7 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1;
   }
   __syncthreads();
   if (!last) return;

@@ -14,7 +14,8 @@ length and a CUDA graph can replay it while the sequence grows:
   launch's halves fit as clusters (at batch 1 with 8 KV heads up to 4 tiles per head at T=128: a
   512-token chunk), else one CTA per half (``append_compress``);
 * ``append_commit``: writes the sink and the window (checking the tokens itself when no tile
-  completes) and commits the new lengths unless the error flag is set.
+  completes; the rows split over ``commit_parts`` blocks per sequence, head and half) and commits the
+  new lengths unless the error flag is set.
 
 Errors go into an int32 flag on the device (``ERROR_BITS``). The kernels never clear it, do nothing
 once it is set and commit nothing then, so a failed append changes no length and no live token. The
@@ -51,6 +52,7 @@ __all__ = [
     "APPEND_COMMIT_SIGNATURE",
     "SNAPSHOT_SIGNATURE",
     "plan_append",
+    "commit_parts",
     "error_message",
     "Backup",
     "ClusterForm",
@@ -59,6 +61,11 @@ __all__ = [
 
 AUX_ROWS = 256  # chunk rows one aux CTA of append_compress checks (either form)
 COMMIT_THREADS = 256  # KVA_COMMIT_THREADS in compress.cu
+# append_commit splits a (sequence, head, half)'s rows over blocks of about this many rows, while the launch
+# stays within COMMIT_BLOCKS blocks: a 512-token chunk's 256 window rows a head took ~7 us as one block's
+# serial copy at batch 1 (16 blocks on 132 SMs).
+COMMIT_ROWS_PER_BLOCK = 64
+COMMIT_BLOCKS = 128
 
 # Input checks of an append, in the order KVarNCache raises them (k before v; within a tensor
 # non-finite values, the codec's input range, then the float16-scale bound), then the compression
@@ -82,6 +89,15 @@ def plan_append(sink_len: int, window_len: int, n: int, sink_tokens: int, window
     stream = window_len + n - n_sink
     n_new = -(-(stream - window) // tile_tokens) if stream > window else 0
     return n_sink, n_new, stream - n_new * tile_tokens
+
+
+def commit_parts(n: int, window: int, pairs: int) -> int:
+    """Blocks per (sequence, head, half) of append_commit (its grid's z) for appends of ``n`` tokens with
+    ``pairs`` = batch * heads: the rows it copies (at most min(n, window) that join a growing window, at most
+    ``window`` that a rewrite keeps) in shares of ``COMMIT_ROWS_PER_BLOCK``, within ``COMMIT_BLOCKS`` blocks.
+    One token (a decode step) gives 1."""
+    by_rows = -(-min(n, window) // COMMIT_ROWS_PER_BLOCK)
+    return max(1, min(by_rows, COMMIT_BLOCKS // (2 * pairs)))
 
 
 def error_message(bits: int, cache_dtype: torch.dtype, spec: TileSpec) -> str:
@@ -296,7 +312,7 @@ class DeviceAppender:
     def _prepare_commit(self, st, k: torch.Tensor, v: torch.Tensor, n: int):
         c = self.cache
         return self._commit.prepare(
-            (self._bh, 2), COMMIT_THREADS,
+            (self._bh, 2, commit_parts(n, c.window, self._bh)), COMMIT_THREADS,
             (k, v, *k.stride()[:3], *v.stride()[:3], st.window_k, st.window_v, st.sink_k, st.sink_v, st.lens,
              c._errors, c._counter, c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads),
         )
@@ -376,6 +392,7 @@ class DeviceAppender:
         b.layer(*lb.commit)
         if n != self._commit_n:  # decode appends one token per call: n rarely changes
             b.launch.set_arg(_B["n"], n)
+            b.launch.set_grid(self._bh, 2, commit_parts(n, self.cache.window, self._bh))
             self._commit_n = n
         b.launch.launch(stream)
 
