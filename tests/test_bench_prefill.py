@@ -47,3 +47,21 @@ def test_a_required_method_that_fails_raises():
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         _interleaved({"kvarn": broken}, reps=2, optional=frozenset({"cudnn"}))
+
+
+def test_idle_gaps_sum_the_uncovered_time_by_the_kernels_around_it():
+    from kvarn_cutlass.bench.prefill import idle_gaps
+
+    p, c, m = "kvarn_prefill_fused", "kvarn_append_compress_cluster_t128_d128_f16_s16_v2", "kvarn_append_commit_t128_d128_f16_s16_v2"
+    spans = [(c, 110.0, 130.0), (p, 0.0, 100.0), (m, 133.0, 140.0), (p, 150.0, 300.0),
+             ("Memcpy DtoH", 200.0, 210.0),  # inside the kernel's span: no gap
+             (c, 305.0, 320.0), (m, 321.0, 330.0)]
+    r = idle_gaps(spans)
+    assert r["span_ms"] == 0.33 and r["idle_ms"] == round((10 + 3 + 10 + 5 + 1) / 1e3, 3)
+    assert r["gaps"] == [
+        {"after": "prefill_fused", "before": "append_compress_cluster", "ms": 0.015, "count": 2, "largest_us": 10.0},
+        {"after": "append_commit", "before": "prefill_fused", "ms": 0.01, "count": 1, "largest_us": 10.0},
+        {"after": "append_compress_cluster", "before": "append_commit", "ms": 0.004, "count": 2, "largest_us": 3.0},
+    ]
+    with pytest.raises(ValueError, match="spans"):
+        idle_gaps([])

@@ -23,6 +23,7 @@ Run: ``kvarn-cutlass bench --section prefill``.
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any, Callable
 
@@ -57,8 +58,43 @@ def _kernel_profile(fn, top: int = 8) -> dict[str, Any]:
             rows.append((e.key, us, e.count))
     rows.sort(key=lambda r: -r[1])
     busy = sum(r[1] for r in rows) / 1e3
+    from torch.autograd import DeviceType
+
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return {"wall_ms_profiled": round(wall * 1e3, 3), "gpu_kernel_ms": round(busy, 3),
-            "top": [{"kernel": k[:120], "ms": round(us / 1e3, 3), "calls": n} for k, us, n in rows[:top]]}
+            "top": [{"kernel": k[:120], "ms": round(us / 1e3, 3), "calls": n} for k, us, n in rows[:top]],
+            **({"idle": idle_gaps(spans)} if spans else {})}
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel family's name: ``kvarn_append_compress_cluster_t128_d128_f16_s16_v2`` -> ``append_compress_cluster``."""
+    m = re.match(r"kvarn_(.*?)(?:_t\d+_d\d+.*)?$", name)
+    return m.group(1) if m else name[:40]
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], top: int = 6) -> dict[str, Any]:
+    """Where the GPU sat idle between the device activities ``spans`` [(name, start_us, end_us)] of one
+    prompt: ``span_ms`` from the first start to the last end, ``idle_ms`` the part of it that no activity
+    covers, and the ``top`` largest sums of the idle gaps by (kernel before, kernel after), each with its
+    count and largest gap (us)."""
+    spans = sorted(spans, key=lambda s: s[1])
+    if not spans:
+        raise ValueError("spans must hold at least one activity")
+    first, last = spans[0][1], max(s[2] for s in spans)
+    idle = 0.0
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    reach, before = spans[0][2], spans[0][0]
+    for name, start, end in spans[1:]:
+        if start > reach:
+            gap = start - reach
+            idle += gap
+            by_pair.setdefault((_short_kernel_name(before), _short_kernel_name(name)), []).append(gap)
+        if end >= reach:
+            reach, before = end, name
+    pairs = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"span_ms": round((last - first) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
+            "gaps": [{"after": a, "before": b, "ms": round(sum(g) / 1e3, 3), "count": len(g),
+                      "largest_us": round(max(g), 1)} for (a, b), g in pairs]}
 
 
 def _matmul_tflops() -> float:
