@@ -163,13 +163,6 @@ __device__ __forceinline__ float ld_in(const void* p, size_t i, bool bf) {
     if (bf) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
     return __half2float(reinterpret_cast<const __half*>(p)[i]);
 }
-// ld_in in two steps: the raw 16 bits now, the conversion where the value is needed.
-__device__ __forceinline__ unsigned short ld_raw(const void* p, size_t i) {
-    return reinterpret_cast<const unsigned short*>(p)[i];
-}
-__device__ __forceinline__ float raw_to_float(unsigned short x, bool bf) {
-    return bf ? __bfloat162float(__ushort_as_bfloat16(x)) : __half2float(__ushort_as_half(x));
-}
 
 // N consecutive scales at index i of a scale section (aligned to min(N * SB, 16) bytes), as f32.
 template <int N>
@@ -876,13 +869,10 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
 }
 
 // --- tile split: the tiles [t0, t1) of (b, h) ----------------------------------------------------------
-// q0: the raw bits of this lane's D / 32 values of q head w (this warp's first head; set when w < G), loaded by
-// the caller before anything it waits for.
 template <int NB>
-__device__ void tile_split(unsigned char* smem, const void* q, const unsigned short (&q0)[D / 32],
-                           const unsigned char* pool, const int* table, int b, int h, int Hkv, int G, int cap,
-                           int nslots, int t0, int t1, float* po, float* pm, float* pl, size_t slot, bool q_bf,
-                           float scale) {
+__device__ void tile_split(unsigned char* smem, const void* q, const unsigned char* pool, const int* table, int b,
+                           int h, int Hkv, int G, int cap, int nslots, int t0, int t1, float* po, float* pm,
+                           float* pl, size_t slot, bool q_bf, float scale) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, qq = lane & 3;
     unsigned char* ring = smem;
     unsigned* fragB = reinterpret_cast<unsigned*>(smem + SM_FRAG);
@@ -902,26 +892,19 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned sh
     RecordCopy rc = record_copy(tid);
     FoldLane fl = fold_lane(tid);
     const unsigned ring_s = smem_u32(ring);
-    // Every table entry the prologue and the first iteration need, read before the first copy is issued: the
-    // copies are memory-clobbering asm, so a read written after one is issued after it, and its answer then
-    // waits behind the records already in flight (one record's transfer per entry, in series).
-    int first[NS - 1][TPI];
-    int pre[TPI];  // slots of the next iteration to load, read one iteration ahead (hides the table read)
-#pragma unroll
-    for (int s = 0; s < NS - 1; ++s)
-#pragma unroll
-        for (int jt = 0; jt < TPI; ++jt) first[s][jt] = slot_of(s * TPI + jt);
-#pragma unroll
-    for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((NS - 1) * TPI + jt);
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nit) {
 #pragma unroll
             for (int jt = 0; jt < TPI; ++jt)
-                if (s * TPI + jt < nloc) load_record(ring_s + s * RSLOT + jt * REC, head + first[s][jt] * sstride, rc, tid);
+                if (s * TPI + jt < nloc)
+                    load_record(ring_s + s * RSLOT + jt * REC, head + slot_of(s * TPI + jt) * sstride, rc, tid);
         }
         cp_async_commit();
     }
+    int pre[TPI];  // slots of the next iteration to load, read one iteration ahead (hides the table read)
+#pragma unroll
+    for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((NS - 1) * TPI + jt);
     // Zero the fragments and constants once: columns of heads >= G stay 0 (finite scores, ignored).
     for (int i = tid; i < (SM_P - SM_FRAG) / 16; i += NT) reinterpret_cast<uint4*>(smem + SM_FRAG)[i] = make_uint4(0, 0, 0, 0);
     // q_rot = WHT(q) unnormalized, one warp per head
@@ -931,8 +914,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned sh
         for (int gg = w; gg < G; gg += NW) {
             float x[CPL];
 #pragma unroll
-            for (int k = 0; k < CPL; ++k)
-                x[k] = gg == w ? raw_to_float(q0[k], q_bf) : ld_in(q, qbase + gg * D + lane * CPL + k, q_bf);
+            for (int k = 0; k < CPL; ++k) x[k] = ld_in(q, qbase + gg * D + lane * CPL + k, q_bf);
             wht_warp<CPL>(x, lane);
 #pragma unroll
             for (int k = 0; k < CPL; ++k) qrot[gg * D + lane * CPL + k] = x[k];
@@ -1187,21 +1169,12 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
         exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
                    split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
     } else {
-        // this warp's first q head, in flight with the tile count and the table entries (tile_split)
-        constexpr int CPL = D / 32;
-        const int w = tid >> 5;
-        unsigned short q0[CPL];
-        if (w < G) {
-            const size_t qi = ((size_t)(b * Hkv + h) * G + w) * D + (tid & 31) * CPL;
-#pragma unroll
-            for (int k = 0; k < CPL; ++k) q0[k] = ld_raw(q, qi + k);
-        }
         int n = n_tiles[b];
         n = n < 0 ? 0 : (n > cap ? cap : n);
         const int tps = max(min_tps, (n + S - 1) / S);
         const int t0 = split * tps, t1 = min(n, t0 + tps);
         if (t0 < t1) {
-            tile_split<NB>(smem, q, q0, pool, table, b, h, Hkv, G, cap, nslots, t0, t1, po, pm, pl, slot, q_bf, scale);
+            tile_split<NB>(smem, q, pool, table, b, h, Hkv, G, cap, nslots, t0, t1, po, pm, pl, slot, q_bf, scale);
         } else if (tid < G) {
             pm[slot + tid] = neg_inf();
             pl[slot + tid] = 0.f;
