@@ -413,6 +413,7 @@ class KVarNCache:
         bits = 0
         f16_scales = self.spec.scale_dtype == torch.float16
         for x, (nonfinite, out_of_range, bound) in zip((k, v), INPUT_ORDER):
+            x = x.detach()  # a check, not part of any graph (a model's k, v may require grad)
             if not bool(torch.isfinite(x).all()):
                 bits |= nonfinite
             rest = x[:, :, n_sink:]
