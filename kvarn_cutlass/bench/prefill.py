@@ -40,6 +40,7 @@ def _kernel_profile(fn, top: int = 8) -> dict[str, Any]:
     ``fn``, against its wall time: says whether the time is GPU work or host gaps."""
     import time
 
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -58,8 +59,6 @@ def _kernel_profile(fn, top: int = 8) -> dict[str, Any]:
             rows.append((e.key, us, e.count))
     rows.sort(key=lambda r: -r[1])
     busy = sum(r[1] for r in rows) / 1e3
-    from torch.autograd import DeviceType
-
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return {"wall_ms_profiled": round(wall * 1e3, 3), "gpu_kernel_ms": round(busy, 3),
             "top": [{"kernel": k[:120], "ms": round(us / 1e3, 3), "calls": n} for k, us, n in rows[:top]],
