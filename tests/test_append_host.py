@@ -488,6 +488,10 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     assert min(parts["backup"], parts["launch"]) > 0
     assert parts["launch"] <= parts["device_append"]
     assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]
+    # every later append launches the compression (a tile completes) and the commit, each timed on its own
+    launches = res["prompt_rest_launch_us"]
+    assert set(launches) == {"append_compress", "append_commit"} and min(launches.values()) > 0
+    assert sum(launches.values()) <= res["prompt_rest_us"]
 
 
 def test_step_appends_refuse_a_cpu_cache():

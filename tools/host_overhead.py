@@ -16,7 +16,8 @@ compressions; between rounds the window is truncated back, or the round's last a
   ``decode_attention_ragged`` with the full checks (what ``DecodePlan.launch`` ran on every call before,
   here with its prepared-launch dict hitting every time).
 
-``--prompt``: instead, the host time of each of the 32 appends of a 16k prompt in 512-token chunks to a fresh
+``--prompt``: instead, the host time of each of the 32 appends of a 16k prompt in 512-token chunks (``--chunk``
+sets another length: 2048 takes the one-CTA compression form at batch 1) to a fresh
 cache inside one ``deferred_checks`` block (the bench's ``prefill_compress``, whose ``host_ms`` was 2.2 ms on an
 H200 host against 1.4 ms of GPU work): ``construct_us`` (the fresh cache's constructor, which on CUDA builds the
 appender and prepares its launches), ``prompt_first_us`` (the cache's first append: the layer's backups and
@@ -24,7 +25,8 @@ buffers), ``prompt_rest_us`` (the median of the other 31), ``prompt_total_us``, 
 over ``--rounds`` fresh caches (after one warm-up cache); ``prompt_first_parts_us``: in as many more fresh
 caches, the first append's wall time inside each of its parts (inclusive, so they overlap: ``cache_append`` is
 the whole call, ``device_append`` holds the prepares and launches, ``prepare_*`` hold ``pack``; medians);
-``--profile N`` also prints the N most
+``prompt_rest_launch_us``: in as many more, the wall time of each ``PreparedLaunch.launch`` of the later appends
+by kernel (the driver's ``cuLaunchKernelEx`` and the binding around it; medians); ``--profile N`` also prints the N most
 expensive functions of one fresh cache's 32 appends (cProfile, cumulative).
 
 On a CUDA machine everything is real (``python3 tools/host_overhead.py``; add ``--bench`` for the
@@ -120,6 +122,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--prompt", action="store_true", help="time a fresh cache's prompt appends instead (docstring)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="with --prompt: cProfile's top N functions")
+    ap.add_argument("--chunk", type=int, default=512, help="with --prompt: tokens per append (a divisor of 16384)")
     args = ap.parse_args(argv)
 
     import torch
@@ -223,7 +226,7 @@ def prompt_appends(args, device: str, kc, A) -> None:
 
     import torch
 
-    B, H, D, P, C = args.batch, 8, 128, 16384, 512
+    B, H, D, P, C = args.batch, 8, 128, 16384, args.chunk
     g = torch.Generator(device=device).manual_seed(P + C)
     k = torch.randn(B, H, P, D, device=device, generator=g).half()
     v = torch.randn(B, H, P, D, device=device, generator=g).half()
@@ -272,7 +275,26 @@ def prompt_appends(args, device: str, kc, A) -> None:
         for name, us in spent.items():
             first_parts[name].append(us)
 
-    def one_prompt(profile=None, breakdown=False) -> list[float]:
+    launch_us: dict[str, list[float]] = {}  # kernel name -> wall time of each PreparedLaunch.launch call
+
+    def timed_launches(call) -> None:
+        """call() with the wall time of every kernel launch in it added to launch_us, by kernel name."""
+        saved = PreparedLaunch.launch
+
+        def launch(self, stream=None):
+            t = time.perf_counter()
+            try:
+                return saved(self, stream)
+            finally:
+                launch_us.setdefault(self.kernel.name, []).append((time.perf_counter() - t) * 1e6)
+
+        PreparedLaunch.launch = launch
+        try:
+            call()
+        finally:
+            PreparedLaunch.launch = saved
+
+    def one_prompt(profile=None, breakdown=False, launches=False) -> list[float]:
         cache, per = fresh(), []
         with cache.deferred_checks():
             if profile is not None:
@@ -281,6 +303,12 @@ def prompt_appends(args, device: str, kc, A) -> None:
                 call = lambda: cache.append(0, k[:, :, s:s + C], v[:, :, s:s + C])  # noqa: E731
                 if breakdown and not s:
                     timed_parts(call)
+                    continue
+                if launches:
+                    if s:  # the later appends' launches (the first append's are in prompt_first_parts_us)
+                        timed_launches(call)
+                    else:
+                        call()
                     continue
                 t0 = time.perf_counter()
                 call()
@@ -295,13 +323,16 @@ def prompt_appends(args, device: str, kc, A) -> None:
     runs = [one_prompt() for _ in range(args.rounds)]
     for _ in range(args.rounds):
         one_prompt(breakdown=True)
+    for _ in range(args.rounds):
+        one_prompt(launches=True)
     res = {"device": device, "batch": B, "kv_heads": H, "head_dim": D, "prompt_tokens": P, "chunk_tokens": C,
            "rounds": args.rounds,
            "construct_us": round(statistics.median(constructed[1:]), 1),
            "prompt_first_us": round(statistics.median(r[0] for r in runs), 1),
            "prompt_rest_us": round(statistics.median(statistics.median(r[1:]) for r in runs), 1),
            "prompt_total_us": round(statistics.median(sum(r) for r in runs), 1),
-           "prompt_first_parts_us": {name: round(statistics.median(us), 1) for name, us in first_parts.items()}}
+           "prompt_first_parts_us": {name: round(statistics.median(us), 1) for name, us in first_parts.items()},
+           "prompt_rest_launch_us": {name: round(statistics.median(us), 1) for name, us in launch_us.items()}}
     if args.json:
         print(json.dumps(res, indent=1))
     else:
