@@ -93,9 +93,10 @@ def plan_append(sink_len: int, window_len: int, n: int, sink_tokens: int, window
 
 def commit_parts(n: int, window: int, pairs: int) -> int:
     """Blocks per (sequence, head, half) of append_commit (its grid's z) for appends of ``n`` tokens with
-    ``pairs`` = batch * heads: the rows it copies (at most min(n, window) that join a growing window, at most
-    ``window`` that a rewrite keeps) in shares of ``COMMIT_ROWS_PER_BLOCK``, within ``COMMIT_BLOCKS`` blocks.
-    One token (a decode step) gives 1."""
+    ``pairs`` = batch * heads: min(n, window) rows in shares of ``COMMIT_ROWS_PER_BLOCK``, within
+    ``COMMIT_BLOCKS`` blocks. That is the rows a growing window takes, and for a chunk of at least ``window``
+    tokens the rows a rewrite keeps (a shorter chunk's rewrite may keep more rows than it has blocks for; the
+    split is a cost choice, any count is correct). One token (a decode step) gives 1."""
     by_rows = -(-min(n, window) // COMMIT_ROWS_PER_BLOCK)
     return max(1, min(by_rows, COMMIT_BLOCKS // (2 * pairs)))
 
