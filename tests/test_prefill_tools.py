@@ -52,9 +52,9 @@ def test_tune_prefill_dry_run_lists_the_candidates_that_fit(capsys):
             listed[key] = []
         else:
             listed[key].append(line.strip())
-    # D=256 keeps 32-token blocks (mma.sync, or wgmma with one or two consumer warpgroups); T=64 tiles take
-    # 64-token blocks as one block, 32-token ones as two
-    assert listed["D256_T128_V2"] == ["r16c4n32", "r16c4n32wg", "r16c8n32wg"]
+    # D=256 takes 32-token blocks (mma.sync, or wgmma with one or two consumer warpgroups) and, with wgmma and two
+    # consumer warpgroups, 64-token ones; T=64 tiles take 64-token blocks as one block, 32-token ones as two
+    assert listed["D256_T128_V2"] == ["r16c4n32", "r16c8n64wg", "r16c4n32wg", "r16c8n32wg"]
     assert "r32c4n64g2" in listed["D128_T128_V2"] and "r16c8n64" in listed["D128_T128_V2"]
     assert all(FusedConfig.from_name(n).fits(128, 64) for n in listed["D128_T64_V2"])
     assert len(listed["D128_T128_V2"]) == sum(c.fits(128, 128) for c in CANDIDATES)

@@ -45,7 +45,8 @@
 // (sm_90a, CuTe's SM90 GMMA atoms) per consumer warpgroup of 64 rows: S = Q . K^T with both operands in
 // shared memory (N = BLOCK_N), O += P . V with P from registers (the S accumulator re-packed, as in
 // FlashAttention 3; N = D, up to 256 in one instruction). At D=256 the blocks are 32 tokens and the ring
-// three stages (64 KB of Q rows for two warpgroups), one producer warpgroup, and with two consumer
+// three stages (64 KB of Q rows for two warpgroups), or 64 tokens and two stages (two consumer warpgroups,
+// records of 2-bit V: half the score MMAs' re-reads of Q), one producer warpgroup, and with two consumer
 // warpgroups the roles trade registers (a 64 x 256 f32 accumulator is 128 registers a consumer thread).
 // The wgmma operands sit in the canonical no-swizzle core-matrix layout (8 rows x 16 bytes, contiguous):
 // Q and the exact K are K-major, the dequantized tile K and every V are MN-major (see the *_off helpers);
@@ -108,8 +109,9 @@ constexpr int BPT = T / BN;           // blocks per tile
 // stages of the producer -> consumer ring: with two producer groups, each group owns the stages of its
 // tiles' blocks (tile g's blocks go to group g % 2); wgmma's consumers hold two stages at a time (a
 // block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead,
-// except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring
-constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : 3) : NG * BPT;
+// except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring, and
+// 64-token blocks there have two 64 KB stages (k4v2 records: 229-232 KB in all; 4-bit V records do not fit)
+constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;
 // blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
 // block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it
 constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;
@@ -123,7 +125,8 @@ static_assert(NP == 4 || (NP == 8 && WGMMA), "PRODUCER_WARPS is 4, or 8 with wgm
 // two consumer warpgroups (384 threads): a consumer thread holds 128 accumulator registers (64 x 256 f32
 // over the warpgroup), 16 of S and 8 of P for a 32-token block, more than 168; 2 x 200 + 104 = 504, of which
 // ptxas uses up to R196 in the consumers (the tight spot: the inverse WHT of the accumulator after the tiles)
-// and R101 in the producers over the D=256 variants (docs/perf-notes.md: the splits tried).
+// and R101 in the producers over the D=256 variants (docs/perf-notes.md: the splits tried). With 64-token blocks
+// (32 registers of S) the consumers spill 16 bytes at 200; 2 x 208 + 88 holds both roles with no spill.
 // Q_REGS at D=128 with two consumer warpgroups and one producer warpgroup (384 threads): the Q fragments (32
 // registers) put the consumers over the launch's 168 (ptxas: R0-R168 at 184, producers up to R113 at 136; at
 // 168 the consumers spill and ptxas serializes the wgmmas); 2 x 184 + 136 = 504. At D=64 (16 registers) every
@@ -135,8 +138,8 @@ constexpr bool QR_TRADE = Q_REGS && D == 128 && NC == 8 && NP == 4;
 constexpr int QR_CONSUMER_REGS = 184, QR_PRODUCER_REGS = 136;
 constexpr bool REG_TRADE = NT == 512 || (WGMMA && D == 256 && NC == 8) || QR_TRADE;
 constexpr int LAUNCH_REGS = 65536 / NT / 8 * 8;
-constexpr int PRODUCER_REGS = QR_TRADE ? QR_PRODUCER_REGS : D == 256 ? 104 : NG == 2 ? 112 : 88;
-constexpr int CONSUMER_REGS = QR_TRADE ? QR_CONSUMER_REGS : D == 256 ? 200 : NG == 2 ? 144 : 168;
+constexpr int PRODUCER_REGS = QR_TRADE ? QR_PRODUCER_REGS : D == 256 ? (BN == 64 ? 88 : 104) : NG == 2 ? 112 : 88;
+constexpr int CONSUMER_REGS = QR_TRADE ? QR_CONSUMER_REGS : D == 256 ? (BN == 64 ? 208 : 200) : NG == 2 ? 144 : 168;
 static_assert(!REG_TRADE || (NP / 4) * PRODUCER_REGS + (NC / 4) * CONSUMER_REGS <= (NT / 128) * LAUNCH_REGS,
               "the CTA's register pool");
 static_assert(!Q_REGS || WGMMA, "Q_REGS: the register A operand of wgmma");
@@ -145,9 +148,9 @@ static_assert(BN == 32 || BN == 64, "BLOCK_N is 32 or 64");
 static_assert(T % BN == 0, "a tile is a whole number of blocks");
 static_assert(REC % 16 == 0, "records are 16-byte multiples");
 static_assert(D == 64 || D == 128 || D == 256, "head_dim");
-static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (BN == 32 && D == 256 && NP == 4 && NG == 1))),
-              "wgmma: 16 rows per warp (64 per warpgroup); 64-token blocks at head_dim 64 or 128, 32-token blocks "
-              "with one producer warpgroup at head_dim 256");
+static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (D == 256 && NP == 4 && NG == 1 && (BN == 32 || NC == 8)))),
+              "wgmma: 16 rows per warp (64 per warpgroup); 64-token blocks at head_dim 64 or 128; at head_dim 256 one "
+              "producer warpgroup, and 64-token blocks only with two consumer warpgroups");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, and the stages. A stage holds a tile block (kd [D][KS] f16,

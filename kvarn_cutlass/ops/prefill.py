@@ -189,7 +189,9 @@ class FusedConfig:
     def fits(self, head_dim: int, tile_tokens: int) -> bool:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
         sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers) and
-        32-token blocks, with mma.sync 4 consumer warps; 8 consumer warps need 16 rows per warp."""
+        32-token blocks, with mma.sync 4 consumer warps, or with wgmma and two consumer warpgroups 64-token
+        blocks, whose two stages fit shared memory beside records of 2-bit V only (the kernel's load refuses
+        the others, naming the bytes); 8 consumer warps need 16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
         if self.k_operand == "int8":
@@ -206,9 +208,11 @@ class FusedConfig:
             if self.rows_per_warp != 16:
                 return False
             if head_dim == 256:
-                # 32-token blocks (three 32 KB stages beside 64 KB of Q rows), one producer warpgroup (two
-                # consumer warpgroups take 200 registers a thread of the 504 the launch of 384 threads holds)
-                return self.block_n == 32 and self.producer_warps == 4 and self.producer_groups == 1
+                # one producer warpgroup; 32-token blocks (three 32 KB stages beside 64 KB of Q rows; two consumer
+                # warpgroups take 200 registers a thread of the 504 the launch of 384 threads holds), or, with two
+                # consumer warpgroups, 64-token blocks (two 64 KB stages; consumers 208, producers 88)
+                return (self.producer_warps == 4 and self.producer_groups == 1
+                        and (self.block_n == 32 or self.consumer_warps == 8))
             # two producer groups: one warpgroup each
             return self.block_n == 64 and (self.producer_groups == 1 or self.producer_warps == 8)
         if self.producer_warps != 4:
