@@ -25,13 +25,14 @@ import pytest
 SOURCE = (Path(__file__).resolve().parents[1] / "kvarn_cutlass/csrc/prefill_fused.cu").read_text()
 
 
-def nstage(ng: int, bpt: int, wgmma: bool, d: int) -> int:
-    """The kernel's NSTAGE (asserted below to be the source's formula)."""
-    return (4 if wgmma and d <= 128 else 3) if ng == 1 else ng * bpt
+def nstage(ng: int, bpt: int, wgmma: bool, d: int, bn: int = 32) -> int:
+    """The kernel's NSTAGE (asserted below to be the source's formula; bn: BLOCK_N)."""
+    return (4 if wgmma and d <= 128 else (2 if d == 256 and bn == 64 else 3)) if ng == 1 else ng * bpt
 
 
 def test_the_model_uses_the_kernels_stage_count_and_rules():
-    assert "constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : 3) : NG * BPT;" in SOURCE
+    assert ("constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;"
+            in SOURCE)
     assert "constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;" in SOURCE
     assert "if (NG > 1 && s / BPT != pg) continue;  // another group's stage" in SOURCE
     for line in ("if (pend >= 0 && bi >= NSTAGE && pend <= bi - NSTAGE + CONSUMER_HOLD) {",
@@ -119,9 +120,10 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int
                          f"full={sorted(full)} empty={sorted(empty)}")
 
 
-SHAPES = [(ng, bpt, nstage(ng, bpt, wg, d), int(wg)) for ng, bpt, wg, d in
-          [(1, 1, True, 128), (1, 2, True, 128), (1, 2, False, 128), (1, 4, False, 64), (1, 4, True, 256),
-           (2, 1, True, 128), (2, 1, False, 128), (2, 2, True, 128), (2, 2, False, 64)]]
+SHAPES = [(ng, bpt, nstage(ng, bpt, wg, d, bn), int(wg)) for ng, bpt, wg, d, bn in
+          [(1, 1, True, 128, 64), (1, 2, True, 128, 64), (1, 2, False, 128, 64), (1, 4, False, 64, 32),
+           (1, 4, True, 256, 32), (1, 2, True, 256, 64), (1, 1, True, 256, 64),  # D=256: 32- and 64-token blocks
+           (2, 1, True, 128, 64), (2, 1, False, 128, 64), (2, 2, True, 128, 64), (2, 2, False, 64, 32)]]
 
 
 @pytest.mark.parametrize("ng,bpt,ns,hold", SHAPES)
