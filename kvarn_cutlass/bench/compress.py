@@ -155,7 +155,7 @@ def _prefill_compress(opts: BenchOptions) -> dict[str, Any]:
 
     # A model's forward pass hands each chunk's k, v to the cache as tensors of their own: the views are made
     # here, outside the timed region (two slices of the [1, H, P, D] prompt took ~10 us of host time per chunk
-    # on the dev CPU, a third of an append's). ``sliced`` keeps the previous harness, views made per call.
+    # on the dev CPU, about half of what the loop charged an append). ``sliced`` keeps the previous harness.
     chunks = [(k[:, :, s:s + C], v[:, :, s:s + C]) for s in range(0, P, C)]
 
     def prompt(cache: KVarNCache) -> None:

@@ -166,6 +166,12 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
     def events():
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
+    def static_steps(kbuf, vbuf) -> list:
+        """Per chunk, made before a timed region: its q, k, v views, the views of an fp16 cache [1, H, P, D]
+        (kbuf, vbuf) that it writes and that it attends to, and its mask."""
+        return [(qn, kn, vn, kbuf[:, :, s:s + n], vbuf[:, :, s:s + n], kbuf[:, :, :s + n], vbuf[:, :, :s + n],
+                 causal_lower_right(n, s + n)) for (s, n), (qn, kn, vn) in zip(chunks, views)]
+
     def kvarn_prompt(attend: bool = True) -> float:
         cache = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
         a, b = events()
@@ -185,10 +191,7 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         heads = HKV if gqa else HQ
         kc_ = torch.empty(1, heads, P, D, device=dev, dtype=torch.float16)
         vc_ = torch.empty_like(kc_)
-        # the static cache's views a chunk writes and reads, and its mask, made before the timed region as the
-        # KVarN prompt's inputs are
-        steps = [(qn, kn, vn, kc_[:, :, s:s + n], vc_[:, :, s:s + n], kc_[:, :, :s + n], vc_[:, :, :s + n],
-                  causal_lower_right(n, s + n)) for (s, n), (qn, kn, vn) in zip(chunks, views)]
+        steps = static_steps(kc_, vc_)
         a, b = events()
         a.record()
         with sdpa_kernel(backend):
@@ -207,8 +210,7 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         gqa = _gqa_supported(SDPBackend.FLASH_ATTENTION)
         kb = torch.empty(1, HKV, P, D, device=dev, dtype=torch.float16)
         vb = torch.empty_like(kb)
-        steps = [(qn, kn, vn, kb[:, :, s:s + n], vb[:, :, s:s + n], kb[:, :, :s + n], vb[:, :, :s + n],
-                  causal_lower_right(n, s + n)) for (s, n), (qn, kn, vn) in zip(chunks, views)]
+        steps = static_steps(kb, vb)
         a, b = events()
         with cache.deferred_checks():
             a.record()
