@@ -110,7 +110,8 @@ constexpr int BPT = T / BN;           // blocks per tile
 // tiles' blocks (tile g's blocks go to group g % 2); wgmma's consumers hold two stages at a time (a
 // block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead,
 // except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring, and
-// 64-token blocks there have two 64 KB stages (k4v2 records: 229-232 KB in all; 4-bit V records do not fit)
+// 64-token blocks there have two 64 KB stages (229-232 KB in all beside records of 2-bit V; not with float32
+// scales and Lloyd-Max, nor beside 4-bit V: the launcher refuses those by the exported layout size)
 constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;
 // blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
 // block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it
