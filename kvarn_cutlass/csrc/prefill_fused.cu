@@ -46,7 +46,7 @@
 // shared memory (N = BLOCK_N), O += P . V with P from registers (the S accumulator re-packed, as in
 // FlashAttention 3; N = D, up to 256 in one instruction). At D=256 the blocks are 32 tokens and the ring
 // three stages (64 KB of Q rows for two warpgroups), or 64 tokens and two stages (two consumer warpgroups,
-// records of 2-bit V: half the score MMAs' re-reads of Q), one producer warpgroup, and with two consumer
+// where the records leave room: half the score MMAs' re-reads of Q), one producer warpgroup, and with two consumer
 // warpgroups the roles trade registers (a 64 x 256 f32 accumulator is 128 registers a consumer thread).
 // The wgmma operands sit in the canonical no-swizzle core-matrix layout (8 rows x 16 bytes, contiguous):
 // Q and the exact K are K-major, the dequantized tile K and every V are MN-major (see the *_off helpers);
@@ -110,8 +110,8 @@ constexpr int BPT = T / BN;           // blocks per tile
 // tiles' blocks (tile g's blocks go to group g % 2); wgmma's consumers hold two stages at a time (a
 // block's scores and the previous block's pending P . V), so one more keeps the producers as far ahead,
 // except at D=256, where a fourth 32 KB stage does not fit beside 64 KB of Q rows and the record ring, and
-// 64-token blocks there have two 64 KB stages (229-232 KB in all beside records of 2-bit V; not with float32
-// scales and Lloyd-Max, nor beside 4-bit V: the launcher refuses those by the exported layout size)
+// 64-token blocks there have two 64 KB stages (218-232 KB in all; over the limit beside 128-token records of
+// 4-bit V or with float32 scales and Lloyd-Max, which the launcher refuses by the exported layout size)
 constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;
 // blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
 // block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it

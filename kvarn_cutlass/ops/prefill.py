@@ -190,8 +190,9 @@ class FusedConfig:
         """Whether the config is valid for (head_dim, tile_tokens) (registers and shared memory of the
         sm_90 build): D=256 keeps 16 rows per warp (two m16 tiles would need 256 accumulator registers) and
         32-token blocks, with mma.sync 4 consumer warps, or with wgmma and two consumer warpgroups 64-token
-        blocks, whose two stages fit shared memory beside records of 2-bit V only (the kernel's load refuses
-        the others, naming the bytes); 8 consumer warps need 16 rows per warp."""
+        blocks, whose two stages fit shared memory beside most records but not 128-token ones of 4-bit V nor
+        float32 scales with Lloyd-Max (the kernel's load refuses those, naming the bytes); 8 consumer warps need
+        16 rows per warp."""
         if tile_tokens % self.block_n:
             return False
         if self.k_operand == "int8":
