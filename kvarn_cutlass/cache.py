@@ -21,11 +21,13 @@ same lengths) and on the device, int32 ``device_lengths()`` [num_layers, 3, batc
 window_len, sink_len), which the kernels read, so that CUDA graphs stay valid while a sequence grows.
 
 Writes on CUDA (:mod:`kvarn_cutlass.ops.append`): ``append`` is one kernel launch, two when a tile
-completes (compressed on the GPU straight from the window and the chunk), with no torch op; its
-checks set bits of a device-side error flag. Outside a :meth:`KVarNCache.deferred_checks` block the
-flag is read back at once (one 4-byte copy, the call's only synchronization); inside one it is read
-when the block ends. A failed append commits nothing: lengths and live tokens stay as they were (bytes
-past the live lengths, e.g. unused pool slots, may change). ``deferred_checks(overlap_appends=True)``
+completes outside a :meth:`KVarNCache.deferred_checks` block (compressed on the GPU straight from the
+window and the chunk), with no torch op; its checks set bits of a device-side error flag. Outside a
+block the flag is read back at once (one 4-byte copy, the call's only synchronization) and a failed
+append commits nothing: lengths and live tokens stay as they were (bytes past the live lengths, e.g.
+unused pool slots, may change). Inside one the flag is read when the block ends, a tile-completing
+append is one launch that also rewrites the window (a failed one may leave windows rewritten), and a
+failure restores every layer from the backups the block took. ``deferred_checks(overlap_appends=True)``
 runs the block's appends on a second stream of the cache, so that a tile's compression overlaps the
 caller's later work (the rest of a model's forward pass); every read of a layer through the cache's
 methods and the library's kernels waits for that layer's appends.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,8 @@ from .format import DEFAULT_QUANTIZER, DEFAULT_SINKHORN_ITERS, TileSpec
 from .ops.append import INPUT_ORDER, Backup, DeviceAppender, error_message, plan_append
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
+# "0": appends that complete tiles inside deferred_checks blocks take two launches, as outside them (A/B runs)
+FUSED_APPEND_ENV = "KVARN_FUSED_APPEND"
 
 
 @dataclass
@@ -152,6 +157,9 @@ class KVarNCache:
         self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)
         self._layers = [self._new_layer(capacity, self._lens[i]) for i in range(num_layers)]
         self._init_write_state()
+        # inside deferred_checks blocks, an append that completes tiles is one launch (ops.append's fused form);
+        # FUSED_APPEND_ENV=0: two, as outside them (A/B runs)
+        self._fuse_appends = os.environ.get(FUSED_APPEND_ENV, "1") != "0"
         if self._on_cuda:
             # plan once: the append kernels' lookups and prepared launches (~0.3 ms of host time on an H200
             # host), here rather than in the first append, where the GPU would wait for them
@@ -164,6 +172,9 @@ class KVarNCache:
         self._errors = torch.zeros(1, dtype=torch.int32, device=self.device)
         # append_commit's count of finished blocks (the last one commits; it resets the count)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # the fused append's per-(sequence, head, half) counts of CTAs done reading the window (each reset by the
+        # CTA that completes it; ops.append.DeviceAppender.append)
+        self._groups = torch.zeros(2 * self.batch_size * self.num_kv_heads, dtype=torch.int32, device=self.device)
         self._writer = None  # ops.append.DeviceAppender (on CUDA: built by the constructor)
         self._backups: dict[int, Backup] = {}  # per layer, allocated when a block or step graph needs one
         self._deferred: _Block | None = None
@@ -372,20 +383,27 @@ class KVarNCache:
         # the device path (kept inline: it is the hot path)
         blk = self._deferred
         backup = None
+        fuse = False
         if n_new:
             if st.n_tiles + n_new > st.tiles.shape[1]:
                 self._grow(st, st.n_tiles + n_new)
-            if blk is not None and layer not in blk.backed_up:
-                backup = self._backup(layer)
-                blk.backed_up[layer] = "device"
-        if self._overlap:
-            stream = self._write_stream
-            writer.append(st, k, v, n, n_new, backup, stream)
+            if blk is not None:
+                kind = blk.backed_up.get(layer)
+                if kind is None:
+                    backup = self._backup(layer)
+                    fuse = self._fuse_appends
+                    if not fuse:
+                        blk.backed_up[layer] = "device"
+                else:
+                    fuse = kind == "fused"
+        stream = self._write_stream if self._overlap else None
+        writer.append(st, k, v, n, n_new, backup, stream, fuse)
+        if fuse and backup is not None:  # launched: the backup is written whatever the append's checks find
+            blk.backed_up[layer] = "fused"
+        if stream is not None:
             ev = st.written = st.written or torch.cuda.Event()
             ev.record(stream)
             st.awaited = None
-        else:
-            writer.append(st, k, v, n, n_new, backup)
         if blk is None:
             self._raise_device_errors()
         st.n_tiles += n_new
@@ -517,7 +535,8 @@ class KVarNCache:
         device_tiles = self._lens[:, 0, 0].tolist()  # what the device committed (a synchronization)
         for i, (st, (n_tiles, window_len, sink_len)) in enumerate(zip(self._layers, lengths)):
             kind = backed_up.get(i)
-            if kind == "host" or (kind == "device" and device_tiles[i] != n_tiles):
+            # a fused append may have rewritten the window and failed (no length moved): copied back always
+            if kind in ("host", "fused") or (kind == "device" and device_tiles[i] != n_tiles):
                 bk = self._backups[i]
                 # the device backup holds the window rows of the append that wrote it, at least window_len
                 # of them (a layer's window only shrinks when a tile completes, and the first such append

@@ -120,7 +120,11 @@ class EmulatedAppender:
         self.cache = cache
         self.launches = []  # kernel names, in order, for tests of the launch count
 
-    def append(self, st, k, v, n, n_new, backup):
+    def append(self, st, k, v, n, n_new, backup, stream=None, fuse=False):
+        assert stream is None, "the emulation runs on the CPU: no overlapped block"
+        if n_new and fuse:
+            self._compress(st, k, v, n, n_new, backup, fused=True)
+            return
         if n_new:
             self._compress(st, k, v, n, n_new, backup)
         self._commit(st, k, v, n)
@@ -150,8 +154,12 @@ class EmulatedAppender:
         nt, wl, sl = (int(x) for x in st.lens[:, b])
         return nt, wl, sl, A.plan_append(sl, wl, n, c.sink_tokens, c.window, c.spec.tile_tokens)
 
-    def _compress(self, st, k, v, n, max_new, backup):
-        self.launches.append("append_compress")
+    def _compress(self, st, k, v, n, max_new, backup, fused=False):
+        """append_compress; ``fused``: its fused form, whose (b, half) groups each write their sink and window once
+        the group's own CTAs are done, if the flag is clean then (here: each group right after its own checks,
+        before the next sequence's, the order in which a later group's error finds earlier windows rewritten),
+        and whose last CTA commits the lengths on a clean flag."""
+        self.launches.append("append_compress_fused" if fused else "append_compress")
         c = self.cache
         T, H, nb = c.spec.tile_tokens, c.num_kv_heads, c.spec.tile_nbytes
         f16_scales = c.spec.scale_dtype == torch.float16
@@ -159,6 +167,10 @@ class EmulatedAppender:
         bits = 0
         for b in range(c.batch_size):
             nt, wl, sl, (n_sink, n_new, keep) = self._plan(st, b, n)
+            if fused and n_new and backup is not None:  # the fused form's aux CTAs: whatever the flag says
+                for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
+                    bk[b, :, :wl] = win[b, :, :wl]
+                    bk[b, :, wl:] = float("nan")
             if not clean or n_new == 0:
                 continue
             assert max_new >= n_new, "the launch has fewer compress blocks than tiles complete"
@@ -182,14 +194,51 @@ class EmulatedAppender:
                         continue
                     slot = int(st.tile_table[b, nt + i])
                     st.tiles.view(-1, H, nb)[slot] = rec
-            for x, is_v in ((k, False), (v, True)):  # the aux blocks: every chunk token
+            for x, win, sink, is_v in ((k, st.window_k, st.sink_k, False), (v, st.window_v, st.sink_v, True)):
+                # the aux blocks: every chunk token
                 bits |= _check_rows(x[b, :, :n_sink], False, is_v, f16_scales)
                 bits |= _check_rows(x[b, :, n_sink:n], True, is_v, f16_scales)
-            if backup is not None:  # the kernel writes the live rows only: the rest stays as allocated (poison)
+                if fused:
+                    c._errors |= bits
+                    if int(c._errors) == 0:  # the group's last CTA: the flag as it finds it
+                        sink[b, :, sl : sl + n_sink] = x[b, :, :n_sink]
+                        self._rewrite(win[b], x[b], wl, n_sink, n_new, keep, 1)
+            if backup is not None and not fused:  # the live rows only: the rest stays as allocated (poison)
                 for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
                     bk[b, :, :wl] = win[b, :, :wl]
                     bk[b, :, wl:] = float("nan")
         c._errors |= bits
+        if fused:
+            self._commit_lengths(st, n)
+
+    def _rewrite(self, win, chunk, wl, n_sink, n_new, keep, parts):
+        """append_plan's in-place rewrite of one (sequence, half)'s window [H, window, D], window[j] = stream[s + j]
+        for j < keep: one round's rows split over ``parts`` blocks in any order (here the last first); more
+        rounds on one block, round after round; asserting that no round reads a position it writes."""
+        c = self.cache
+        T = c.spec.tile_tokens
+        s = n_new * T
+        rounds = _rounds(n_new, keep, T)
+        spans = ([(keep * z // parts, keep * (z + 1) // parts) for z in reversed(range(parts))] if rounds == 1
+                 else [(q * s, min((q + 1) * s, keep)) for q in range(rounds)])
+        for lo, hi in spans:
+            j = torch.arange(lo, hi)
+            src = s + j
+            read = set(src[src < wl].tolist())
+            written = set(range(keep)) if rounds == 1 else set(j.tolist())
+            assert not read & written, f"rows {lo}..{hi} read window positions that are written"
+            vals = torch.empty(c.num_kv_heads, len(j), c.head_dim, dtype=c.dtype)
+            w = src < wl
+            vals[:, w] = win[:, src[w]]
+            vals[:, ~w] = chunk[:, src[~w] - wl + n_sink]
+            win[:, j] = vals  # every read of the round happened before its writes
+
+    def _commit_lengths(self, st, n):
+        """The last block's commit: the new lengths of every sequence, on a clean flag."""
+        if int(self.cache._errors) == 0:
+            for b in range(self.cache.batch_size):
+                nt, wl, sl, (n_sink, n_new, keep) = self._plan(st, b, n)
+                st.lens[:, b] = torch.tensor([nt + n_new, keep, sl + n_sink], dtype=torch.int32)
 
     def _commit(self, st, k, v, n):
         self.launches.append("append_commit")
@@ -211,28 +260,9 @@ class EmulatedAppender:
                     bits |= _check_rows(chunk[:, n_sink:n], True, is_v, f16_scales)
                     win[b, :, wl:keep] = chunk[:, n_sink:n]
                     continue
-                s = n_new * T
-                rounds = _rounds(n_new, keep, T)
-                # one round: its rows split over the commit's parts, which run in any order (here the last first);
-                # more rounds: part 0 alone, round after round
-                spans = ([(keep * z // parts, keep * (z + 1) // parts) for z in reversed(range(parts))] if rounds == 1
-                         else [(q * s, min((q + 1) * s, keep)) for q in range(rounds)])
-                for lo, hi in spans:
-                    j = torch.arange(lo, hi)
-                    src = s + j
-                    read = set(src[src < wl].tolist())
-                    written = set(range(keep)) if rounds == 1 else set(j.tolist())
-                    assert not read & written, f"rows {lo}..{hi} read window positions that are written"
-                    vals = torch.empty(c.num_kv_heads, len(j), c.head_dim, dtype=c.dtype)
-                    w = src < wl
-                    vals[:, w] = win[b][:, src[w]]
-                    vals[:, ~w] = chunk[:, src[~w] - wl + n_sink]
-                    win[b][:, j] = vals  # every read of the round happened before its writes
+                self._rewrite(win[b], chunk, wl, n_sink, n_new, keep, parts)
         c._errors |= bits
-        if int(c._errors) == 0:  # the last block's commit
-            for b in range(c.batch_size):
-                nt, wl, sl, (n_sink, n_new, keep) = self._plan(st, b, n)
-                st.lens[:, b] = torch.tensor([nt + n_new, keep, sl + n_sink], dtype=torch.int32)
+        self._commit_lengths(st, n)
 
 
 def _pair(**kw):
@@ -393,6 +423,53 @@ def test_deferred_block_with_truncate_and_many_tiles_restores():
             for c in (host, dev):
                 c.append(layer, *arg) if op == "append" else c.truncate(layer, arg)
             _assert_same(_state(host), _state(dev))
+
+
+def test_fused_append_is_one_launch_and_a_later_groups_failure_is_undone(monkeypatch):
+    """Inside a deferred block an append that completes tiles is one launch, append_compress's fused form, whose
+    (sequence, half) groups each rewrite their window as they finish. With the NaN in the last sequence's V,
+    the earlier groups' windows are rewritten before the failure is known (the restore is seen to have them to
+    undo), and the block's restore puts the cache back as it was; outside a block the same append is two
+    launches."""
+    kw = dict(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=64, preset="k4v2_g64", window=128, sink_tokens=64,
+              device="cpu")
+    host, dev = _pair(**kw)
+    g = torch.Generator().manual_seed(12)
+    kv = lambda n: (realistic_kv(2, 2, n, 64, generator=g), realistic_kv(2, 2, n, 64, generator=g))  # noqa: E731
+    first = kv(150)  # the sink, and a window of 86
+    for c in (host, dev):
+        c.append(0, *first)
+    good = kv(90)  # 176 tokens of stream: one 64-token tile completes
+    for c in (host, dev):
+        with c.deferred_checks():
+            before = len(dev._writer.launches)
+            c.append(0, *good)
+    assert dev._writer.launches[before:] == ["append_compress_fused"]
+    _assert_same(_state(host), _state(dev))
+    state0 = _state(dev)
+    bad = kv(200)
+    bad[1][1, 1, 170, 5] = float("nan")  # sequence 1's V: the last group
+    seen = {}
+    restore = dev._restore
+
+    def spy(lengths, backed_up):
+        seen["window_k"] = dev._layers[0].window_k.clone()
+        seen["kind"] = dict(backed_up)
+        return restore(lengths, backed_up)
+
+    monkeypatch.setattr(dev, "_restore", spy)
+    with pytest.raises(ValueError, match="^v contains NaN"):
+        with dev.deferred_checks():
+            dev.append(0, *bad)
+    assert seen["kind"] == {0: "fused"}
+    live_k = state0[0][3]  # layer 0's window_k rows [batch, heads, window_len, D] before the failed block
+    assert not torch.equal(seen["window_k"][:, :, : live_k.shape[2]], live_k), "nothing was rewritten"
+    _assert_same(state0, _state(dev))
+    with pytest.raises(ValueError, match="^v contains NaN"):  # outside a block: two launches, nothing rewritten
+        before = len(dev._writer.launches)
+        dev.append(0, *bad)
+    assert dev._writer.launches[before:] == ["append_compress", "append_commit"]
+    _assert_same(state0, _state(dev))
 
 
 def test_deferred_block_raising_user_code_restores_device_path():

@@ -5,7 +5,8 @@ step graphs (``kvarn_cutlass.step_graph``). All marked ``gpu``.
   records, windows, sinks and lengths after every append: every preset x head_dim x scale dtype x
   quantizer, both cache dtypes, chunks on and off tile boundaries, single tokens into a full window,
   a chunk longer than the window, sink tokens, batch 2, strided and float32 inputs, growing and
-  preallocated pools, eager and inside deferred blocks.
+  preallocated pools, eager and inside deferred blocks (where a tile-completing append is one launch,
+  append_compress's fused form, or two with KVARN_FUSED_APPEND=0).
 * Errors: NaN/Inf, |x| > 2^48, |x| > 2^42 with float16 scales, in window, tile and sink tokens, and
   compression overflows: the host path's message, eager and deferred, and no visible change.
 * Step graphs: 1000 replayed decode steps bit-identical to eager appends and decode_attention,
@@ -244,6 +245,37 @@ def test_gpu_first_failed_append_of_a_block_is_the_error_reported(form):
             dev.append(0, *[x.cuda() for x in bad_k])
     assert_same_state(before, state(dev), form)
     lengths_consistent(dev)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_deferred_block_fused_or_not_and_a_later_groups_failure(monkeypatch, form, fused):
+    """Inside a deferred block a tile-completing append is one launch (append_compress's fused form; with
+    KVARN_FUSED_APPEND=0, two): a 16k-style prompt of 512-token chunks at batch 2 is byte-identical to the host
+    path, and a chunk whose NaN sits in the last sequence's V (the earlier (sequence, half) groups may have
+    rewritten their windows by then) leaves the cache as before the block, in either form."""
+    monkeypatch.setenv("KVARN_FUSED_APPEND", "1" if fused else "0")
+    host, dev = _forced_pair(form, num_layers=2, batch_size=2, num_kv_heads=2, head_dim=128, preset="k4v2_g128",
+                             window=256, sink_tokens=128, dtype=torch.float16)
+    assert dev._fuse_appends is fused
+    g = torch.Generator().manual_seed(31)
+    with dev.deferred_checks():
+        for n in (512, 512, 300, 1, 700):
+            kv = inputs(host, n, g, "cache")
+            for layer in range(2):
+                host.append(layer, *kv)
+                dev.append(layer, *[x.cuda() for x in kv])
+    assert_same_state(state(host), state(dev), f"{form} fused={fused}")
+    before = state(dev)
+    bad = inputs(host, 512, g, "cache")
+    bad[1][1, 1, 400, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"^v contains NaN or Inf .*deferred_checks.*restored"):
+        with dev.deferred_checks():
+            dev.append(0, *[x.cuda() for x in inputs(host, 512, g, "cache")])
+            dev.append(1, *[x.cuda() for x in bad])
+    assert_same_state(before, state(dev), f"{form} fused={fused} restored")
+    lengths_consistent(dev)
+    assert int(dev._groups.abs().sum()) == 0 and int(dev._counter.item()) == 0  # every count reset
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)

@@ -85,7 +85,8 @@ def prefill_small() -> None:
 def append_small() -> None:
     """Small shapes for compute-sanitizer (racecheck: the in-place window rewrite in rounds): both cache
     dtypes, a sink, single tokens into a full 2-tile window (two rounds), a chunk completing several tiles,
-    deferred and checked appends, a rejected token, and a step graph's kernels run eagerly."""
+    deferred (the fused form) and checked appends, a rejected token eager and in a block, and a step graph's
+    kernels run eagerly."""
     from kvarn_cutlass.step_graph import StepAppends
 
     for dtype, D in ((torch.float16, 128), (torch.bfloat16, 64)):
@@ -101,6 +102,14 @@ def append_small() -> None:
         bad[0][0, 0, 1, 0] = float("nan")
         try:
             cache.append(0, *bad)
+        except ValueError:
+            pass
+        bad = kv(260)  # completes tiles: the fused form inside a block, its failure restored
+        bad[1][1, 1, 200, 0] = float("nan")
+        try:
+            with cache.deferred_checks():
+                cache.append(1, *kv(130))
+                cache.append(0, *bad)
         except ValueError:
             pass
         k = torch.zeros(2, 2, 2, 1, D, device="cuda", dtype=dtype)

@@ -716,9 +716,18 @@ struct StridedTile {
 // and its answer (KVC_SEEN) travels with the input error bits of iteration 0, so every rank of a
 // cluster takes the rejected-input exit at the same point, with no barrier of its own; a half that
 // saw the flag set ORs nothing into it. The read overlaps the load, the WHT and the first candidate.
-template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, bool ENTRY_CHECK = false, typename Tile>
+//
+// tick(): called by every thread once this CTA's threads hold their tile in registers (after the load and the
+// WHT, which consume every loaded value): the append's fused form counts the CTAs done reading the window there
+// (append_compress). NoTick for the rest.
+struct NoTick {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <int T, int D, typename IN, typename SC, int VB, bool LM, int R, bool ENTRY_CHECK = false, typename Tile,
+          typename Tick = NoTick>
 __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v, u8* __restrict__ dst, int iters,
-                                              Sections sec, float inv_sqrt_d, int* __restrict__ err) {
+                                              Sections sec, float inv_sqrt_d, int* __restrict__ err,
+                                              const Tick& tick = Tick{}) {
   using S = Shape<T, D, R>;
   constexpr int NK = S::NK, NJ = S::NJ, N = S::N, NT = S::NT, W = S::W, XB = S::XB, CM = S::CM, CW = S::CW;
   extern __shared__ float4 smem_f4[];
@@ -788,6 +797,7 @@ __device__ __forceinline__ void compress_impl(const Tile& tile, const bool is_v,
       }
     }
   }
+  tick();
   // |y| <= 2^52 for accepted input; the fast division needs its dividends in [2^-40, 2^52] or 0 (the
   // derived dividends y / s, y / r, ... then stay within [2^-92, 2^92] for divisors in [2^-32, 2^32]).
   bool y_ok = true;
@@ -1253,7 +1263,8 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 
 // ==== the cache's append (kvarn_cutlass/ops/append.py) ============================================
 //
-// Two kernels per append of n tokens to one layer, both reading the layer's lengths from the device
+// Two kernels per append of n tokens to one layer (one in the fused form below), both reading the layer's lengths
+// from the device
 // (int32 lens[3][batch]: n_tiles, window_len, sink_len of each sequence), so that one launch serves
 // any length (CUDA graphs):
 //
@@ -1273,6 +1284,10 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 //   (256 rows of a head, ~64 KB) is not one block's serial copy; a rewrite of more than one round
 //   (a round's reads are the next round's writes) stays on part 0, ordered by its barriers. The
 //   block that finishes last commits the new lengths, only if the error flag is still clean.
+// * the fused form (append_compress given `groups`, an append that completes tiles inside a deferred block):
+//   append_compress does append_commit's work too, each (b, head, half)'s sink and window written by the CTA
+//   that completes the group's count of CTAs done reading the window, the lengths by the launch's last CTA
+//   (append_compress's comment has the protocol and what a failure leaves for the restore).
 //
 // Error protocol: *err is OR-ed, never cleared by the kernels. A block that finds it set does no
 // work (a compressing half: through compress_impl's ENTRY_CHECK, the same answer on every rank of
@@ -1367,67 +1382,185 @@ __device__ __forceinline__ Lens read_lens(const int* lens, int batch, int b) {
   return Lens{lens[b], lens[batch + b], lens[2 * batch + b]};
 }
 
+// The window rewrite of an append that completes tiles, for one (b, head, half): window[j] = stream[s + j] for
+// j < keep, s = n_new * T, in rounds of s (append_plan.cuh). One round's reads (window rows >= s, the chunk) and
+// writes (rows < keep <= s) are disjoint, so its rows split over `parts` blocks (this one is `part`); a rewrite of
+// more than one round (a round's reads are the next round's writes) runs on part 0 alone, its rounds ordered by
+// barriers. NT threads, every one of the block's.
+template <int T, int D, typename IN, int NT>
+__device__ __forceinline__ void rewrite_window(uint4* win, const IN* chunk, long long st, const Lens& ln,
+                                               const KvaPlan& pl, int parts, int part) {
+  constexpr int VPR = D * (int)sizeof(IN) / 16;
+  const int tid = threadIdx.x, s = pl.n_new * T, rounds = kva_rounds(pl, T);
+  const auto copy = [&](int lo, int hi) {  // rows [lo, hi) of the new window
+    for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
+      const int j = q / VPR, c = q % VPR, p = s + j;
+      win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
+    }
+  };
+  if (rounds == 1) {
+    copy((int)((long long)pl.keep * part / parts), (int)((long long)pl.keep * (part + 1) / parts));
+  } else if (part == 0) {
+    for (int round = 0; round < rounds; ++round) {
+      copy(round * s, min((round + 1) * s, pl.keep));
+      __syncthreads();  // this round's reads before the next round's writes
+    }
+  }
+}
+
+// The block that raises `counter` to the count of the launch's blocks commits the new lengths of every sequence if
+// the error flag is clean, and resets the counter. Every thread of every block of the launch calls it once, last.
+template <int T, int NT>
+__device__ __forceinline__ void commit_lengths(int* lens, int* err, int* counter, int batch, int n, int sink_cap,
+                                               int window) {
+  __shared__ int last;
+  const int tid = threadIdx.x;
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __shared__ int clean;
+  if (tid == 0) {
+    atomicExch(counter, 0);
+    clean = atomicOr(err, 0) == 0;
+  }
+  __syncthreads();
+  if (!clean) return;
+  for (int bb = tid; bb < batch; bb += NT) {
+    const Lens l = read_lens(lens, batch, bb);
+    const KvaPlan p = kva_plan(l.sink_len, l.window_len, n, sink_cap, window, T);
+    lens[bb] = l.n_tiles + p.n_new;
+    lens[batch + bb] = p.keep;
+    lens[2 * batch + bb] = l.sink_len + p.n_sink;
+  }
+}
+
+// groups != nullptr: the fused form (one launch per append, inside a deferred block whose restore copies the
+// window back whatever the lengths say): every CTA of a (b, head, half) group (its n_new * R compressing CTAs and
+// its aux_parts aux CTAs) raises the group's counter groups[2 * (b * heads + head) + half] once it has read the
+// window rows it reads; the CTA whose raise completes the group resets it and, after its own work and if the error
+// flag is clean then, writes the group's sink and window as append_commit would; every CTA then raises `counter`,
+// and the last commits the lengths on a clean flag. A group's rewrite waits only for its own checks, so a failed
+// append may have rewritten other groups' windows: the aux CTAs copy the window into the backup whatever the flag
+// says, and the cache's restore copies every fused layer's window back (kvarn_cutlass/cache.py).
+// What the fused form needs after a CTA's own work is recomputed there from the arguments and blockIdx (they live
+// in the constant bank), so that none of it holds a register through compress_impl.
+__shared__ int kva_group_last;  // this CTA's raise completed its group (fused form)
+
+// The CTA of append_compress that blockIdx is: its record half (compress) or aux CTA, (b, head), half.
+struct AppendUnit {
+  bool compress, padding, is_v;
+  int rest, b, h;
+  __device__ __forceinline__ AppendUnit(int batch, int heads, int max_new, int aux_parts, int R) {
+    const int n_compress = batch * max_new * heads;
+    is_v = blockIdx.y != 0;
+    compress = (int)blockIdx.x < n_compress * R;
+    const int unit = compress ? (int)blockIdx.x / R : (int)blockIdx.x - n_compress * R;
+    padding = !compress && unit >= batch * heads * aux_parts;  // of the last aux cluster
+    rest = unit / heads;
+    h = unit % heads;
+    b = padding ? 0 : compress ? rest / max_new : rest / aux_parts;
+  }
+};
+
 template <int T, int D, typename IN, typename SC, int VB, bool LM, int R>
 __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const IN* __restrict__ v,
                                                 long long k_sb, long long k_sh, long long k_st,
                                                 long long v_sb, long long v_sh, long long v_st,
-                                                const IN* __restrict__ win_k, const IN* __restrict__ win_v,
+                                                IN* win_k, IN* win_v,
                                                 u8* __restrict__ pool, const int* __restrict__ table,
-                                                const int* __restrict__ lens, int* __restrict__ err,
+                                                int* __restrict__ lens, int* __restrict__ err,
                                                 IN* __restrict__ backup_k, IN* __restrict__ backup_v,
                                                 int batch, int n, int sink_cap, int window, int heads, int cap,
                                                 int max_new, int aux_parts, int aux_rows, int iters, Sections sec,
-                                                float inv_sqrt_d) {
+                                                float inv_sqrt_d, IN* __restrict__ sink_k, IN* __restrict__ sink_v,
+                                                int* __restrict__ counter, int* __restrict__ groups) {
   constexpr int VPR = D * (int)sizeof(IN) / 16;  // 16-byte vectors per token row
   constexpr int NT = Shape<T, D, R>::NT;
-  const bool is_v = blockIdx.y != 0;
-  const int n_compress = batch * max_new * heads;
-  const bool compress = (int)blockIdx.x < n_compress * R;
-  // the record half (its R CTAs: one cluster), or the aux CTA
-  const int unit = compress ? (int)blockIdx.x / R : (int)blockIdx.x - n_compress * R;
-  if (!compress && unit >= batch * heads * aux_parts) return;  // the padding of the last aux cluster
-  const int rest = unit / heads, h = unit % heads;
-  const int b = compress ? rest / max_new : rest / aux_parts;
-  const Lens ln = read_lens(lens, batch, b);
-  const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
-  const long long bh = (long long)b * heads + h;
-  const IN* chunk = is_v ? v + b * v_sb + h * v_sh : k + b * k_sb + h * k_sh;
-  const long long st = is_v ? v_st : k_st;
-  const IN* win = (is_v ? win_v : win_k) + bh * window * D;
-  if (compress) {
-    // every decision here reads only the lengths, which no CTA of this launch writes: the same on
-    // every rank of the cluster, which must enter compress_impl together or not at all
-    const int i = rest % max_new;
-    if (i >= pl.n_new) return;
-    if (ln.n_tiles + pl.n_new > cap) {
-      if (threadIdx.x == 0) atomicCAS(err, 0, KVC_ERR_CAPACITY);  // only into a clean flag (the rule above)
-      return;
+  // (fused) this CTA is done reading the window: raise its group's counter
+  const auto raise_group = [=]() {
+    if (groups == nullptr) return;  // (an argument: the same branch in every thread of the launch)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const AppendUnit u(batch, heads, max_new, aux_parts, R);
+      const Lens l = read_lens(lens, batch, u.b);
+      const int expected = kva_plan(l.sink_len, l.window_len, n, sink_cap, window, T).n_new * R + aux_parts;
+      __threadfence();
+      kva_group_last = atomicAdd(groups + 2 * ((long long)u.b * heads + u.h) + u.is_v, 1) == expected - 1;
     }
-    const StreamTile<IN, D> tile{win, chunk, st, i * T, ln.window_len, pl.n_sink};
-    const long long slot = table[(long long)b * cap + ln.n_tiles + i];
-    const int nbytes = sec.col_scale + D * (int)sizeof(SC);
-    compress_impl<T, D, IN, SC, VB, LM, R, true>(tile, is_v, pool + (slot * heads + h) * nbytes, iters, sec,
-                                                 inv_sqrt_d, err);
-    return;
+  };
+  {
+    const AppendUnit u(batch, heads, max_new, aux_parts, R);
+    if (groups != nullptr && threadIdx.x == 0) kva_group_last = 0;
+    const Lens ln = read_lens(lens, batch, u.b);
+    const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
+    const long long bh = (long long)u.b * heads + u.h;
+    const IN* chunk = u.is_v ? v + u.b * v_sb + u.h * v_sh : k + u.b * k_sb + u.h * k_sh;
+    const long long st = u.is_v ? v_st : k_st;
+    const IN* win = (u.is_v ? win_v : win_k) + bh * window * D;
+    if (u.padding) {
+      // no work
+    } else if (u.compress) {
+      // every decision here reads only the lengths, which no CTA of this launch writes before its last CTA's
+      // commit: the same on every rank of the cluster, which must enter compress_impl together or not at all
+      const int i = u.rest % max_new;
+      if (i < pl.n_new) {
+        if (ln.n_tiles + pl.n_new > cap) {
+          if (threadIdx.x == 0) atomicCAS(err, 0, KVC_ERR_CAPACITY);  // only into a clean flag (the rule above)
+          raise_group();
+        } else {
+          const StreamTile<IN, D> tile{win, chunk, st, i * T, ln.window_len, pl.n_sink};
+          const long long slot = table[(long long)u.b * cap + ln.n_tiles + i];
+          const int nbytes = sec.col_scale + D * (int)sizeof(SC);
+          compress_impl<T, D, IN, SC, VB, LM, R, true>(tile, u.is_v, pool + (slot * heads + u.h) * nbytes, iters,
+                                                       sec, inv_sqrt_d, err, raise_group);
+        }
+      }
+    } else if (pl.n_new > 0) {
+      // aux CTA: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead.
+      // No cluster work: its cluster's other CTAs are aux CTAs too (the compress CTAs come first).
+      const int part = u.rest % aux_parts;
+      IN* backup = u.is_v ? backup_v : backup_k;
+      const bool clean = !block_sees_error(err);
+      if (part == 0 && backup != nullptr && (clean || groups != nullptr)) {
+        const uint4* src = reinterpret_cast<const uint4*>(win);
+        uint4* dst = reinterpret_cast<uint4*>(backup + bh * window * D);
+        for (int q = threadIdx.x; q < ln.window_len * VPR; q += NT) dst[q] = src[q];
+      }
+      if (clean) {
+        const int lo = part * aux_rows, hi = min(n, lo + aux_rows);
+        int bits = 0;
+        for (int q = threadIdx.x; q < (hi - lo) * VPR; q += NT) {
+          const int r = lo + q / VPR;
+          bits |= check_vec<IN, sizeof(SC) == 2>(row_vec(chunk, st, r, q % VPR), r >= pl.n_sink, u.is_v);
+        }
+        or_error(err, bits);
+      }
+      raise_group();
+    }
   }
-  // aux CTA: part of (b, head)'s chunk rows; a no-tile append is checked by append_commit instead.
-  // No cluster work: its cluster's other CTAs are aux CTAs too (the compress CTAs come first).
-  const int part = rest % aux_parts;
-  if (pl.n_new == 0) return;
-  if (block_sees_error(err)) return;
-  const int lo = part * aux_rows, hi = min(n, lo + aux_rows);
-  int bits = 0;
-  for (int q = threadIdx.x; q < (hi - lo) * VPR; q += NT) {
-    const int r = lo + q / VPR;
-    bits |= check_vec<IN, sizeof(SC) == 2>(row_vec(chunk, st, r, q % VPR), r >= pl.n_sink, is_v);
+  if (groups == nullptr) return;
+  __syncthreads();
+  if (kva_group_last) {
+    const AppendUnit u(batch, heads, max_new, aux_parts, R);
+    const Lens ln = read_lens(lens, batch, u.b);
+    const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);
+    const long long bh = (long long)u.b * heads + u.h;
+    if (threadIdx.x == 0) atomicExch(groups + 2 * bh + u.is_v, 0);  // every raise of this launch is in
+    if (!block_sees_error(err)) {
+      const IN* chunk = u.is_v ? v + u.b * v_sb + u.h * v_sh : k + u.b * k_sb + u.h * k_sh;
+      const long long st = u.is_v ? v_st : k_st;
+      uint4* sink = reinterpret_cast<uint4*>((u.is_v ? sink_v : sink_k) + bh * sink_cap * D);
+      for (int q = threadIdx.x; q < pl.n_sink * VPR; q += NT)
+        sink[(ln.sink_len + q / VPR) * VPR + q % VPR] = row_vec(chunk, st, q / VPR, q % VPR);
+      rewrite_window<T, D, IN, NT>(reinterpret_cast<uint4*>((u.is_v ? win_v : win_k) + bh * window * D), chunk, st,
+                                   ln, pl, 1, 0);
+    }
   }
-  IN* backup = is_v ? backup_v : backup_k;
-  if (part == 0 && backup != nullptr) {
-    const uint4* src = reinterpret_cast<const uint4*>(win);
-    uint4* dst = reinterpret_cast<uint4*>(backup + bh * window * D);
-    for (int q = threadIdx.x; q < ln.window_len * VPR; q += NT) dst[q] = src[q];
-  }
-  or_error(err, bits);
+  commit_lengths<T, NT>(lens, err, counter, batch, n, sink_cap, window);
 }
 
 #define KVA_COMMIT_THREADS 256
@@ -1477,50 +1610,12 @@ __device__ __forceinline__ void append_commit(const IN* __restrict__ k, const IN
         bits |= check_vec<IN, F16_SCALES>(x, true, is_v);
         win[(ln.window_len + r) * VPR + c] = x;
       }
-    } else {  // in-place rewrite: window[j] = stream[s + j], in rounds of s (append_plan.cuh)
-      const int s = pl.n_new * T, rounds = kva_rounds(pl, T);
-      if (rounds == 1) {  // reads (window rows >= s, chunk) and writes (rows < keep <= s) are disjoint
-        share(pl.keep, lo, hi);
-        for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
-          const int j = q / VPR, c = q % VPR, p = s + j;
-          win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
-        }
-      } else if (part == 0) {
-        for (int round = 0; round < rounds; ++round) {
-          const int lo = round * s, hi = min(lo + s, pl.keep);
-          for (int q = tid; q < (hi - lo) * VPR; q += NT) {
-            const int j = lo + q / VPR, c = q % VPR, p = s + j;
-            win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
-          }
-          __syncthreads();  // this round's reads before the next round's writes
-        }
-      }
+    } else {  // in-place rewrite from tokens the compress launch has checked
+      rewrite_window<T, D, IN, NT>(win, chunk, st, ln, pl, parts, part);
     }
   }
   or_error(err, bits);
-  // the block that finishes last commits the lengths of every sequence, if no block found an error
-  __shared__ int last;
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __shared__ int clean;
-  if (tid == 0) {
-    atomicExch(counter, 0);
-    clean = atomicOr(err, 0) == 0;
-  }
-  __syncthreads();
-  if (!clean) return;
-  for (int bb = tid; bb < batch; bb += NT) {
-    const Lens l = read_lens(lens, batch, bb);
-    const KvaPlan p = kva_plan(l.sink_len, l.window_len, n, sink_cap, window, T);
-    lens[bb] = l.n_tiles + p.n_new;
-    lens[batch + bb] = p.keep;
-    lens[2 * batch + bb] = l.sink_len + p.n_sink;
-  }
+  commit_lengths<T, NT>(lens, err, counter, batch, n, sink_cap, window);
 }
 
 }  // namespace kvc
@@ -1568,18 +1663,18 @@ extern "C" __device__ const int kvarn_compress_cta_smem_bytes = kvc::Shape<KVARN
 #define KVC_APPEND_COMPRESS(NAME, ATTRS, RANKS, T, D, IN, SC, VB, LM)                                               \
   extern "C" __global__ void ATTRS NAME(                                                                            \
       const IN* __restrict__ k, const IN* __restrict__ v, long long k_sb, long long k_sh, long long k_st,          \
-      long long v_sb, long long v_sh, long long v_st, const IN* __restrict__ win_k, const IN* __restrict__ win_v,  \
-      u8* __restrict__ pool, const int* __restrict__ table, const int* __restrict__ lens, int* __restrict__ err,   \
-      IN* __restrict__ backup_k, IN* __restrict__ backup_v, int batch, int n, int sink_cap, int window, int heads,  \
-      int cap, int max_new, int aux_parts, int aux_rows, int iters, int off_k_codes, int off_chan_step,            \
-      int off_chan_min, int off_row_scale, int off_v_codes, int off_tok_step, int off_tok_min, int off_col_scale,  \
-      float inv_sqrt_d) {                                                                                           \
+      long long v_sb, long long v_sh, long long v_st, IN* win_k, IN* win_v, u8* __restrict__ pool,                 \
+      const int* __restrict__ table, int* __restrict__ lens, int* __restrict__ err, IN* __restrict__ backup_k,      \
+      IN* __restrict__ backup_v, int batch, int n, int sink_cap, int window, int heads, int cap, int max_new,       \
+      int aux_parts, int aux_rows, int iters, int off_k_codes, int off_chan_step, int off_chan_min,                 \
+      int off_row_scale, int off_v_codes, int off_tok_step, int off_tok_min, int off_col_scale, float inv_sqrt_d,   \
+      IN* __restrict__ sink_k, IN* __restrict__ sink_v, int* __restrict__ counter, int* __restrict__ groups) {      \
     kvc::Sections sec{off_k_codes, off_chan_step, off_chan_min, off_row_scale,                                     \
                       off_v_codes, off_tok_step,  off_tok_min,  off_col_scale};                                    \
     kvc::append_compress<T, D, IN, SC, VB, LM, RANKS>(k, v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, win_k, win_v, pool, \
                                                       table, lens, err, backup_k, backup_v, batch, n, sink_cap,    \
                                                       window, heads, cap, max_new, aux_parts, aux_rows, iters, sec, \
-                                                      inv_sqrt_d);                                                  \
+                                                      inv_sqrt_d, sink_k, sink_v, counter, groups);                \
   }
 // The cache's append kernels (cache dtypes float16 / bfloat16 only; see the append section above):
 // append_compress on one CTA per record half, append_compress_cluster on a cluster where there are

@@ -126,6 +126,7 @@ APPEND_COMPRESS_SIGNATURE = (
     "i32 aux_rows", "i32 iters",
     "i32 off_k_codes", "i32 off_chan_step", "i32 off_chan_min", "i32 off_row_scale",
     "i32 off_v_codes", "i32 off_tok_step", "i32 off_tok_min", "i32 off_col_scale", "f32 inv_sqrt_d",
+    "ptr sink_k", "ptr sink_v", "ptr counter", "ptr groups",
 )
 APPEND_COMMIT_SIGNATURE = (
     "ptr k", "ptr v", "i64 k_sb", "i64 k_sh", "i64 k_st", "i64 v_sb", "i64 v_sh", "i64 v_st",
@@ -147,6 +148,10 @@ _KV_ARGS = 8
 # lens and append_commit's win_k, win_v, sink_k, sink_v, lens
 _LAYER_ARGS = 5
 assert _A["win_k"] == _B["win_k"] == _KV_ARGS and _A["lens"] == _B["lens"] == _KV_ARGS + _LAYER_ARGS - 1
+# append_compress's last arguments, the fused form's (sink_k, sink_v, counter, groups; groups 0: two launches),
+# rewritten per call by one writer
+_FUSED_ARGS = 4
+assert _A["groups"] == len(APPEND_COMPRESS_SIGNATURE) - 1 == _A["sink_k"] + _FUSED_ARGS - 1
 _SECTIONS = ("k_codes", "chan_step", "chan_min", "row_scale", "v_codes", "tok_step", "tok_min", "col_scale")
 
 
@@ -183,14 +188,16 @@ def _compress_grid_x(bh: int, n_new: int, aux_parts: int, ranks: int) -> int:
 
 class _Launch:
     """One kernel's prepared launch, shared by a cache's layers: ``kv`` and ``layer`` write the leading
-    input arguments and the layer's buffers (``_KV_ARGS`` and ``_LAYER_ARGS`` of them) per call."""
+    input arguments and the layer's buffers (``_KV_ARGS`` and ``_LAYER_ARGS`` of them) per call; ``fused``
+    (append_compress only) its last ``_FUSED_ARGS``."""
 
-    __slots__ = ("launch", "kv", "layer")
+    __slots__ = ("launch", "kv", "layer", "fused")
 
-    def __init__(self, launch):
+    def __init__(self, launch, compress: bool = False):
         self.launch = launch
         self.kv = launch.writer(0, _KV_ARGS)
         self.layer = launch.writer(_KV_ARGS, _LAYER_ARGS)
+        self.fused = launch.writer(_A["sink_k"], _FUSED_ARGS) if compress else None
 
 
 class _LayerBuffers:
@@ -199,14 +206,15 @@ class _LayerBuffers:
     sink buffers iff ``bisect_right(bounds, p)`` is odd (separate allocations, hence disjoint); ``commit``,
     append_commit's layer arguments; ``window_k``, ``window_v`` and ``lens``, append_compress's."""
 
-    __slots__ = ("bounds", "commit", "window_k", "window_v", "lens")
+    __slots__ = ("bounds", "commit", "window_k", "window_v", "lens", "sink_k", "sink_v")
 
     def __init__(self, st):
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                        for t in (st.window_k, st.window_v, st.sink_k, st.sink_v) if t.numel())
         self.bounds = [p for span in spans for p in span]
         self.window_k, self.window_v, self.lens = st.window_k.data_ptr(), st.window_v.data_ptr(), st.lens.data_ptr()
-        self.commit = (self.window_k, self.window_v, st.sink_k.data_ptr(), st.sink_v.data_ptr(), self.lens)
+        self.sink_k, self.sink_v = st.sink_k.data_ptr(), st.sink_v.data_ptr()
+        self.commit = (self.window_k, self.window_v, self.sink_k, self.sink_v, self.lens)
 
 
 _SETUPS: dict[tuple, tuple] = {}  # DeviceAppender's kernels and launch shapes, by what picks them
@@ -264,6 +272,8 @@ class DeviceAppender:
         self._offsets = tuple(spec.offset(s) for s in _SECTIONS)
         self._inv_sqrt_d = C._inv_sqrt(spec.head_dim)
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
+        self._counter = cache._counter.data_ptr()
+        self._groups = cache._groups.data_ptr()
         # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs one)
         self._commit_launch = self._compress_form = self._cluster_form = None
         self._commit_n = 0  # the chunk length the commit launch holds
@@ -306,7 +316,8 @@ class DeviceAppender:
             (k, v, *k.stride()[:3], *v.stride()[:3], st.window_k, st.window_v, st.tiles, st.tile_table, st.lens,
              c._errors, None if backup is None else backup.window_k, None if backup is None else backup.window_v,
              c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads, st.tiles.shape[1], max_new, aux_parts,
-             AUX_ROWS, self.spec.sinkhorn_iters, *self._offsets, self._inv_sqrt_d),
+             AUX_ROWS, self.spec.sinkhorn_iters, *self._offsets, self._inv_sqrt_d,
+             st.sink_k, st.sink_v, c._counter, None),  # groups None: the two-launch form (a call may fuse)
             shared_mem=smem,
         )
 
@@ -333,7 +344,7 @@ class DeviceAppender:
             launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n))
             self._commit_n = n
         else:
-            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None))
+            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None), True)
             if cluster:
                 self._cluster_form = launch
             else:
@@ -341,12 +352,15 @@ class DeviceAppender:
         return launch
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None,
-               stream: torch.cuda.Stream | None = None) -> None:
+               stream: torch.cuda.Stream | None = None, fuse: bool = False) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
         that append_compress fills with the window before the append, when a tile completes. ``stream``:
         launch there (after the work queued so far on the current stream, and with k, v kept alive for it)
-        instead of on the current stream."""
+        instead of on the current stream. ``fuse`` (with ``n_new``): append_compress writes the sink and window
+        and commits the lengths itself, one launch instead of two; a failure may then leave windows rewritten,
+        and ``backup`` (here, or the layer's earlier one in the same block) is what restores them, whatever the
+        lengths say (the caller's to guarantee: ``KVarNCache`` fuses inside deferred blocks only)."""
         lb = st.buffers
         if lb is None:
             lb = st.buffers = _LayerBuffers(st)
@@ -385,7 +399,10 @@ class DeviceAppender:
             a.set_arg(_A["backup_k"], 0 if backup is None else backup.window_k.data_ptr())
             a.set_arg(_A["backup_v"], 0 if backup is None else backup.window_v.data_ptr())
             a.set_grid(_compress_grid_x(self._bh, n_new, aux_parts, ranks), 2)
+            f.fused(lb.sink_k, lb.sink_v, self._counter, self._groups if fuse else 0)
             a.launch(stream)
+            if fuse:
+                return
         b = self._commit_launch
         if b is None:
             b = self._launch_of(None, st, k, v, n)
