@@ -195,7 +195,12 @@ def test_compress_grid_covers_every_half_and_aux_part_once_in_whole_clusters():
                     assert len([u for u in units if u[0] == "pad"]) < ranks
 
 
-def test_device_append_launches_clusters_while_the_tiles_fit(drv):
+@pytest.mark.parametrize("fused", [True, False])
+def test_device_append_launches_clusters_while_the_tiles_fit(drv, monkeypatch, fused):
+    """In a deferred block a tile-completing append is append_compress alone in its fused form (the sink, the
+    counter and the group counts passed), or with KVARN_FUSED_APPEND=0 append_compress (groups 0) then
+    append_commit; the compression's form by the tile count either way."""
+    monkeypatch.setenv("KVARN_FUSED_APPEND", "1" if fused else "0")
     B, H, D, T = 2, 4, 128, 128  # 8 (b, head) pairs: 16 record halves a tile, clusters for up to 4 tiles
     c = _device_cache(drv, cluster=True, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, window=256,
                       dtype=torch.float16)
@@ -209,7 +214,11 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv):
         del drv.launches[:]
         with c.deferred_checks():
             c.append(0, chunk, chunk)
-        (a_name, a_grid, _, a), (b_name, b_grid, _, b) = drv.launches
+        (a_name, a_grid, _, a), *rest = drv.launches
+        assert len(rest) == (0 if fused else 1), n
+        assert (a["sink_k"], a["sink_v"], a["counter"]) == (st.sink_k.data_ptr(), st.sink_v.data_ptr(),
+                                                            c._counter.data_ptr())
+        assert a["groups"] == (c._groups.data_ptr() if fused else 0), n
         aux_parts = -(-n // A.AUX_ROWS)
         ranks = RANKS if form == "cluster" else 1
         assert a_name == ("append_compress_cluster" if form == "cluster" else "append_compress"), n
@@ -219,9 +228,10 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv):
             chunk.data_ptr(), chunk.data_ptr(), (n + 9) * D * H, (n + 9) * D, D), n
         assert (a["pool"], a["table"], a["cap"]) == (st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1])
         assert a["backup_k"] == c._backups[0].window_k.data_ptr() and a["backup_v"] == c._backups[0].window_v.data_ptr()
-        # the commit's rows in blocks of 64 (the 256-row window a rewrite keeps, or the one token's row)
-        parts = {1: 1, 4 * T: 4, 5 * T: 4, 300: 4}[n]
-        assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, parts), n, chunk.data_ptr())
+        if not fused:  # the commit's rows in blocks of 64 (the 256-row window a rewrite keeps, or the one token's row)
+            [(b_name, b_grid, _, b)] = rest
+            parts = {1: 1, 4 * T: 4, 5 * T: 4, 300: 4}[n]
+            assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, parts), n, chunk.data_ptr())
     # the pool grew along the way (no max_seq_len), and each launch above read the pool it had then
     assert st.tiles.shape[1] > 8
 
@@ -257,9 +267,9 @@ def test_one_prepared_launch_per_kernel_serves_every_layer(drv, planned):
             del drv.launches[:]
             with c.deferred_checks():
                 c.append(layer, *kv)
-            launches = drv.launches
+            launches = drv.launches  # (a tile-completing append in a block: the fused form, one launch)
             assert [x[0] for x in launches] == (["append_compress_cluster" if n_new <= c._writer.cluster_tiles
-                                                 else "append_compress"] if n_new else []) + ["append_commit"]
+                                                 else "append_compress"] if n_new else ["append_commit"])
             for name, _, _, a in launches:
                 assert (a["k"], a["v"], a["win_k"], a["win_v"], a["lens"]) == (
                     kv[0].data_ptr(), kv[1].data_ptr(), st.window_k.data_ptr(), st.window_v.data_ptr(),
@@ -269,6 +279,8 @@ def test_one_prepared_launch_per_kernel_serves_every_layer(drv, planned):
                 else:
                     assert (a["pool"], a["table"], a["cap"], a["n"], a["max_new"]) == (
                         st.tiles.data_ptr(), st.tile_table.data_ptr(), st.tiles.shape[1], n, n_new), step
+                    assert (a["sink_k"], a["sink_v"], a["groups"]) == (
+                        st.sink_k.data_ptr(), st.sink_v.data_ptr(), c._groups.data_ptr()), step
     finally:
         type(c._writer._commit).prepare = real_prepare
     # the commit launch was prepared by the first appends; each compression form once, at its first use
@@ -312,17 +324,23 @@ def test_device_append_host_side_issues_no_torch_op_and_sets_the_launch(drv):
         chunk = torch.zeros(B, H, 2 * T + 300, D, dtype=torch.float16)[:, :, 7 : 7 + 300]  # a strided view
         del drv.launches[:]
         c.append(0, chunk, chunk)  # 21 + 300 tokens: 65 over the window, one tile completes
-    (a_name, a_grid, _, a), (b_name, b_grid, _, b) = drv.launches
-    assert (a_name, b_name) == ("append_compress", "append_commit")
+    [(a_name, a_grid, _, a)] = drv.launches  # in a block: the fused form, one launch
+    assert a_name == "append_compress"
     assert c.num_tiles(0) == 1 and c.seq_len(0) == 321  # (the recorded kernels committed nothing on the device)
-    assert a["max_new"] == 1 and a["n"] == b["n"] == 300 and a["aux_parts"] == 2
-    assert a_grid == (B * H * (1 + 2), 2, 1) and b_grid == (B * H, 2, 4)  # the commit: 256 kept rows in 4 blocks
-    for args in (a, b):
-        assert (args["k"], args["v"]) == (chunk.data_ptr(),) * 2
-        assert (args["k_sb"], args["k_sh"], args["k_st"]) == ((2 * T + 300) * D * H, (2 * T + 300) * D, D)
-        assert (args["win_k"], args["lens"], args["err"]) == (st.window_k.data_ptr(), st.lens.data_ptr(),
-                                                              c._errors.data_ptr())
+    assert a["max_new"] == 1 and a["n"] == 300 and a["aux_parts"] == 2
+    assert a_grid == (B * H * (1 + 2), 2, 1)
+    assert (a["k"], a["v"]) == (chunk.data_ptr(),) * 2
+    assert (a["k_sb"], a["k_sh"], a["k_st"]) == ((2 * T + 300) * D * H, (2 * T + 300) * D, D)
+    assert (a["win_k"], a["lens"], a["err"]) == (st.window_k.data_ptr(), st.lens.data_ptr(), c._errors.data_ptr())
     assert a["backup_k"] == c._backups[0].window_k.data_ptr()  # the block's first tile: window backed up
+    assert (a["sink_k"], a["counter"], a["groups"]) == (st.sink_k.data_ptr(), c._counter.data_ptr(),
+                                                        c._groups.data_ptr())
+    # outside a block the same append is two launches: the compression (groups 0), then the commit
+    del drv.launches[:]
+    c.append(0, chunk[:, :, :200], chunk[:, :, :200])  # 65 + 200: one tile completes
+    (a_name, _, _, a), (b_name, b_grid, _, b) = drv.launches
+    assert (a_name, b_name, a["groups"]) == ("append_compress", "append_commit", 0)
+    assert b_grid == (B * H, 2, 4) and b["n"] == 200  # the commit: the kept rows in 4 blocks
     assert b["sink_k"] == st.sink_k.data_ptr() and b["counter"] == c._counter.data_ptr()
     # eager: the one torch op is the read of the error flag; n went back to 1 in the commit launch
     del drv.launches[:]
@@ -488,9 +506,9 @@ def test_host_overhead_tool_times_a_fresh_caches_prompt_appends():
     assert min(parts["backup"], parts["launch"]) > 0
     assert parts["launch"] <= parts["device_append"]
     assert parts["device_append"] + parts["backup"] + parts["check_pair"] <= parts["cache_append"]
-    # every later append launches the compression (a tile completes) and the commit, each timed on its own
+    # every later append completes a tile inside the tool's deferred block: one launch, the fused compression
     launches = res["prompt_rest_launch_us"]
-    assert set(launches) == {"append_compress", "append_commit"} and min(launches.values()) > 0
+    assert set(launches) == {"append_compress"} and min(launches.values()) > 0
     assert sum(launches.values()) <= res["prompt_rest_us"]
 
 
