@@ -1384,25 +1384,37 @@ __device__ __forceinline__ Lens read_lens(const int* lens, int batch, int b) {
 
 // The window rewrite of an append that completes tiles, for one (b, head, half): window[j] = stream[s + j] for
 // j < keep, s = n_new * T, in rounds of s (append_plan.cuh). One round's reads (window rows >= s, the chunk) and
-// writes (rows < keep <= s) are disjoint, so its rows split over `parts` blocks (this one is `part`); a rewrite of
-// more than one round (a round's reads are the next round's writes) runs on part 0 alone, its rounds ordered by
-// barriers. NT threads, every one of the block's.
+// writes (rows < keep <= s) are disjoint, so its rows split over `parts` blocks (this one is `part`), and a thread
+// loads KVA_COPY_BATCH vectors before it stores any (the fused form's rewrite is on the append's critical path:
+// one CTA copies a group's ~64 KB, and a load-store chain per vector would be one memory round trip each); a
+// rewrite of more than one round (a round's reads are the next round's writes) runs on part 0 alone, its rounds
+// ordered by barriers. NT threads, every one of the block's.
+#define KVA_COPY_BATCH 8
 template <int T, int D, typename IN, int NT>
 __device__ __forceinline__ void rewrite_window(uint4* win, const IN* chunk, long long st, const Lens& ln,
                                                const KvaPlan& pl, int parts, int part) {
   constexpr int VPR = D * (int)sizeof(IN) / 16;
   const int tid = threadIdx.x, s = pl.n_new * T, rounds = kva_rounds(pl, T);
-  const auto copy = [&](int lo, int hi) {  // rows [lo, hi) of the new window
-    for (int q = lo * VPR + tid; q < hi * VPR; q += NT) {
-      const int j = q / VPR, c = q % VPR, p = s + j;
-      win[j * VPR + c] = p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
-    }
+  const auto source = [&](int q) {  // vector q of the new window: row j = q / VPR comes from stream row s + j
+    const int j = q / VPR, c = q % VPR, p = s + j;
+    return p < ln.window_len ? win[p * VPR + c] : row_vec(chunk, st, p - ln.window_len + pl.n_sink, c);
   };
   if (rounds == 1) {
-    copy((int)((long long)pl.keep * part / parts), (int)((long long)pl.keep * (part + 1) / parts));
+    const int lo = (int)((long long)pl.keep * part / parts) * VPR;
+    const int hi = (int)((long long)pl.keep * (part + 1) / parts) * VPR;
+    for (int q0 = lo + tid; q0 < hi; q0 += NT * KVA_COPY_BATCH) {
+      uint4 x[KVA_COPY_BATCH];
+#pragma unroll
+      for (int u = 0; u < KVA_COPY_BATCH; ++u)
+        if (q0 + u * NT < hi) x[u] = source(q0 + u * NT);
+#pragma unroll
+      for (int u = 0; u < KVA_COPY_BATCH; ++u)
+        if (q0 + u * NT < hi) win[q0 + u * NT] = x[u];
+    }
   } else if (part == 0) {
     for (int round = 0; round < rounds; ++round) {
-      copy(round * s, min((round + 1) * s, pl.keep));
+      const int hi = min((round + 1) * s, pl.keep) * VPR;
+      for (int q = round * s * VPR + tid; q < hi; q += NT) win[q] = source(q);
       __syncthreads();  // this round's reads before the next round's writes
     }
   }
