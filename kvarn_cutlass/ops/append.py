@@ -16,6 +16,11 @@ length and a CUDA graph can replay it while the sequence grows:
 * ``append_commit``: writes the sink and the window (checking the tokens itself when no tile
   completes; the rows split over ``commit_parts`` blocks per sequence, head and half) and commits the
   new lengths unless the error flag is set.
+* the fused form, inside a ``deferred_checks`` block (``fuse``): ``append_compress`` alone, given the
+  group counts ``KVarNCache._groups``, does the commit's work too: each (sequence, head, half)'s sink and
+  window are written by the CTA that completes the count of the group's CTAs done reading the window, the
+  lengths by the launch's last CTA (on a clean flag); a failure may leave windows rewritten, which the
+  block's restore copies back from the backups (always written in this form).
 
 Errors go into an int32 flag on the device (``ERROR_BITS``). The kernels never clear it, do nothing
 once it is set and commit nothing then, so a failed append changes no length and no live token. The
