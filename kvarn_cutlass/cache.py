@@ -349,6 +349,12 @@ class KVarNCache:
         On CUDA: one kernel launch (two when a tile completes) and, outside a
         :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
         """
+        self._append(layer, k, v, False)
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, after_prefill: bool) -> None:
+        """:meth:`append`; ``after_prefill``: the last kernel queued on the current stream is the fused prefill
+        kernel of this chunk (``prefill_attention``), after which a tile-completing append on that stream is a
+        programmatic dependent launch (:meth:`DeviceAppender.append`)."""
         # The hot path (a decode step's one token per layer) costs a few comparisons: a layer that is a
         # plain int in range, and k, v plain tensors of the shape and dtype of the last accepted pair on
         # the cache's device; anything else takes the full checks, which name the bad argument.
@@ -397,7 +403,7 @@ class KVarNCache:
                 else:
                     fuse = kind == "fused"
         stream = self._write_stream if self._overlap else None
-        writer.append(st, k, v, n, n_new, backup, stream, fuse)
+        writer.append(st, k, v, n, n_new, backup, stream, fuse, after_prefill)
         if fuse and backup is not None:  # launched: the backup is written whatever the append's checks find
             blk.backed_up[layer] = "fused"
         if stream is not None:

@@ -102,7 +102,7 @@ def prefill_attention(
         if out is not None:
             res = out.copy_(res)
     if append:
-        cache.append(layer, k, v)
+        cache._append(layer, k, v, impl == "gpu")
     return res
 
 

@@ -120,7 +120,7 @@ class EmulatedAppender:
         self.cache = cache
         self.launches = []  # kernel names, in order, for tests of the launch count
 
-    def append(self, st, k, v, n, n_new, backup, stream=None, fuse=False):
+    def append(self, st, k, v, n, n_new, backup, stream=None, fuse=False, after_prefill=False):
         assert stream is None, "the emulation runs on the CPU: no overlapped block"
         if n_new and fuse:
             self._compress(st, k, v, n, n_new, backup, fused=True)

@@ -24,6 +24,7 @@ The scenarios run on emulated kernels in tests/test_append_emulation.py (CPU).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import zlib
 
@@ -276,6 +277,52 @@ def test_gpu_deferred_block_fused_or_not_and_a_later_groups_failure(monkeypatch,
     assert_same_state(before, state(dev), f"{form} fused={fused} restored")
     lengths_consistent(dev)
     assert int(dev._groups.abs().sum()) == 0 and int(dev._counter.item()) == 0  # every count reset
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("mode", ["eager", "fused block", "two-launch block"])
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_prefill_appends_launched_during_the_attention(monkeypatch, form, mode, D):
+    """prefill_attention's append is a programmatic dependent launch after the fused prefill kernel (sm_90): the
+    compression may run while the attention's last CTAs still read the window and the records, and waits for
+    them before it rewrites the window (fused form) or before its launch ends (then the commit). Chunks of 512
+    tokens at 8 KV heads (grids that fill the GPU) give the same outputs and caches, bit for bit, with the
+    programmatic launch as without it, and caches equal to the host path's appends; eager and in deferred
+    blocks, fused or not, in either compression form; and a NaN in a later chunk of a block restores it."""
+    monkeypatch.setenv("KVARN_FUSED_APPEND", "0" if mode == "two-launch block" else "1")
+    kw = dict(num_layers=1, batch_size=1, num_kv_heads=8, head_dim=D, preset="k4v2_g128", window=256,
+              dtype=torch.float16)
+    host, dev = _forced_pair(form, **kw)
+    plain = _force(KVarNCache(**kw, device="cuda"), form)
+    if not dev._writer.programmatic:
+        pytest.skip("no programmatic dependent launch of the append here (sm_90 and later)")
+    plain._writer.programmatic = False
+    g = torch.Generator().manual_seed(zlib.crc32(repr((form, mode, D)).encode()))
+    chunks = [512, 512, 512, 300, 700, 512]
+    block = (lambda c: c.deferred_checks()) if mode != "eager" else (lambda c: contextlib.nullcontext())
+    qs = [(torch.randn(1, 32, n, D, generator=g) * 0.3).half() for n in chunks]
+    kvs = [inputs(host, n, g, "cache") for n in chunks]
+    outs = {}
+    for name, c in (("programmatic", dev), ("plain", plain)):
+        with block(c):
+            outs[name] = [kc.prefill_attention(q.cuda(), k.cuda(), v.cuda(), c, 0).cpu() for q, (k, v) in zip(qs, kvs)]
+    for k, v in kvs:
+        host.append(0, k, v)
+    for i, (a, b) in enumerate(zip(outs["programmatic"], outs["plain"])):
+        assert torch.equal(a, b), f"chunk {i}: the outputs differ with the programmatic launch"
+    assert_same_state(state(host), state(dev), f"{form} {mode} D={D} programmatic")
+    assert_same_state(state(host), state(plain), f"{form} {mode} D={D} plain")
+    if mode == "eager":
+        return
+    before = state(dev)
+    bad = inputs(host, 512, g, "cache")
+    bad[1][0, 5, 300, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"^v contains NaN or Inf .*deferred_checks.*restored"):
+        with dev.deferred_checks():
+            for k, v in (inputs(host, 512, g, "cache"), bad, inputs(host, 512, g, "cache")):
+                kc.prefill_attention(qs[0].cuda(), k.cuda(), v.cuda(), dev, 0)
+    assert_same_state(before, state(dev), f"{form} {mode} D={D} restored")
+    lengths_consistent(dev)
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)

@@ -47,9 +47,9 @@ class HostKernel(Kernel):
         self.names = [e.split()[1] for e in signature]
         self._current_stream = lambda index: 0x50  # the CPU torch has no CUDA stream to ask for
 
-    def prepare(self, grid, block, args, shared_mem=0, cluster=None):
+    def prepare(self, grid, block, args, shared_mem=0, cluster=None, programmatic=False):
         args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-        return super().prepare(grid, block, args, 0, cluster)
+        return super().prepare(grid, block, args, 0, cluster, programmatic)
 
 
 class Driver:
@@ -60,6 +60,7 @@ class Driver:
         self.current = MODULE_CTX
         self.kernels = {}  # CUfunction handle -> HostKernel
         self.launches, self.switches = [], []
+        self.programmatic = []  # per launch: whether it asked for programmatic dependent launch
         self.fail_with = None
 
     def kernel(self, name, signature):
@@ -85,6 +86,9 @@ class Driver:
             args[name] = ctypes.string_at(addr, p.size) if p.kind == "bytes" else _READ[p.kind].from_address(addr).value
         grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
         self.launches.append((k.name, grid, int(config.hStream), args))
+        pdl = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.programmatic.append(any(a.id == pdl and a.value.programmaticStreamSerializationAllowed
+                                     for a in config.attrs[:config.numAttrs]))
         return (driver.CUresult.CUDA_SUCCESS,)
 
 
@@ -234,6 +238,45 @@ def test_device_append_launches_clusters_while_the_tiles_fit(drv, monkeypatch, f
             assert (b_name, b_grid, b["n"], b["k"]) == ("append_commit", (B * H, 2, parts), n, chunk.data_ptr())
     # the pool grew along the way (no max_seq_len), and each launch above read the pool it had then
     assert st.tiles.shape[1] > 8
+
+
+@pytest.mark.parametrize("pdl_env", [None, "0"])
+@pytest.mark.parametrize("cluster", [True, False])
+def test_only_a_compression_after_the_prefill_kernel_is_a_programmatic_launch(drv, monkeypatch, cluster, pdl_env):
+    """An append after the fused prefill kernel (``_append(..., True)``, what prefill_attention does) launches
+    append_compress with programmatic dependent launch, in either compression form and either block kind, where
+    there are clusters (sm_90) and $KVARN_APPEND_PDL is not 0; its commit, a no-tile append, every public
+    ``append`` and the step graphs' launches stay plain (an overlapped block's, on another stream, too: append.py)."""
+    if pdl_env is None:
+        monkeypatch.delenv(A.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.PDL_ENV, pdl_env)
+    monkeypatch.setenv("KVARN_FUSED_APPEND", "0")  # both kernels of a tile-completing append launch
+    B, H, D, T = 1, 4, 128, 128
+    c = _device_cache(drv, cluster=cluster, num_layers=1, batch_size=B, num_kv_heads=H, head_dim=D, window=256,
+                      dtype=torch.float16, max_seq_len=1 << 16)
+    on = cluster and pdl_env is None
+    assert c._writer.programmatic is on
+    g = torch.Generator().manual_seed(31)
+    kv = lambda n: [realistic_kv(B, H, n, D, generator=g) for _ in range(2)]  # noqa: E731
+    c._append(0, *kv(200), True)  # no tile: the commit alone, plain
+    assert [x[0] for x in drv.launches] == ["append_commit"] and drv.programmatic == [False]
+    for after_prefill in (True, False, True):
+        for n in (2 * T, 9 * T):  # clusters (2 tiles), then the one-CTA form (9 > cluster_tiles)
+            del drv.launches[:], drv.programmatic[:]
+            c._append(0, *kv(n), after_prefill)
+            names = [x[0] for x in drv.launches]
+            assert names[1:] == ["append_commit"] and names[0].startswith("append_compress"), names
+            assert drv.programmatic == [after_prefill and on, False], (after_prefill, n)
+    del drv.launches[:], drv.programmatic[:]
+    c.append(0, *kv(2 * T))
+    with c.deferred_checks():
+        c._append(0, *kv(2 * T), True)
+    assert drv.programmatic == [False, False, on, False]
+    enqueue = c._writer.prepare_step(c._layers[0], *kv(1), c._backup(0))
+    del drv.programmatic[:]
+    enqueue()
+    assert drv.programmatic == [False, False]
 
 
 @pytest.mark.parametrize("planned", [False, True])

@@ -106,9 +106,9 @@ def _stand_in_kernels(spec_signatures):
             super().__init__(_Module(), name, _parse_signature(name, signature), driver.CUfunction(0x10))
             self._current_stream = lambda index: 0  # the CPU torch has no CUDA stream to ask for
 
-        def prepare(self, grid, block, args, shared_mem=0, cluster=None):
+        def prepare(self, grid, block, args, shared_mem=0, cluster=None, programmatic=False):
             args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-            return super().prepare(grid, block, args, 0, cluster)  # no shared-memory opt-in on the stub
+            return super().prepare(grid, block, args, 0, cluster, programmatic)  # no shared-memory opt-in on the stub
 
     return tuple(HostKernel(name, sig) for name, sig in spec_signatures)
 

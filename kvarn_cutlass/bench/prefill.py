@@ -9,7 +9,12 @@ the prompts time attention and cache, not the harness's indexing (inside the loo
 
 * ``kvarn_e2e_ms``: ``prefill_attention`` per chunk, which attends and then appends (compression on
   the GPU), inside ``cache.deferred_checks()`` (the append's checks are read back once, after the
-  timed region); ``append_ms``: the appends alone, the same way;
+  timed region); ``append_ms``: the appends alone, the same way; ``kvarn_plain_append_e2e_ms`` and
+  ``kvarn_two_launch_append_e2e_ms``: the same prompt with the compression launched plainly after the
+  attention kernel (no programmatic dependent launch) and with the append's two launches (no fused form),
+  for the A/B of each (``append_programmatic`` and ``append_fused``: what ``kvarn_e2e_ms`` ran);
+  ``kvarn_cta_append_e2e_ms``: with the compression's one-CTA form only (whole-SM CTAs, which can take any
+  SM the attention kernel leaves idle, where a cluster needs room for its CTAs within one GPC);
 * ``sdpa_flash_e2e_ms`` / ``sdpa_cudnn_e2e_ms``: torch SDPA (flash / cuDNN backend) over a static fp16
   cache: each chunk is copied into the cache, then attends to every earlier token plus causal within
   the chunk (``causal_lower_right``), with ``enable_gqa=True`` where the backend takes it (otherwise
@@ -172,8 +177,13 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         return [(qn, kn, vn, kbuf[:, :, s:s + n], vbuf[:, :, s:s + n], kbuf[:, :, :s + n], vbuf[:, :, :s + n],
                  causal_lower_right(n, s + n)) for (s, n), (qn, kn, vn) in zip(chunks, views)]
 
-    def kvarn_prompt(attend: bool = True) -> float:
+    def kvarn_prompt(attend: bool = True, programmatic: bool = True, fused: bool = True,
+                     clusters: bool = True) -> float:
         cache = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
+        cache._writer.programmatic &= programmatic
+        cache._fuse_appends &= fused
+        if not clusters:
+            cache._writer.cluster_tiles = 0
         a, b = events()
         with cache.deferred_checks():
             a.record()
@@ -231,11 +241,17 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
     times, errors = _interleaved({
         "kvarn_e2e_ms": kvarn_prompt,
         "append_ms": lambda: kvarn_prompt(attend=False),
+        "kvarn_plain_append_e2e_ms": lambda: kvarn_prompt(programmatic=False),
+        "kvarn_two_launch_append_e2e_ms": lambda: kvarn_prompt(fused=False),
+        "kvarn_cta_append_e2e_ms": lambda: kvarn_prompt(clusters=False),
         "sdpa_flash_e2e_ms": lambda: sdpa_prompt(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn_e2e_ms": lambda: sdpa_prompt(SDPBackend.CUDNN_ATTENTION),
         "dequant_sdpa_e2e_ms": dequant_prompt,
     }, reps, optional=frozenset({"sdpa_cudnn_e2e_ms"}))  # no cuDNN attention for some shapes or builds: say so
     res.update(times)
+    probe = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
+    res["append_programmatic"] = probe._writer.programmatic
+    res["append_fused"] = probe._fuse_appends
     res["sdpa_flash_gqa"] = _gqa_supported(SDPBackend.FLASH_ATTENTION)
     if "sdpa_cudnn_e2e_ms" in errors:
         res["sdpa_cudnn_error"] = errors["sdpa_cudnn_e2e_ms"]

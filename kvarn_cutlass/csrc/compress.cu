@@ -1462,6 +1462,19 @@ __device__ __forceinline__ void commit_lengths(int* lens, int* err, int* counter
 // in the constant bank), so that none of it holds a register through compress_impl.
 __shared__ int kva_group_last;  // this CTA's raise completed its group (fused form)
 
+// Programmatic dependent launch (ops/append.py: an append enqueued right after the fused prefill kernel, which lets
+// its dependents launch once all its CTAs run, so that the compression fills the SMs its last CTAs leave idle):
+// waits until the previous kernel of the stream has completed and its writes are visible. append_compress reads
+// nothing that kernel writes (its inputs were complete before that kernel started) and writes nothing it reads
+// (records into slots past the lengths it was given, the backups) until the window and sink rewrite, so the
+// rewriting CTAs wait first, and CTA (0, 0) waits before it exits, so that the launch completes after the previous
+// kernel, as a plain launch would. Without the launch attribute a no-op.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // The CTA of append_compress that blockIdx is: its record half (compress) or aux CTA, (b, head), half.
 struct AppendUnit {
   bool compress, padding, is_v;
@@ -1554,9 +1567,11 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
       raise_group();
     }
   }
+  if (blockIdx.x == 0 && blockIdx.y == 0) wait_previous_grid();
   if (groups == nullptr) return;
   __syncthreads();
   if (kva_group_last) {
+    wait_previous_grid();
     const AppendUnit u(batch, heads, max_new, aux_parts, R);
     const Lens ln = read_lens(lens, batch, u.b);
     const KvaPlan pl = kva_plan(ln.sink_len, ln.window_len, n, sink_cap, window, T);

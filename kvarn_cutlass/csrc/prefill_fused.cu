@@ -1223,6 +1223,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     int Hkv, int G, int n, float scale_log2, int batch, int heavy_first, float* __restrict__ ws, int splits,
     int split_tiles) {
     extern __shared__ __align__(128) u8 smem[];
+#if __CUDA_ARCH__ >= 900
+    // The next kernel of the stream may launch once every CTA of this one runs, if it asked to (programmatic
+    // dependent launch): the cache's append after a chunk (ops/append.py), whose compression then takes the SMs
+    // this grid leaves idle and those its first CTAs free, instead of starting after the last one. A kernel that
+    // asks must wait (griddepcontrol.wait) before it touches what this one reads or writes.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     u8* sQ = smem;
     u8* sRec = smem + OFF_SM_REC;
     u8* sLut = smem + OFF_SM_LUT;

@@ -38,6 +38,7 @@ cache converts inputs of another dtype to its own before).
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ COMMIT_THREADS = 256  # KVA_COMMIT_THREADS in compress.cu
 # serial copy at batch 1 (16 blocks on 132 SMs).
 COMMIT_ROWS_PER_BLOCK = 64
 COMMIT_BLOCKS = 128
+PDL_ENV = "KVARN_APPEND_PDL"  # 0: no programmatic launch after the fused prefill kernel (DeviceAppender.programmatic)
 
 # Input checks of an append, in the order KVarNCache raises them (k before v; within a tensor
 # non-finite values, the codec's input range, then the float16-scale bound), then the compression
@@ -246,6 +248,10 @@ class DeviceAppender:
     and ``cluster`` the cluster form to launch with them (None: one CTA per record half only), for
     running the host side without a GPU (tests, ``tools/host_overhead.py``).
 
+    ``programmatic``: whether :meth:`append` honours ``after_prefill`` (programmatic dependent launch of
+    append_compress after the fused prefill kernel): where there are clusters (sm_90, the architectures with
+    programmatic launches) unless ``$KVARN_APPEND_PDL`` is 0 (A/B runs). A plain attribute.
+
     ``cluster_tiles``: the most tiles per sequence and head an append compresses in the cluster form
     (``cluster.max_halves // (2 * batch * heads)``; 0 without clusters): an append completing more, or
     a step graph that can, takes the one-CTA form. A plain attribute: 0 forces the one-CTA form (eager
@@ -280,7 +286,10 @@ class DeviceAppender:
         self._counter = cache._counter.data_ptr()
         self._groups = cache._groups.data_ptr()
         # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs one)
-        self._commit_launch = self._compress_form = self._cluster_form = None
+        # append_compress's prepared launches by (cluster form, programmatic), made at their first use
+        self._commit_launch = None
+        self._compress_forms: dict[tuple[bool, bool], _Launch] = {}
+        self.programmatic = cluster is not None and os.environ.get(PDL_ENV, "1").strip() != "0"
         self._commit_n = 0  # the chunk length the commit launch holds
 
     @staticmethod
@@ -309,9 +318,9 @@ class DeviceAppender:
 
     # --- launches ----------------------------------------------------------------------------------
     def _prepare_compress(self, form: ClusterForm | None, st, k: torch.Tensor, v: torch.Tensor, n: int,
-                          max_new: int, backup: Backup | None):
+                          max_new: int, backup: Backup | None, programmatic: bool = False):
         """append_compress in ``form`` (None: one CTA per record half) for up to ``max_new`` tiles per
-        sequence and head."""
+        sequence and head; ``programmatic``: a programmatic dependent launch (see :meth:`append`)."""
         c = self.cache
         kernel, ranks, threads, smem = ((self._compress, 1, self.cta_threads, self.smem) if form is None
                                         else (form.kernel, form.ranks, form.threads, form.smem))
@@ -323,7 +332,7 @@ class DeviceAppender:
              c.batch_size, n, c.sink_tokens, c.window, c.num_kv_heads, st.tiles.shape[1], max_new, aux_parts,
              AUX_ROWS, self.spec.sinkhorn_iters, *self._offsets, self._inv_sqrt_d,
              st.sink_k, st.sink_v, c._counter, None),  # groups None: the two-launch form (a call may fuse)
-            shared_mem=smem,
+            shared_mem=smem, programmatic=programmatic,
         )
 
     def _prepare_commit(self, st, k: torch.Tensor, v: torch.Tensor, n: int):
@@ -338,26 +347,26 @@ class DeviceAppender:
         """Prepare append_commit and append_compress in each form now, from layer ``st`` (every argument a call
         changes is written by that call), so that no append pays for it."""
         k = st.window_k[:, :, :1]  # a stand-in of the inputs' layout: each call writes its own k, v
-        for cluster in (None, False) if self._cluster is None else (None, False, True):
-            self._launch_of(cluster, st, k, k, 1)
+        self._launch_of(None, st, k, k, 1)
+        for cluster in (False,) if self._cluster is None else (False, True):
+            for programmatic in (False, True) if self.programmatic else (False,):
+                self._launch_of((cluster, programmatic), st, k, k, 1)
 
-    def _launch_of(self, cluster: bool | None, st, k, v, n: int) -> _Launch:
-        """The cache's prepared launch of append_commit (``cluster`` None) or of append_compress in the cluster
-        or the one-CTA form, made now (a ``Kernel.prepare`` costs ~30-40 us of host time on the dev CPU): by
-        :meth:`prepare_launches`, or at the first use of a launch it did not make."""
-        if cluster is None:
+    def _launch_of(self, form: tuple[bool, bool] | None, st, k, v, n: int) -> _Launch:
+        """The cache's prepared launch of append_commit (``form`` None) or of append_compress in ``form``
+        (cluster or one-CTA, programmatic or not), made now (a ``Kernel.prepare`` costs ~30-40 us of host time on
+        the dev CPU): by :meth:`prepare_launches`, or at the first use of a launch it did not make."""
+        if form is None:
             launch = self._commit_launch = _Launch(self._prepare_commit(st, k, v, n))
             self._commit_n = n
         else:
-            launch = _Launch(self._prepare_compress(self._cluster if cluster else None, st, k, v, n, 1, None), True)
-            if cluster:
-                self._cluster_form = launch
-            else:
-                self._compress_form = launch
+            cluster, programmatic = form
+            launch = self._compress_forms[form] = _Launch(self._prepare_compress(
+                self._cluster if cluster else None, st, k, v, n, 1, None, programmatic), True)
         return launch
 
     def append(self, st, k: torch.Tensor, v: torch.Tensor, n: int, n_new: int, backup: Backup | None,
-               stream: torch.cuda.Stream | None = None, fuse: bool = False) -> None:
+               stream: torch.cuda.Stream | None = None, fuse: bool = False, after_prefill: bool = False) -> None:
         """Enqueue the append of k, v [batch, heads, n, head_dim] (cache dtype, on the device) to the layer
         ``st``, of which ``n_new`` tiles complete (``plan_append``; 0: one launch). ``backup``: buffers
         that append_compress fills with the window before the append, when a tile completes. ``stream``:
@@ -365,7 +374,11 @@ class DeviceAppender:
         instead of on the current stream. ``fuse`` (with ``n_new``): append_compress writes the sink and window
         and commits the lengths itself, one launch instead of two; a failure may then leave windows rewritten,
         and ``backup`` (here, or the layer's earlier one in the same block) is what restores them, whatever the
-        lengths say (the caller's to guarantee: ``KVarNCache`` fuses inside deferred blocks only)."""
+        lengths say (the caller's to guarantee: ``KVarNCache`` fuses inside deferred blocks only).
+        ``after_prefill`` (without ``stream``, where :attr:`programmatic`): the last kernel queued on the current
+        stream is the fused prefill kernel, whose early trigger lets append_compress launch while that kernel's
+        last CTAs run (append_compress reads nothing it writes, and waits for it before rewriting the window it
+        reads); any other kernel queued after it makes the launch a plain one in effect."""
         lb = st.buffers
         if lb is None:
             lb = st.buffers = _LayerBuffers(st)
@@ -389,9 +402,10 @@ class DeviceAppender:
             v.record_stream(stream)
         if n_new:
             cluster = n_new <= self.cluster_tiles
-            f = self._cluster_form if cluster else self._compress_form
+            form = (cluster, after_prefill and stream is None and self.programmatic)
+            f = self._compress_forms.get(form)
             if f is None:
-                f = self._launch_of(cluster, st, k, v, n)
+                f = self._launch_of(form, st, k, v, n)
             ranks = self._cluster.ranks if cluster else 1
             a = f.launch
             f.kv(kp, vp, k0, k1, k2, v0, v1, v2)
