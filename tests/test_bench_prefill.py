@@ -21,11 +21,13 @@ def _method(name, log, times):
 def test_methods_take_turns_after_one_warm_up_each_and_report_medians():
     log = []
     times, errors = _interleaved({
-        "a": _method("a", log, [99.0, 3.0, 1.0, 2.0]),  # the warm-up's 99 is not a sample
-        "b": _method("b", log, [50.0, 10.0, 30.0, 20.0]),
-    }, reps=3)
-    assert log == ["a", "b"] + ["a", "b"] * 3
-    assert times == {"a": 2.0, "b": 20.0} and errors == {}
+        "a": _method("a", log, [99.0, 3.0, 1.0, 2.0, 8.0]),  # the warm-up's 99 is not a sample
+        "b": _method("b", log, [50.0, 10.0, 30.0, 20.0, 40.0]),
+        "c": _method("c", log, [7.0, 6.0, 5.0, 4.0, 3.0]),
+    }, reps=4)
+    # each round starts one method later: no method always follows the same one
+    assert log == ["a", "b", "c"] + ["a", "b", "c"] + ["b", "c", "a"] + ["c", "a", "b"] + ["a", "b", "c"]
+    assert times == {"a": 2.5, "b": 25.0, "c": 4.5} and errors == {}
 
 
 def test_an_optional_method_that_cannot_run_is_left_out_with_its_error():

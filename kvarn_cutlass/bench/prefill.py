@@ -128,7 +128,9 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     """(median ms of each method, errors of the optional ones that could not run). Each method returns its own
     event-timed ms; one warm-up call each, then ``reps`` rounds in which every method runs once, in turn, so
     that a drift of clocks or of host load during the point lands on all of them alike (rather than on whichever
-    ran last). An optional method whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is
+    ran last). Round r starts at the r-th method (the order rotates), so that no method always runs right after
+    the same one (on an H100 two identical KVarN prompts of 32k tokens differed by 2.5% in every round, one
+    always after the SDPA-over-dequantized-tiles prompt, one after another KVarN prompt). An optional method whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is
     left out, with its error; any other error propagates."""
     errors: dict[str, str] = {}
     live = {}
@@ -142,8 +144,9 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
             continue
         live[name] = fn
     samples: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(reps):
-        for name, fn in live.items():
+    order = list(live.items())
+    for r in range(reps):
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
             samples[name].append(fn())
     return {name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors
 
