@@ -13,8 +13,9 @@ the prompts time attention and cache, not the harness's indexing (inside the loo
   ``kvarn_two_launch_append_e2e_ms``: the same prompt with the compression launched plainly after the
   attention kernel (no programmatic dependent launch) and with the append's two launches (no fused form),
   for the A/B of each (``append_programmatic`` and ``append_fused``: what ``kvarn_e2e_ms`` ran);
-  ``kvarn_cta_append_e2e_ms``: with the compression's one-CTA form only (whole-SM CTAs, which can take any
-  SM the attention kernel leaves idle, where a cluster needs room for its CTAs within one GPC);
+  ``kvarn_cta_append_e2e_ms`` and ``kvarn_cluster_append_e2e_ms``: with the compression in one form only
+  (the one-CTA form's whole-SM CTAs can take any SM the attention kernel leaves idle, where a cluster needs room
+  for its CTAs within one GPC; the cluster form's CTAs are a quarter of an SM each);
 * ``sdpa_flash_e2e_ms`` / ``sdpa_cudnn_e2e_ms``: torch SDPA (flash / cuDNN backend) over a static fp16
   cache: each chunk is copied into the cache, then attends to every earlier token plus causal within
   the chunk (``causal_lower_right``), with ``enable_gqa=True`` where the backend takes it (otherwise
@@ -181,12 +182,14 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
                  causal_lower_right(n, s + n)) for (s, n), (qn, kn, vn) in zip(chunks, views)]
 
     def kvarn_prompt(attend: bool = True, programmatic: bool = True, fused: bool = True,
-                     clusters: bool = True) -> float:
+                     form: str = "auto") -> float:
         cache = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
         cache._writer.programmatic &= programmatic
         cache._fuse_appends &= fused
-        if not clusters:
+        if form == "cta":
             cache._writer.cluster_tiles = 0
+        elif form == "cluster" and cache._writer.cluster_tiles:
+            cache._writer.cluster_tiles = 1 << 30
         a, b = events()
         with cache.deferred_checks():
             a.record()
@@ -246,7 +249,8 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         "append_ms": lambda: kvarn_prompt(attend=False),
         "kvarn_plain_append_e2e_ms": lambda: kvarn_prompt(programmatic=False),
         "kvarn_two_launch_append_e2e_ms": lambda: kvarn_prompt(fused=False),
-        "kvarn_cta_append_e2e_ms": lambda: kvarn_prompt(clusters=False),
+        "kvarn_cta_append_e2e_ms": lambda: kvarn_prompt(form="cta"),
+        "kvarn_cluster_append_e2e_ms": lambda: kvarn_prompt(form="cluster"),
         "sdpa_flash_e2e_ms": lambda: sdpa_prompt(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn_e2e_ms": lambda: sdpa_prompt(SDPBackend.CUDNN_ATTENTION),
         "dequant_sdpa_e2e_ms": dequant_prompt,
