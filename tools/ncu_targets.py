@@ -18,6 +18,7 @@ steady-state launch):
 
 ``tools/gpu_check.sh`` runs them when GPU_NCU=1 and writes the reports to $OUT/ncu.txt.
 """
+import contextlib
 import sys
 from pathlib import Path
 
@@ -71,14 +72,17 @@ def prefill(D: int = 128, C: int = 512) -> None:
 
 def prefill_small() -> None:
     """Small shapes for compute-sanitizer: every phase of the fused kernel (tiles, sink, window, chunk),
-    both cache dtypes, GQA 4, a chunk that straddles tiles, ragged row blocks."""
+    both cache dtypes, GQA 4, a chunk that straddles tiles, ragged row blocks; each chunk's append after the
+    kernel (on sm_90 a programmatic dependent launch), eager (float16) and in a deferred block (bfloat16: the
+    fused append)."""
     for dtype, D in ((torch.float16, 128), (torch.bfloat16, 64)):
         cache = kc.KVarNCache(1, 1, 2, D, window=128, sink_tokens=128, dtype=dtype, device="cuda")
         g = torch.Generator(device="cuda").manual_seed(1)
-        for n in (300, 77, 1):
-            k = torch.randn(1, 2, n, D, device="cuda", dtype=dtype, generator=g)
-            q = torch.randn(1, 8, n, D, device="cuda", dtype=dtype, generator=g) * 0.3
-            kc.prefill_attention(q, k, torch.randn_like(k), cache, 0)
+        with cache.deferred_checks() if dtype == torch.bfloat16 else contextlib.nullcontext():
+            for n in (300, 77, 1, 260):
+                k = torch.randn(1, 2, n, D, device="cuda", dtype=dtype, generator=g)
+                q = torch.randn(1, 8, n, D, device="cuda", dtype=dtype, generator=g) * 0.3
+                kc.prefill_attention(q, k, torch.randn_like(k), cache, 0)
     torch.cuda.synchronize()
 
 
