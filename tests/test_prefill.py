@@ -284,6 +284,31 @@ def test_fused_kernel_compiles(arch):
         assert 0 < smem <= MAX_SMEM_PER_BLOCK, (ks.name, smem)
 
 
+def test_fused_kernel_lets_its_dependents_launch_as_it_starts():
+    """The fused kernel executes griddepcontrol.launch_dependents (SASS PREEXIT) among its first instructions on
+    sm_90, before any load, so that the append's programmatic launch can take the SMs its grid leaves idle; it
+    never waits for a previous kernel itself (no ACQBULK: it is launched plainly). The sm_80 build has neither."""
+    import re
+
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.cli.sass import disassemble, find_tool
+    from kvarn_cutlass.ops.prefill import DEFAULT_CONFIGS, fused_spec
+    from kvarn_cutlass.runtime.spec import build
+
+    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
+        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    for D in (128, 256):
+        ks = fused_spec(kc.TileSpec("k4v2_g128", D), torch.float16, torch.float16, DEFAULT_CONFIGS[D])
+        for arch, has in (("sm_90", True), ("sm_80", False)):
+            body = disassemble(build(ks, arch).cubin).split("Function : kvarn_prefill_fused")[1].split("Function :")[0]
+            ops = re.findall(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+            assert ("PREEXIT" in ops) == has and "ACQBULK" not in ops, (D, arch)
+            if has:
+                first = ops.index("PREEXIT")
+                loads = [o for o in ops[:first] if o.startswith(("LDG", "LDS", "LD.", "LDSM", "ATOM", "RED", "LDGSTS"))]
+                assert not loads and first < 16, (D, ops[:first + 1])
+
+
 @pytest.mark.parametrize("D,preset,scale_dtype,quantizer,dtype", [
     (128, "k4v2_g128", torch.float16, "uniform", torch.float16),
     (128, "k4v4_g128", torch.float32, "lloyd_max", torch.bfloat16),
