@@ -285,8 +285,8 @@ class DeviceAppender:
         self._inputs_ready = None  # the event an append on another stream waits for (made at the first)
         self._counter = cache._counter.data_ptr()
         self._groups = cache._groups.data_ptr()
-        # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs one)
-        # append_compress's prepared launches by (cluster form, programmatic), made at their first use
+        # the prepared launches, shared by the layers (made by prepare_launches, or at the first append that needs
+        # one): append_commit's, and append_compress's by (cluster form, programmatic)
         self._commit_launch = None
         self._compress_forms: dict[tuple[bool, bool], _Launch] = {}
         self.programmatic = cluster is not None and os.environ.get(PDL_ENV, "1").strip() != "0"
