@@ -26,6 +26,14 @@ def load_tool(name: str):
     return module
 
 
+def require_disassembler() -> None:
+    """Skip the calling test unless cuobjdump or nvdisasm is found (``kvarn_cutlass.cli.sass.find_tool``)."""
+    from kvarn_cutlass.cli.sass import find_tool
+
+    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
+        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+
+
 def hadamard64(D: int) -> torch.Tensor:
     """Normalized Sylvester Hadamard matrix [D, D] in float64, built by Kronecker products."""
     H = torch.ones(1, 1, dtype=torch.float64)

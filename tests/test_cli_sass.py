@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvarn_cutlass.cli import main
-from kvarn_cutlass.cli.sass import find_tool, summarize
+from kvarn_cutlass.cli.sass import find_tool, kernel_opcodes, summarize
 
 LISTING = """
         Function : kvarn_x
@@ -35,6 +35,22 @@ def test_a_malformed_option_is_a_usage_error(argv, fragments, capsys):
     assert exc.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and all(f in err[0] for f in fragments), err
+
+
+def test_kernel_opcodes_reads_one_kernel_of_a_listing():
+    other = """
+        Function : kvarn_y
+        /*0000*/                   PREEXIT ;                                 /* 0x000000000000782d */
+        /*0010*/              @!P1 ACQBULK ;                                 /* 0x000000000000782e */
+        /*0020*/                   EXIT ;                                    /* 0x000000000000794d */
+"""
+    listing = LISTING + other
+    assert kernel_opcodes(listing, "kvarn_y") == ["PREEXIT", "ACQBULK", "EXIT"]
+    assert kernel_opcodes(listing, "kvarn_x")[:2] == ["LDC", "HMMA.16816.F32"]
+    assert len(kernel_opcodes(listing, "kvarn_x")) == 10  # stops at the next kernel
+    for absent in ("kvarn_z", "kvarn_"):  # a prefix of a kernel's name is not that kernel
+        with pytest.raises(KeyError, match=absent):
+            kernel_opcodes(listing, absent)
 
 
 def test_summary_counts_a_listing():

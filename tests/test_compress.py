@@ -31,6 +31,8 @@ from kvarn_cutlass.format import HEAD_DIMS, PRESETS, TileSpec, lloyd_max_thresho
 from kvarn_cutlass.ops import compress as C
 from kvarn_cutlass.runtime.spec import build
 
+from _helpers import require_disassembler
+
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 
@@ -88,30 +90,21 @@ def test_compress_compiles_every_shape(arch, T, D):
         assert smem["compress"] == smem["compress_cta"]  # no clusters: the cluster forms are one CTA
 
 
-def _sass_ops(cubin: bytes, fn: str) -> list[str]:
-    """The opcodes of kernel ``fn`` in ``cubin``'s SASS, in order (predicates stripped)."""
-    from kvarn_cutlass.cli.sass import disassemble
-
-    body = disassemble(cubin).split("Function : " + fn)[1].split("Function :")[0]
-    return re.findall(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
-
-
 def test_only_the_append_compression_waits_for_a_previous_kernel():
     """The append's compression may be a programmatic dependent launch after the fused prefill kernel
     (ops/append.py): on sm_90 both its forms wait (griddepcontrol.wait, SASS ACQBULK: before the fused form's
     window rewrite and at the launch's end); the layer kernels and the commit, never launched that way, do not;
     none of them lets a dependent launch early (PREEXIT); the sm_80 build has neither."""
     pytest.importorskip("cuda.bindings")
-    from kvarn_cutlass.cli.sass import find_tool
+    from kvarn_cutlass.cli.sass import disassemble, kernel_opcodes
 
-    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
-        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    require_disassembler()
     spec = C.compress_spec(128, 128, torch.float16, torch.float16, 2)
     layer, cta, append_compress, append_cluster, commit, snapshot = spec.kernel_names
     for arch in ("sm_90", "sm_80"):
-        cubin = build(spec, arch).cubin
+        sass = disassemble(build(spec, arch).cubin)
         for fn in spec.kernel_names:
-            ops = _sass_ops(cubin, fn)
+            ops = kernel_opcodes(sass, fn)
             waits = arch == "sm_90" and fn in (append_compress, append_cluster)
             assert ("ACQBULK" in ops) == waits and "PREEXIT" not in ops, (arch, fn)
 

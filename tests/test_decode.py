@@ -15,6 +15,8 @@ from kvarn_cutlass.format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, T
 from kvarn_cutlass.runtime import build
 from kvarn_cutlass.runtime.registry import families
 
+from _helpers import require_disassembler
+
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("spec", decode.decode_specs(), ids=lambda s: s.name)
@@ -208,18 +210,14 @@ def test_kernel_waits_for_the_previous_kernel_before_any_memory_read(which):
     """Programmatic dependent launch is safe only if the kernel reads nothing before griddepcontrol.wait (SASS
     ACQBULK on sm_90): no global or shared load, atomic or cp.async comes first; launch_dependents (PREEXIT)
     follows it. The sm_80 build has neither."""
-    import re
-
     pytest.importorskip("cuda.bindings")
-    from kvarn_cutlass.cli.sass import disassemble, find_tool
+    from kvarn_cutlass.cli.sass import disassemble, kernel_opcodes
 
-    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
-        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    require_disassembler()
     ks = decode.decode_spec(TileSpec("k4v2_g128", 128))
     fn = ks.kernel_names[which]
     for arch, has in (("sm90", True), ("sm80", False)):
-        body = disassemble(build(ks, arch).cubin).split("Function : " + fn)[1].split("Function :")[0]
-        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+        ops = kernel_opcodes(disassemble(build(ks, arch).cubin), fn)
         assert ("ACQBULK" in ops) == has and ("PREEXIT" in ops) == has, (arch, fn)
         if has:
             first = ops.index("ACQBULK")

@@ -16,7 +16,7 @@ import torch
 import kvarn_cutlass as kc
 from kvarn_cutlass.prefill import prefill_attention
 
-from _helpers import SHARED, assert_same_snapshot, snapshot
+from _helpers import SHARED, assert_same_snapshot, require_disassembler, snapshot
 
 TOL = 5e-3
 MODEL_DIR = SHARED / "models" / "kvarn-ref-lm"
@@ -288,20 +288,16 @@ def test_fused_kernel_lets_its_dependents_launch_as_it_starts():
     """The fused kernel executes griddepcontrol.launch_dependents (SASS PREEXIT) among its first instructions on
     sm_90, before any load, so that the append's programmatic launch can take the SMs its grid leaves idle; it
     never waits for a previous kernel itself (no ACQBULK: it is launched plainly). The sm_80 build has neither."""
-    import re
-
     pytest.importorskip("cuda.bindings")
-    from kvarn_cutlass.cli.sass import disassemble, find_tool
+    from kvarn_cutlass.cli.sass import disassemble, kernel_opcodes
     from kvarn_cutlass.ops.prefill import DEFAULT_CONFIGS, fused_spec
     from kvarn_cutlass.runtime.spec import build
 
-    if find_tool("cuobjdump") is None and find_tool("nvdisasm") is None:
-        pytest.skip("neither cuobjdump nor nvdisasm is installed")
+    require_disassembler()
     for D in (128, 256):
         ks = fused_spec(kc.TileSpec("k4v2_g128", D), torch.float16, torch.float16, DEFAULT_CONFIGS[D])
         for arch, has in (("sm_90", True), ("sm_80", False)):
-            body = disassemble(build(ks, arch).cubin).split("Function : kvarn_prefill_fused")[1].split("Function :")[0]
-            ops = re.findall(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+            ops = kernel_opcodes(disassemble(build(ks, arch).cubin), "kvarn_prefill_fused")
             assert ("PREEXIT" in ops) == has and "ACQBULK" not in ops, (D, arch)
             if has:
                 first = ops.index("PREEXIT")

@@ -74,6 +74,15 @@ _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*
 _MMA = ("HMMA", "IMMA", "HGMMA", "IGMMA")
 
 
+def kernel_opcodes(sass: str, name: str) -> list[str]:
+    """The opcodes of kernel ``name``'s instructions in a SASS listing of its module, in order (predicates
+    stripped); KeyError if the listing has no such kernel."""
+    parts = re.split(rf"Function : {re.escape(name)}\s", sass, maxsplit=1)  # the whole name, not a prefix
+    if len(parts) < 2:
+        raise KeyError(f"no kernel {name!r} in the listing")
+    return _INSTR.findall(parts[1].split("Function :")[0])
+
+
 def summarize(sass: str) -> dict[str, Any]:
     """Counts over a SASS listing: instructions, tensor-core instructions by full opcode (shape and types
     included, e.g. ``HMMA.16816.F32``), warpgroup arrive/wait (wgmma), local loads and stores (spills or a
