@@ -131,8 +131,9 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     that a drift of clocks or of host load during the point lands on all of them alike (rather than on whichever
     ran last). Round r starts at the r-th method (the order rotates), so that no method always runs right after
     the same one (on an H100 two identical KVarN prompts of 32k tokens differed by 2.5% in every round, one
-    always after the SDPA-over-dequantized-tiles prompt, one after another KVarN prompt). An optional method whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is
-    left out, with its error; any other error propagates."""
+    always after the SDPA-over-dequantized-tiles prompt, one after another KVarN prompt). An optional method
+    whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is left out, with its error; any
+    other error propagates."""
     errors: dict[str, str] = {}
     live = {}
     for name, fn in methods.items():
