@@ -113,6 +113,14 @@ def _check_rows(x: torch.Tensor, compressed: bool, is_v: bool, f16_scales: bool)
     return bits
 
 
+def _back_up(backup, st, b: int, wl: int) -> None:
+    """The aux CTAs' copy of sequence b's window into the backup: the live rows only, the rest stays as
+    allocated (poison)."""
+    for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
+        bk[b, :, :wl] = win[b, :, :wl]
+        bk[b, :, wl:] = float("nan")
+
+
 class EmulatedAppender:
     """The append kernels (compress.cu), emulated on a CPU cache; the interface of ops.append.DeviceAppender."""
 
@@ -168,9 +176,7 @@ class EmulatedAppender:
         for b in range(c.batch_size):
             nt, wl, sl, (n_sink, n_new, keep) = self._plan(st, b, n)
             if fused and n_new and backup is not None:  # the fused form's aux CTAs: whatever the flag says
-                for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
-                    bk[b, :, :wl] = win[b, :, :wl]
-                    bk[b, :, wl:] = float("nan")
+                _back_up(backup, st, b, wl)
             if not clean or n_new == 0:
                 continue
             assert max_new >= n_new, "the launch has fewer compress blocks than tiles complete"
@@ -203,10 +209,8 @@ class EmulatedAppender:
                     if int(c._errors) == 0:  # the group's last CTA: the flag as it finds it
                         sink[b, :, sl : sl + n_sink] = x[b, :, :n_sink]
                         self._rewrite(win[b], x[b], wl, n_sink, n_new, keep, 1)
-            if backup is not None and not fused:  # the live rows only: the rest stays as allocated (poison)
-                for bk, win in ((backup.window_k, st.window_k), (backup.window_v, st.window_v)):
-                    bk[b, :, :wl] = win[b, :, :wl]
-                    bk[b, :, wl:] = float("nan")
+            if backup is not None and not fused:
+                _back_up(backup, st, b, wl)
         c._errors |= bits
         if fused:
             self._commit_lengths(st, n)
