@@ -157,8 +157,7 @@ class KVarNCache:
         self._lens = torch.zeros(num_layers, 3, batch_size, dtype=torch.int32, device=self.device)
         self._layers = [self._new_layer(capacity, self._lens[i]) for i in range(num_layers)]
         self._init_write_state()
-        # inside deferred_checks blocks, an append that completes tiles is one launch (ops.append's fused form);
-        # FUSED_APPEND_ENV=0: two, as outside them (A/B runs)
+        # inside deferred_checks blocks, an append that completes tiles is one launch (ops.append's fused form)
         self._fuse_appends = os.environ.get(FUSED_APPEND_ENV, "1") != "0"
         if self._on_cuda:
             # plan once: the append kernels' lookups and prepared launches (~0.3 ms of host time on an H200

@@ -1264,9 +1264,8 @@ __device__ __forceinline__ void compress_layer_block(const IN* __restrict__ k_in
 // ==== the cache's append (kvarn_cutlass/ops/append.py) ============================================
 //
 // Two kernels per append of n tokens to one layer (one in the fused form below), both reading the layer's lengths
-// from the device
-// (int32 lens[3][batch]: n_tiles, window_len, sink_len of each sequence), so that one launch serves
-// any length (CUDA graphs):
+// from the device (int32 lens[3][batch]: n_tiles, window_len, sink_len of each sequence), so that one launch
+// serves any length (CUDA graphs):
 //
 // * append_compress (only needed when a tile completes): record halves [0, batch * max_new * heads)
 //   x 2 (blockIdx.y: K, V) compress tile i < n_new of (b, head) from the stream window[0, wl) ++
