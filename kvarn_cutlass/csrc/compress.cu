@@ -1466,8 +1466,10 @@ __shared__ int kva_group_last;  // this CTA's raise completed its group (fused f
 // waits until the previous kernel of the stream has completed and its writes are visible. append_compress reads
 // nothing that kernel writes (its inputs were complete before that kernel started) and writes nothing it reads
 // (records into slots past the lengths it was given, the backups) until the window and sink rewrite, so the
-// rewriting CTAs wait first, and CTA (0, 0) waits before it exits, so that the launch completes after the previous
-// kernel, as a plain launch would. Without the launch attribute a no-op.
+// rewriting CTAs wait first, and the grid's last CTA waits before it exits, so that the launch completes after the
+// previous kernel, as a plain launch would. The last one: CTAs are dispatched in order, so a waiting CTA holds an SM
+// only once every other CTA has one, where CTA (0, 0) would hold one of the few the previous kernel leaves free for
+// the whole of it. Without the launch attribute a no-op.
 __device__ __forceinline__ void wait_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -1566,7 +1568,7 @@ __device__ __forceinline__ void append_compress(const IN* __restrict__ k, const 
       raise_group();
     }
   }
-  if (blockIdx.x == 0 && blockIdx.y == 0) wait_previous_grid();
+  if (blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1) wait_previous_grid();
   if (groups == nullptr) return;
   __syncthreads();
   if (kva_group_last) {
