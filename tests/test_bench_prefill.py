@@ -20,7 +20,7 @@ def _method(name, log, times):
 
 def test_methods_take_turns_after_one_warm_up_each_and_report_medians():
     log = []
-    times, errors = _interleaved({
+    times, errors, spreads = _interleaved({
         "a": _method("a", log, [99.0, 3.0, 1.0, 2.0, 8.0]),  # the warm-up's 99 is not a sample
         "b": _method("b", log, [50.0, 10.0, 30.0, 20.0, 40.0]),
         "c": _method("c", log, [7.0, 6.0, 5.0, 4.0, 3.0]),
@@ -28,6 +28,7 @@ def test_methods_take_turns_after_one_warm_up_each_and_report_medians():
     # each round starts one method later: no method always follows the same one
     assert log == ["a", "b", "c"] + ["a", "b", "c"] + ["b", "c", "a"] + ["c", "a", "b"] + ["a", "b", "c"]
     assert times == {"a": 2.5, "b": 25.0, "c": 4.5} and errors == {}
+    assert spreads == {"a": [1.0, 8.0], "b": [10.0, 40.0], "c": [3.0, 6.0]}
 
 
 def test_an_optional_method_that_cannot_run_is_left_out_with_its_error():
@@ -37,9 +38,9 @@ def test_an_optional_method_that_cannot_run_is_left_out_with_its_error():
         log.append("c")
         raise RuntimeError("No available kernel. Aborting execution.")
 
-    times, errors = _interleaved({"a": _method("a", log, [1.0, 4.0, 5.0]), "c": no_cudnn}, reps=2,
-                                 optional=frozenset({"c"}))
-    assert log == ["a", "c", "a", "a"] and times == {"a": 4.5}
+    times, errors, spreads = _interleaved({"a": _method("a", log, [1.0, 4.0, 5.0]), "c": no_cudnn}, reps=2,
+                                          optional=frozenset({"c"}))
+    assert log == ["a", "c", "a", "a"] and times == {"a": 4.5} and spreads == {"a": [4.0, 5.0]}
     assert errors == {"c": "RuntimeError: No available kernel. Aborting execution."}
 
 

@@ -15,7 +15,10 @@ the prompts time attention and cache, not the harness's indexing (inside the loo
   for the A/B of each (``append_programmatic`` and ``append_fused``: what ``kvarn_e2e_ms`` ran);
   ``kvarn_cta_append_e2e_ms`` and ``kvarn_cluster_append_e2e_ms``: with the compression in one form only
   (the one-CTA form's whole-SM CTAs can take any SM the attention kernel leaves idle, where a cluster needs room
-  for its CTAs within one GPC; the cluster form's CTAs are a quarter of an SM each);
+  for its CTAs within one GPC; the cluster form's CTAs are a quarter of an SM each); ``kvarn_control_e2e_ms``:
+  ``kvarn_e2e_ms``'s prompt once more in the same rounds, a control: how far apart two identical configurations
+  land is the point's resolution (on an H100 the one-CTA variant and the automatic form, which is the one-CTA
+  form at 2048-token chunks, differed by 2% in three runs, always in the same direction);
 * ``sdpa_flash_e2e_ms`` / ``sdpa_cudnn_e2e_ms``: torch SDPA (flash / cuDNN backend) over a static fp16
   cache: each chunk is copied into the cache, then attends to every earlier token plus causal within
   the chunk (``causal_lower_right``), with ``enable_gqa=True`` where the backend takes it (otherwise
@@ -23,7 +26,7 @@ the prompts time attention and cache, not the harness's indexing (inside the loo
 * ``dequant_sdpa_e2e_ms``: per chunk, ``kc.dequantize_layer`` (one kernel for all tiles of the layer)
   into fp16 buffers, the chunk copied behind them, flash SDPA, and the chunk's append.
 
-Also per point: ``kvarn_over_sdpa`` = kvarn_e2e_ms / sdpa_flash_e2e_ms, the TFLOPS-equivalent
+Also per point: ``spread_ms``, each method's fastest and slowest round; ``kvarn_over_sdpa`` = kvarn_e2e_ms / sdpa_flash_e2e_ms, the TFLOPS-equivalent
 (4 * Hq * D * P^2 / 2 / time) against a fp16 matmul measured in the same run, and a kernel profile (GPU
 time per kernel over one prompt, against the prompt's wall time under the profiler). Peak extra memory of a 32k prompt.
 Run: ``kvarn-cutlass bench --section prefill``.
@@ -125,8 +128,10 @@ def _matmul_tflops() -> float:
 
 
 def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
-                 optional: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
-    """(median ms of each method, errors of the optional ones that could not run). Each method returns its own
+                 optional: frozenset[str] = frozenset()
+                 ) -> tuple[dict[str, float], dict[str, str], dict[str, list[float]]]:
+    """(median ms of each method, errors of the optional ones that could not run, [fastest, slowest] ms of each
+    method over the rounds). Each method returns its own
     event-timed ms; one warm-up call each, then ``reps`` rounds in which every method runs once, in turn, so
     that a drift of clocks or of host load during the point lands on all of them alike (rather than on whichever
     ran last). Round r starts at the r-th method (the order rotates), so that no method always runs right after
@@ -150,7 +155,8 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     for r in range(reps):
         for name, fn in order[r % len(order):] + order[:r % len(order)]:
             samples[name].append(fn())
-    return {name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors
+    return ({name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors,
+            {name: [round(min(ms), 3), round(max(ms), 3)] for name, ms in samples.items()})
 
 
 def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[str, Any]:
@@ -245,18 +251,20 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         return a.elapsed_time(b)
 
     res: dict[str, Any] = {"P": P, "C": C, "head_dim": D, "q_heads": HQ, "kv_heads": HKV}
-    times, errors = _interleaved({
+    times, errors, spreads = _interleaved({
         "kvarn_e2e_ms": kvarn_prompt,
         "append_ms": lambda: kvarn_prompt(attend=False),
         "kvarn_plain_append_e2e_ms": lambda: kvarn_prompt(programmatic=False),
         "kvarn_two_launch_append_e2e_ms": lambda: kvarn_prompt(fused=False),
         "kvarn_cta_append_e2e_ms": lambda: kvarn_prompt(form="cta"),
         "kvarn_cluster_append_e2e_ms": lambda: kvarn_prompt(form="cluster"),
+        "kvarn_control_e2e_ms": kvarn_prompt,
         "sdpa_flash_e2e_ms": lambda: sdpa_prompt(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn_e2e_ms": lambda: sdpa_prompt(SDPBackend.CUDNN_ATTENTION),
         "dequant_sdpa_e2e_ms": dequant_prompt,
     }, reps, optional=frozenset({"sdpa_cudnn_e2e_ms"}))  # no cuDNN attention for some shapes or builds: say so
     res.update(times)
+    res["spread_ms"] = spreads
     probe = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
     res["append_programmatic"] = probe._writer.programmatic
     res["append_fused"] = probe._fuse_appends
@@ -319,7 +327,7 @@ def _peak_memory(P: int = 32768, C: int = 2048) -> dict[str, Any]:
 
 def run(opts: BenchOptions) -> dict[str, Any]:
     points = POINTS[:1] if opts.quick else POINTS
-    reps = 2 if opts.quick else 5
+    reps = 2 if opts.quick else 7
     peak = _matmul_tflops()
     out: dict[str, Any] = {
         "workload": "one layer, 32 q / 8 KV heads, k4v2_g128, window 256, fp16; whole prompt (attention and "
