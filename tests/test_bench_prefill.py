@@ -24,11 +24,32 @@ def test_methods_take_turns_after_one_warm_up_each_and_report_medians():
         "a": _method("a", log, [99.0, 3.0, 1.0, 2.0, 8.0]),  # the warm-up's 99 is not a sample
         "b": _method("b", log, [50.0, 10.0, 30.0, 20.0, 40.0]),
         "c": _method("c", log, [7.0, 6.0, 5.0, 4.0, 3.0]),
+        "d": _method("d", log, [0.5, 1.5, 1.5, 2.5, 2.5]),
     }, reps=4)
-    # each round starts one method later: no method always follows the same one
-    assert log == ["a", "b", "c"] + ["a", "b", "c"] + ["b", "c", "a"] + ["c", "a", "b"] + ["a", "b", "c"]
-    assert times == {"a": 2.5, "b": 25.0, "c": 4.5} and errors == {}
-    assert spreads == {"a": [1.0, 8.0], "b": [10.0, 40.0], "c": [3.0, 6.0]}
+    assert log[:4] == ["a", "b", "c", "d"]  # the warm-ups, in the given order
+    rounds = [log[4 + 4 * r: 8 + 4 * r] for r in range(4)]
+    assert all(sorted(r) == ["a", "b", "c", "d"] for r in rounds)
+    # no method always runs right after the same one: over the 4 rounds each follows 3 different methods (and
+    # runs first once), where rotating one order keeps every method after the same one
+    for m in "abcd":
+        before = [r[r.index(m) - 1] for r in rounds if r.index(m) > 0]
+        assert len(before) == 3 and len(set(before)) == 3, (m, rounds)
+    assert times == {"a": 2.5, "b": 25.0, "c": 4.5, "d": 2.0} and errors == {}
+    assert spreads == {"a": [1.0, 8.0], "b": [10.0, 40.0], "c": [3.0, 6.0], "d": [1.5, 2.5]}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 10])
+def test_round_orders_are_permutations_and_balance_who_runs_before_whom(n):
+    """Over 2n rounds every ordered pair of methods is adjacent equally often (a Williams design), odd n too."""
+    from collections import Counter
+
+    from kvarn_cutlass.bench.prefill import _williams_order
+
+    rows = [_williams_order(n, r) for r in range(2 * n)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(pairs.values())) <= 1
 
 
 def test_an_optional_method_that_cannot_run_is_left_out_with_its_error():

@@ -127,18 +127,36 @@ def _matmul_tflops() -> float:
     return round(2 * 8192**3 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12, 1)
 
 
+def _williams_order(n: int, r: int) -> list[int]:
+    """Round ``r``'s order of ``n`` methods, a row of a Williams design: 0, 1, n-1, 2, n-2, ... shifted by r (n
+    even: over n rounds every method runs right after each other method once), or for odd n shifted by r // 2 and
+    mirrored in odd rounds (over 2n rounds, twice): no method always follows the same one."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    if n % 2 == 0:
+        return [(x + r) % n for x in first]
+    row = [(x + r // 2) % n for x in first]
+    return row[::-1] if r % 2 else row
+
+
 def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
                  optional: frozenset[str] = frozenset()
                  ) -> tuple[dict[str, float], dict[str, str], dict[str, list[float]]]:
     """(median ms of each method, errors of the optional ones that could not run, [fastest, slowest] ms of each
-    method over the rounds). Each method returns its own
-    event-timed ms; one warm-up call each, then ``reps`` rounds in which every method runs once, in turn, so
-    that a drift of clocks or of host load during the point lands on all of them alike (rather than on whichever
-    ran last). Round r starts at the r-th method (the order rotates), so that no method always runs right after
-    the same one (on an H100 two identical KVarN prompts of 32k tokens differed by 2.5% in every round, one
-    always after the SDPA-over-dequantized-tiles prompt, one after another KVarN prompt). An optional method
-    whose warm-up raises RuntimeError (e.g. no cuDNN attention for the shape) is left out, with its error; any
-    other error propagates."""
+    method over the rounds). Each method returns its own event-timed ms; one warm-up call each, then ``reps``
+    rounds in which every method runs once, so that a drift of clocks or of host load during the point lands on
+    all of them alike (rather than on whichever ran last). The rounds' orders are the rows of a Williams design
+    (:func:`_williams_order`): each method follows a different one in every round. A rotated order (round r
+    starting at the r-th method) keeps every method after the same one, and on an H100 the prompt listed first,
+    always right after the SDPA-over-dequantized-tiles prompt, ran 1-2.5% slower than the same configuration
+    listed elsewhere, in four runs. An optional method whose warm-up raises RuntimeError (e.g. no cuDNN
+    attention for the shape) is left out, with its error; any other error propagates."""
     errors: dict[str, str] = {}
     live = {}
     for name, fn in methods.items():
@@ -153,7 +171,8 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     samples: dict[str, list[float]] = {name: [] for name in live}
     order = list(live.items())
     for r in range(reps):
-        for name, fn in order[r % len(order):] + order[:r % len(order)]:
+        for i in _williams_order(len(order), r):
+            name, fn = order[i]
             samples[name].append(fn())
     return ({name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors,
             {name: [round(min(ms), 3), round(max(ms), 3)] for name, ms in samples.items()})
@@ -333,7 +352,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         "workload": "one layer, 32 q / 8 KV heads, k4v2_g128, window 256, fp16; whole prompt (attention and "
                     "append of every chunk) with one sync at the end",
         "timing": f"CUDA events around each whole prompt; per point one warm-up of each method, then {reps} rounds "
-                  "in which the methods take turns; medians",
+                  "in which the methods take turns, each round's order a row of a Williams design (no method "
+                  "always after the same one); medians, and each method's fastest and slowest round",
         "matmul_f16_8192_tflops": peak,
         "points": [_one_point(P, C, D, reps, peak) for P, C, D in points],
         "peak_memory_32k": _peak_memory(),
