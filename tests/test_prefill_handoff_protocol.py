@@ -8,8 +8,11 @@ a block until the next one is FULL (its P . V is issued with the next block's sc
 flushed at once). An exact block's copies are cp.async groups: the producer hands over the group's previous
 exact block (wait_group 1: all but the newest landed) only after issuing the next one, unless the consumers need
 the pending block to free the stage the producer waits for (it is at most bi - NSTAGE + CONSUMER_HOLD).
-Random schedules (and copies landing at any time) check that no block is handed over before its copies landed
-and that nothing deadlocks, for every kernel shape the configs build; the rule the sixth session shipped
+The hand-off is a FULL and an EMPTY mbarrier per stage, whose waits name the parity of the phase they wait for
+(block bi: the stage's phase bi // NSTAGE): the model counts each barrier's completed phases and checks that a
+waiter always finds exactly the phase it named completed and the next one not, so that a parity cannot stand
+for a later phase. Random schedules (and copies landing at any time) check that no block is handed over before
+its copies landed and that nothing deadlocks, for every kernel shape the configs build; the rule the sixth session shipped
 (hand over first only when the pending block holds the same stage) deadlocks two wgmma producer groups of two
 blocks per tile (the tuned D=128 config; found here before the GPU ran it), so the model can fail. This checks the protocol, not the CUDA code (the
 GPU tests do that).
@@ -36,7 +39,12 @@ def test_the_model_uses_the_kernels_stage_count_and_rules():
     assert "constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;" in SOURCE
     assert "if (NG > 1 && s / BPT != pg) continue;  // another group's stage" in SOURCE
     for line in ("if (pend >= 0 && bi >= NSTAGE && pend <= bi - NSTAGE + CONSUMER_HOLD) {",
-                 "if (bi >= NSTAGE) bar_sync(BAR_EMPTY + s, HANDOFF);", "if (pend >= 0) hand_over(pend % NSTAGE, true);",
+                 "if (bi >= NSTAGE) mbar_wait(empty_bars + 8 * s, stage_parity(bi) ^ 1u);",
+                 "if (pend >= 0) hand_over(pend % NSTAGE, true);",
+                 # the waits' parities and the barriers' arrival counts
+                 "return (u32)(bi / NSTAGE) & 1u;", "mbar_wait(full_bars + 8 * (bi % NSTAGE), stage_parity(bi));",
+                 "if (bi + NSTAGE < sc.nb) mbar_arrive(empty_bars + 8 * (bi % NSTAGE));",
+                 "constexpr int HANDOFF_FULL_COUNT = GT, HANDOFF_EMPTY_COUNT = NC * 32;",
                  "pend = bi;", "if (newest_in_flight) cp_async_wait_group<1>();",
                  # the consumers' release points the model's hold follows
                  "if (PV != 0) release(pv_bi);", "turn(K0{}, K1{}, 0);\n                end_of_tiles();"):
@@ -50,6 +58,19 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int
     rnd = random.Random(seed)
     nb = nba + nexact
     full, empty = set(), set()  # blocks handed over / released
+    # completed phases of each stage's FULL and EMPTY mbarriers: handing over (releasing) block b completes
+    # phase b // ns of its stage's FULL (EMPTY) barrier, and a wait for block b's phase passes only on a
+    # barrier that has completed exactly b // ns + 1 phases (one more, and the parity would alias)
+    full_phases, empty_phases = [0] * ns, [0] * ns
+
+    def complete(phases, block):
+        assert phases[block % ns] == block // ns, f"block {block}: phase out of order"
+        phases[block % ns] += 1
+
+    def passes(phases, block) -> bool:
+        done = phases[block % ns]
+        assert done <= block // ns + 1, f"block {block}: the barrier ran a phase past the one waited for"
+        return done == block // ns + 1
     landed: set[int] = set()
     in_flight: dict[int, list[int]] = {g: [] for g in range(ng)}  # a group's issued exact blocks, oldest first
 
@@ -63,6 +84,7 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int
             in_flight[pg][:] = [b for b in in_flight[pg] if b in keep]
             assert block in landed, f"block {block} handed over before its copies landed"
             full.add(block)
+            complete(full_phases, block)
 
         for bi in range(nb):
             s = bi % ns
@@ -72,10 +94,12 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int
             if bi >= nba and pend >= 0 and first:
                 yield from hand_over(pend, False)
                 pend = -1
-            while bi >= ns and bi - ns not in empty:
+            while bi >= ns and not passes(empty_phases, bi - ns):
                 yield "empty"
+            assert bi < ns or bi - ns in empty
             if bi < nba:
                 full.add(bi)  # a tile block: dequantized by the group's threads, handed over at once
+                complete(full_phases, bi)
                 continue
             in_flight[pg].append(bi)
             if pend >= 0:
@@ -86,20 +110,26 @@ def _run(ng: int, bpt: int, ns: int, nba: int, nexact: int, seed: int, hold: int
 
     def consumers():
         held = -1  # the block whose P . V waits for the next block's turn
+
+        def release(block):
+            empty.add(block)
+            complete(empty_phases, block)
+
         for bi in range(nb):
-            while bi not in full:
+            while not passes(full_phases, bi):
                 yield "full"
+            assert bi in full
             if not hold:
-                empty.add(bi)
+                release(bi)
                 continue
             if held >= 0:
-                empty.add(held)
+                release(held)
             held = bi
             if bi == nba - 1:  # the tiles' last P . V is flushed before the exact phase
-                empty.add(bi)
+                release(bi)
                 held = -1
         if held >= 0:
-            empty.add(held)
+            release(held)
 
     actors = [producer(g) for g in range(ng)] + [consumers()]
     live = list(range(len(actors)))
