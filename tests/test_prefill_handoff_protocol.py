@@ -8,10 +8,10 @@ a block until the next one is FULL (its P . V is issued with the next block's sc
 flushed at once). An exact block's copies are cp.async groups: the producer hands over the group's previous
 exact block (wait_group 1: all but the newest landed) only after issuing the next one, unless the consumers need
 the pending block to free the stage the producer waits for (it is at most bi - NSTAGE + CONSUMER_HOLD).
-The hand-off is a FULL and an EMPTY mbarrier per stage, whose waits name the parity of the phase they wait for
-(block bi: the stage's phase bi // NSTAGE): the model counts each barrier's completed phases and checks that a
-waiter always finds exactly the phase it named completed and the next one not, so that a parity cannot stand
-for a later phase. Random schedules (and copies landing at any time) check that no block is handed over before
+With two producer groups the hand-off is a FULL and an EMPTY mbarrier per stage, whose waits name the parity of
+the phase they wait for (block bi: the stage's phase bi // NSTAGE): the model counts each barrier's completed
+phases and checks that a waiter always finds exactly the phase it named completed and the next one not, so that
+a parity cannot stand for a later phase (with one group, named barriers, whose phases the hardware keeps). Random schedules (and copies landing at any time) check that no block is handed over before
 its copies landed and that nothing deadlocks, for every kernel shape the configs build; the rule the sixth session shipped
 (hand over first only when the pending block holds the same stage) deadlocks two wgmma producer groups of two
 blocks per tile (the tuned D=128 config; found here before the GPU ran it), so the model can fail. This checks the protocol, not the CUDA code (the
@@ -39,12 +39,13 @@ def test_the_model_uses_the_kernels_stage_count_and_rules():
     assert "constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;" in SOURCE
     assert "if (NG > 1 && s / BPT != pg) continue;  // another group's stage" in SOURCE
     for line in ("if (pend >= 0 && bi >= NSTAGE && pend <= bi - NSTAGE + CONSUMER_HOLD) {",
-                 "if (bi >= NSTAGE) mbar_wait(empty_bars + 8 * s, stage_parity(bi) ^ 1u);",
-                 "if (pend >= 0) hand_over(pend % NSTAGE, true);",
-                 # the waits' parities and the barriers' arrival counts
-                 "return (u32)(bi / NSTAGE) & 1u;", "mbar_wait(full_bars + 8 * (bi % NSTAGE), stage_parity(bi));",
-                 "if (bi + NSTAGE < sc.nb) mbar_arrive(empty_bars + 8 * (bi % NSTAGE));",
-                 "constexpr int HANDOFF_FULL_COUNT = GT, HANDOFF_EMPTY_COUNT = NC * 32;",
+                 "if (bi >= NSTAGE) stages.wait_empty(s, bi);", "if (pend >= 0) hand_over(pend % NSTAGE, true);",
+                 "if (bi + NSTAGE < sc.nb) stages.release(bi);",
+                 # the mbarrier form's parities and arrival counts
+                 "static __device__ __forceinline__ u32 parity(int bi) { return (u32)(bi / NSTAGE) & 1u; }",
+                 "if constexpr (MBAR_HANDOFF) mbar_wait(full + 8 * (bi % NSTAGE), parity(bi));",
+                 "if constexpr (MBAR_HANDOFF) mbar_wait(empty + 8 * s, parity(bi) ^ 1u);",
+                 "mbar_init(full + 8 * st, GT);", "mbar_init(empty + 8 * st, NC * 32);",
                  "pend = bi;", "if (newest_in_flight) cp_async_wait_group<1>();",
                  # the consumers' release points the model's hold follows
                  "if (PV != 0) release(pv_bi);", "turn(K0{}, K1{}, 0);\n                end_of_tiles();"):

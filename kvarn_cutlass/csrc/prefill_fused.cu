@@ -13,8 +13,8 @@
 // as two groups of 2 warps taking alternate tiles, so one group's per-tile work, the record's scale
 // reductions, overlaps the other's dequantization). The work is one
 // sequence of BLOCK_N-token blocks (the tiles' blocks, then the exact tokens' blocks) through a
-// three-stage ring of shared-memory buffers; mbarriers FULL[s] (producers -> consumers) and
-// EMPTY[s] (consumers -> producers) hand each stage over, so dequantization overlaps the MMAs.
+// three-stage ring of shared-memory buffers; barriers FULL[s] (producers -> consumers) and EMPTY[s]
+// (consumers -> producers) hand each stage over (StageHandoff), so dequantization overlaps the MMAs.
 //
 // Phase A, tiles (rotated domain). q_rot = WHT(q) in f32, scaled per row by a power of two s_r so that
 // max|q_rot| lies in [2^7, 2^8), rounded to f16. The producers copy each record into a ring of RSLOTS
@@ -154,7 +154,7 @@ static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (D == 256 && NP
               "producer warpgroup, and 64-token blocks only with two consumer warpgroups");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
-// byte tables, the per-row factors, the stage mbarriers, and the stages. A stage holds a tile block (kd [D][KS] f16,
+// byte tables, the per-row factors, the stage mbarriers (MBAR_HANDOFF), and the stages. A stage holds a tile block (kd [D][KS] f16,
 // vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V [BN][QS], cache dtype);
 // NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
@@ -162,7 +162,9 @@ constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], c
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
-constexpr int SM_MBAR = 2 * NSTAGE * 8;  // the stages' FULL and EMPTY mbarriers (see "synchronization")
+// The stage hand-off (see "synchronization"): mbarriers with two producer groups, named barriers with one.
+constexpr bool MBAR_HANDOFF = NG == 2;
+constexpr int SM_MBAR = MBAR_HANDOFF ? 2 * NSTAGE * 8 : 0;  // the stages' FULL and EMPTY mbarriers
 constexpr int ST_KD = D * KS * 2;
 constexpr int ST_VD = BN * QS * 2;
 constexpr int ST_TILE = ST_KD + ST_VD + 16;  // + the tile factors (fK f32, eV int)
@@ -701,30 +703,22 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 
 
 // --- synchronization ----------------------------------------------------------------------------
-// Named barriers (0 is __syncthreads: only the mbarriers' initialization before the roles split), within one
-// role or between the two consumer warpgroups.
-constexpr int BAR_PROD = 1;              // producers only
-constexpr int BAR_CONS = 2;              // consumers only
-constexpr int BAR_GROUP = 3;             // + group: one producer group
-constexpr int BAR_TURN = BAR_GROUP + NG;  // + warpgroup: its turn to issue MMAs (wgmma, 2 consumer warpgroups)
+// Named barriers (0 is __syncthreads: only the mbarriers' initialization before the roles split).
+constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers wait (named hand-off)
+constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait (named hand-off)
+constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
+constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
+constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
+constexpr int BAR_TURN = BAR_GROUP + NG;   // + warpgroup: its turn to issue MMAs (wgmma, 2 consumer warpgroups)
 static_assert(BAR_TURN + 2 <= 16, "16 named barriers");
+// threads on a stage's named FULL / EMPTY barrier: the consumers and the one producer group that owns the stage
+constexpr int HANDOFF = NC * 32 + GT;
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// The stage hand-off between the roles: per stage two mbarriers, FULL (the GT threads of the producer group
-// that owns the stage arrive once its block is in shared memory; the consumers wait) and EMPTY (the NC * 32
-// consumer threads arrive once they are done reading it; the owning group waits before refilling it).
-// Block bi is the stage's (bi / NSTAGE)-th use, and a wait names that phase's parity: a waiter is never a
-// whole phase behind (a stage cannot be refilled before it was emptied, nor emptied before it was filled).
-// An arrive releases and a completed wait acquires the shared-memory writes before it (CTA scope), which is
-// what orders the producers' stores (and landed cp.async copies) before the consumers' reads and those reads
-// before the next fill; compute-sanitizer's racecheck models it (it did not model bar.arrive / bar.sync
-// pairs, and flagged every hand-off of the named-barrier form this replaced).
-constexpr int HANDOFF_FULL_COUNT = GT, HANDOFF_EMPTY_COUNT = NC * 32;
-__device__ __forceinline__ u32 stage_parity(int bi) { return (u32)(bi / NSTAGE) & 1u; }
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -742,6 +736,56 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         ::"r"(bar), "r"(parity) : "memory");
 #endif
 }
+// The stage hand-off between the roles, per stage a FULL barrier (the producer group that owns the stage
+// arrives once its block is in shared memory; the consumers wait) and an EMPTY one (the consumers arrive once
+// they are done reading it; the owning group waits before refilling it). Two forms, by the H100 measurement
+// of docs/perf-notes.md (eighteenth session):
+// * MBAR_HANDOFF (two producer groups: the tuned D=64 and D=128 configs): two mbarriers a stage in shared
+//   memory, FULL expecting the group's GT threads, EMPTY the NC * 32 consumer threads. Block bi is the stage's
+//   (bi / NSTAGE)-th use and a wait names that phase's parity; a waiter is never a whole phase behind (a stage
+//   cannot be refilled before it was emptied, nor emptied before it was filled). An arrive releases and a
+//   completed wait acquires the shared-memory writes before it (CTA scope). The consumer warps wait each on
+//   their own, where a named barrier held all of them to the slowest: the D=128 prompts 2-3% faster, and
+//   compute-sanitizer's racecheck models mbarriers (0 hazards on tools/ncu_targets.py prefill_small).
+// * otherwise (one producer group, e.g. D=256's one producer warpgroup feeding two consumer ones) the named
+//   barriers BAR_FULL / BAR_EMPTY + stage with HANDOFF threads: with mbarriers the D=256 prompt was 4% slower
+//   (its producers set the pace, and the consumers' try_wait spins share their schedulers). racecheck does not
+//   model bar.arrive / bar.sync pairs and flags this form's hand-offs of data it sees read (the tile factors).
+struct StageHandoff {
+    u32 full, empty;  // MBAR_HANDOFF: shared addresses of the FULL and EMPTY mbarriers of stage 0 (+ 8 a stage)
+    static __device__ __forceinline__ u32 parity(int bi) { return (u32)(bi / NSTAGE) & 1u; }
+    __device__ __forceinline__ void init(int tid) const {  // every thread, before the roles split
+        if constexpr (MBAR_HANDOFF) {
+            if (tid == 0)
+                for (int st = 0; st < NSTAGE; ++st) {
+                    mbar_init(full + 8 * st, GT);
+                    mbar_init(empty + 8 * st, NC * 32);
+                }
+            __syncthreads();
+        }
+    }
+    // producers: stage s holds its block
+    __device__ __forceinline__ void fill_done(int s) const {
+        if constexpr (MBAR_HANDOFF) mbar_arrive(full + 8 * s);
+        else bar_arrive(BAR_FULL + s, HANDOFF);
+    }
+    // producers, before filling block bi (>= NSTAGE) into its stage s: the consumers are done with the stage's
+    // previous block
+    __device__ __forceinline__ void wait_empty(int s, int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_wait(empty + 8 * s, parity(bi) ^ 1u);
+        else bar_sync(BAR_EMPTY + s, HANDOFF);
+    }
+    // consumers: block bi is in its stage
+    __device__ __forceinline__ void wait_full(int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_wait(full + 8 * (bi % NSTAGE), parity(bi));
+        else bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
+    }
+    // consumers: done with block bi's stage
+    __device__ __forceinline__ void release(int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_arrive(empty + 8 * (bi % NSTAGE));
+        else bar_arrive(BAR_EMPTY + bi % NSTAGE, HANDOFF);
+    }
+};
 
 // --- phase A producers: per-tile parameters and dequantization ------------------------------------
 // Tile factors: the maxima of the record's scales, reduced over a producer group (each thread takes a
@@ -1262,16 +1306,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     u8* sLut = smem + OFF_SM_LUT;
     float* sRowf = reinterpret_cast<float*>(smem + OFF_SM_ROWF);
     u8* sStage = smem + OFF_SM_STAGE;
-    const u32 full_bars = smem_addr(smem + OFF_SM_MBAR), empty_bars = full_bars + 8 * NSTAGE;  // + 8 * stage
+    const u32 mbars = smem_addr(smem + OFF_SM_MBAR);
+    const StageHandoff stages{mbars, mbars + 8 * NSTAGE};
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    if (tid == 0) {
-        for (int st = 0; st < NSTAGE; ++st) {
-            mbar_init(full_bars + 8 * st, HANDOFF_FULL_COUNT);
-            mbar_init(empty_bars + 8 * st, HANDOFF_EMPTY_COUNT);
-        }
-    }
-    __syncthreads();  // the mbarriers are initialized before either role touches them
+    stages.init(tid);
     const CtaRows cr = cta_rows(G, n, heavy_first, batch);
     const int h = cr.h, b = cr.b, r0 = cr.r0, M = cr.M;
     if (splits > 1) {  // this split's tiles: the table's columns from its first on
@@ -1325,7 +1364,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (newest_in_flight) cp_async_wait_group<1>();  // all but the block just issued have landed
             else cp_async_wait_all();
             fence_operands_for_wgmma();
-            mbar_arrive(full_bars + 8 * stage);
+            stages.fill_done(stage);
         };
         for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
             if (NG > 1 && s / BPT != pg) continue;  // another group's stage
@@ -1343,14 +1382,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     const TileFactors f = tile_factors(P.red);
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
-                    // the consumers are done with this stage's previous block
-                    if (bi >= NSTAGE) mbar_wait(empty_bars + 8 * s, stage_parity(bi) ^ 1u);
+                    if (bi >= NSTAGE) stages.wait_empty(s, bi);  // the consumers are done with this stage
                     if (gtid == 0)  // the tile factors, read by the consumers at the tile's first block (the int8
                                     // K operand's scores carry no power of two: fK = 1)
                         *reinterpret_cast<float2*>(st + ST_KD + ST_VD) =
                             make_float2(K_INT8 ? 1.f : f.fk, __int_as_float(f.e_v));
                 } else if (bi >= NSTAGE) {
-                    mbar_wait(empty_bars + 8 * s, stage_parity(bi) ^ 1u);
+                    stages.wait_empty(s, bi);
                 }
 #if K_INT8
                 kint8_stage_k(rec, st, t0, gtid);  // also the block's row scales
@@ -1363,7 +1401,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     bar_sync(BAR_GROUP + pg, GT);
                     if (g + RSLOTS < n_tiles) fetch(g + RSLOTS);
                 }
-                mbar_arrive(full_bars + 8 * s);
+                stages.fill_done(s);
             } else {
                 // The consumers free this stage's previous block (bi - NSTAGE) only after reading blocks up to
                 // bi - NSTAGE + CONSUMER_HOLD (wgmma's consumers keep a block until the next one's scores are
@@ -1374,7 +1412,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     hand_over(pend % NSTAGE, false);
                     pend = -1;
                 }
-                if (bi >= NSTAGE) mbar_wait(empty_bars + 8 * s, stage_parity(bi) ^ 1u);
+                if (bi >= NSTAGE) stages.wait_empty(s, bi);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + ST_EK, gtid);
                 if (pend >= 0) hand_over(pend % NSTAGE, true);
                 pend = bi;
@@ -1464,7 +1502,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         load_rowf();
     };
     auto release = [&](int bi) {
-        if (bi + NSTAGE < sc.nb) mbar_arrive(empty_bars + 8 * (bi % NSTAGE));
+        if (bi + NSTAGE < sc.nb) stages.release(bi);
     };
 #if WGMMA
     // A turn issues the block's S = Q . K^T together with the previous block's P . V and waits for the scores;
@@ -1541,7 +1579,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     auto pending = [&]() { return pv_bi < 0 ? 0 : pv_bi < sc.nba ? 1 : 2; };
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
-        mbar_wait(full_bars + 8 * (bi % NSTAGE), stage_parity(bi));
+        stages.wait_full(bi);
         float a_acc[MT][2];
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
@@ -1594,7 +1632,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #endif
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
-        mbar_wait(full_bars + 8 * (bi % NSTAGE), stage_parity(bi));
+        stages.wait_full(bi);
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
 #if K_INT8
