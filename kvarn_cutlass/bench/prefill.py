@@ -26,9 +26,10 @@ the prompts time attention and cache, not the harness's indexing (inside the loo
 * ``dequant_sdpa_e2e_ms``: per chunk, ``kc.dequantize_layer`` (one kernel for all tiles of the layer)
   into fp16 buffers, the chunk copied behind them, flash SDPA, and the chunk's append.
 
-Also per point: ``spread_ms``, each method's fastest and slowest round; ``kvarn_over_sdpa`` = kvarn_e2e_ms / sdpa_flash_e2e_ms, the TFLOPS-equivalent
-(4 * Hq * D * P^2 / 2 / time) against a fp16 matmul measured in the same run, and a kernel profile (GPU
-time per kernel over one prompt, against the prompt's wall time under the profiler). Peak extra memory of a 32k prompt.
+Also per point: ``spread_ms``, each method's fastest and slowest round; ``kvarn_over_sdpa`` = kvarn_e2e_ms /
+sdpa_flash_e2e_ms, the TFLOPS-equivalent (4 * Hq * D * P^2 / 2 / time) against a fp16 matmul measured in the same
+run, and a kernel profile (GPU time per kernel over one prompt, against the prompt's wall time under the profiler).
+Peak extra memory of a 32k prompt.
 Run: ``kvarn-cutlass bench --section prefill``.
 """
 

@@ -154,9 +154,9 @@ static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (D == 256 && NP
               "producer warpgroup, and 64-token blocks only with two consumer warpgroups");
 
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
-// byte tables, the per-row factors, the stage mbarriers (MBAR_HANDOFF), and the stages. A stage holds a tile block (kd [D][KS] f16,
-// vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V [BN][QS], cache dtype);
-// NSTAGE of them, so one role's jitter does not stall the other at once.
+// byte tables, the per-row factors, the stage mbarriers (MBAR_HANDOFF), and the stages. A stage holds a
+// tile block (kd [D][KS] f16, vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V
+// [BN][QS], cache dtype); NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
 constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
@@ -703,7 +703,8 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 
 
 // --- synchronization ----------------------------------------------------------------------------
-// Named barriers (0 is __syncthreads: only the mbarriers' initialization before the roles split).
+// Named barriers (0 is __syncthreads: with MBAR_HANDOFF, after the mbarriers' initialization, before the roles
+// split; unused after).
 constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers wait (named hand-off)
 constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait (named hand-off)
 constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
@@ -745,7 +746,7 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 //   (bi / NSTAGE)-th use and a wait names that phase's parity; a waiter is never a whole phase behind (a stage
 //   cannot be refilled before it was emptied, nor emptied before it was filled). An arrive releases and a
 //   completed wait acquires the shared-memory writes before it (CTA scope). The consumer warps wait each on
-//   their own, where a named barrier held all of them to the slowest: the D=128 prompts 2-3% faster, and
+//   their own, where a named barrier held all of them to the slowest: the D=128 prompts 1-3% faster, and
 //   compute-sanitizer's racecheck models mbarriers (0 hazards on tools/ncu_targets.py prefill_small).
 // * otherwise (one producer group, e.g. D=256's one producer warpgroup feeding two consumer ones) the named
 //   barriers BAR_FULL / BAR_EMPTY + stage with HANDOFF threads: with mbarriers the D=256 prompt was 4% slower
