@@ -89,3 +89,61 @@ def test_sass_of_the_d256_wgmma_config(capsys):
     mma = s["sass"]["mma"]
     assert any(op.startswith("HGMMA.64x32x16.F32") for op in mma) and any(op.startswith("HGMMA.64x256x16.F32") for op in mma)
     assert s["sass"]["ldl"] == s["sass"]["stl"] == 0 and 0 < s["dynamic_smem_bytes"] <= 227 * 1024
+
+
+def _variants_tool():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module("prefill_variants")
+
+
+def test_every_prefill_variant_substitution_applies_to_the_kernel_source():
+    """tools/prefill_variants.py's variants are text substitutions of csrc/prefill_fused.cu: each one's text must
+    still be in the source (use_source refuses a variant whose text is gone, on the GPU, after the build)."""
+    tool = _variants_tool()
+    from prefill_phases import SHIPPED_SOURCE
+
+    src = SHIPPED_SOURCE.read_text()
+    assert tool.VARIANTS["shipped"] == []
+    for name, subs in tool.VARIANTS.items():
+        for old, new in subs:
+            assert old in src and old != new, (name, old)
+
+
+@pytest.mark.parametrize("bucket, groups", [("D128_T128_V2", 2), ("D256_T128_V2", 1)])
+def test_hand_off_variants_compile_to_the_form_they_name(bucket, groups, tmp_path):
+    """The stage hand-off's A/B forms build for sm_90a: with mbarriers the kernel waits by try_wait (SASS SYNCS
+    ... TRYWAIT), with named barriers it has none; the shipped rule takes mbarriers with two producer groups only."""
+    pytest.importorskip("cuda.bindings")
+    import re
+    from dataclasses import replace
+
+    import torch
+
+    from kvarn_cutlass.cli.sass import disassemble
+    from kvarn_cutlass.ops.prefill import fused_spec, select_config
+    from kvarn_cutlass.runtime.spec import build
+    from prefill_phases import SHIPPED_SOURCE
+
+    from _helpers import require_disassembler
+
+    require_disassembler()
+    tool = _variants_tool()
+    spec = parse_bucket(bucket)
+    base = fused_spec(spec, torch.float16, torch.float16, select_config(spec, "sm90"))
+    src = SHIPPED_SOURCE.read_text()
+    for name, mbar in (("shipped", groups == 2), ("mbar_every_config_hint", True), ("named_every_config", False)):
+        text = src
+        for old, new in tool.VARIANTS[name]:
+            text = text.replace(old, new)
+        path = tmp_path / f"prefill_fused_{name}.cu"
+        path.write_text(text)
+        m = build(replace(base, source_file=str(path), name=f"{base.name}_{name}",
+                          include_dirs=(str(SHIPPED_SOURCE.parent), *base.include_dirs)), "sm_90")
+        sass = disassemble(m.cubin)
+        assert bool(re.search(r"SYNCS\.PHASECHK", sass)) == mbar, (bucket, name)

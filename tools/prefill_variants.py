@@ -4,7 +4,10 @@ context, one 512-token chunk, 32 q / 8 KV heads, k4v2_g128, D=128 unless a D<hea
 otherwise). The variants' outputs are wrong by design; the shipped one is checked against the torch path.
 Run on a GPU: python3 tools/prefill_variants.py [D256] [only=VARIANT,...] [CONFIG ...]   (config names, default:
 the tuned one)
-(through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")"""
+(through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")
+Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
+``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
+groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``."""
 import statistics, sys
 from pathlib import Path
 
@@ -39,6 +42,12 @@ NO_MATH = [(ATTEND, "if (kf < -1.f) " + ATTEND),  # mma.sync
            (WG_TILE, "            turn(K0{}, K0{}, 0);\n            release(bi);\n"),  # wgmma
            (WG_FLUSH, "                turn(K0{}, K0{}, 0);\n")]
 NO_DEQUANT = [(DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)]
+# the stage hand-off's form (csrc/prefill_fused.cu, "synchronization"), and its sm_90 wait with the suspend-time
+# hint CUTLASS's ClusterBarrier::wait passes (0x989680)
+MBAR_RULE = "constexpr bool MBAR_HANDOFF = NG == 2;"
+MBAR_RULE_ALL = (MBAR_RULE, "constexpr bool MBAR_HANDOFF = true;")
+MBAR_HINT = ("mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;",
+             "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 0x989680;")
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": NO_MATH,
@@ -49,42 +58,54 @@ VARIANTS = {
     "pv_serial": [("cute::warpgroup_wait<1>();", "cute::warpgroup_wait<0>();")],
     # dequant_k's loads in batches of 4 items at every head_dim (D=256 ships 8); outputs exact
     "k_batch_4": [("NB = NI < 4 ? NI : (D == 256 && !SCALE_F32 ? 8 : 4);", "NB = NI < 4 ? NI : 4;")],
+    "mbar_every_config": [MBAR_RULE_ALL],
+    "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
+    "mbar_hint": [MBAR_HINT],
+    "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
 }
-args = sys.argv[1:]
-D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
-# only=NAME[,NAME...]: time only those variants (shipped is always timed first)
-only = next((a[5:].split(",") for a in args if a.startswith("only=")), None)
-args = [a for a in args if not a.startswith("only=")]
-if only is not None:
-    unknown = set(only) - set(VARIANTS)
-    if unknown:
-        sys.exit(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "shipped" or k in only}
-CONFIGS = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
-g = torch.Generator(device="cuda").manual_seed(0)
-ctx, n = 16384, 512
-cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
-k = torch.randn(1, 8, ctx, D, device="cuda", dtype=torch.float16, generator=g)
-cache.append(0, k, torch.randn_like(k))
-q = torch.randn(1, 32, n, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
-kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
-vn = torch.randn_like(kn)
-want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
-for cfg, (name, subs) in ((c, v) for c in CONFIGS for v in VARIANTS.items()):
-    use_source(name, subs)
-    out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
-    err = ((out.float() - want).norm() / want.norm()).item()
-    # GPU time: rounds of 10 calls back to back, so the host enqueues ahead (a call timed alone would
-    # add its host time: tools/prefill_host.py)
-    ts = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            kc.prefill_attention(q, kn, vn, cache, 0, append=False, out=out, config=cfg)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 10)
-    print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  "
-          f"error vs torch path {err:.2e}")
-use_source("shipped", [])
+
+
+def main() -> None:
+    variants = VARIANTS
+    args = sys.argv[1:]
+    D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
+    # only=NAME[,NAME...]: time only those variants (shipped is always timed first)
+    only = next((a[5:].split(",") for a in args if a.startswith("only=")), None)
+    args = [a for a in args if not a.startswith("only=")]
+    if only is not None:
+        unknown = set(only) - set(variants)
+        if unknown:
+            sys.exit(f"unknown variants {sorted(unknown)}; choose from {list(variants)}")
+        variants = {k: v for k, v in variants.items() if k == "shipped" or k in only}
+    configs = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ctx, n = 16384, 512
+    cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
+    k = torch.randn(1, 8, ctx, D, device="cuda", dtype=torch.float16, generator=g)
+    cache.append(0, k, torch.randn_like(k))
+    q = torch.randn(1, 32, n, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
+    kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
+    vn = torch.randn_like(kn)
+    want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
+    for cfg, (name, subs) in ((c, v) for c in configs for v in variants.items()):
+        use_source(name, subs)
+        out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        # GPU time: rounds of 10 calls back to back, so the host enqueues ahead (a call timed alone would
+        # add its host time: tools/prefill_host.py)
+        ts = []
+        for _ in range(6):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(10):
+                kc.prefill_attention(q, kn, vn, cache, 0, append=False, out=out, config=cfg)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 10)
+        print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  "
+              f"error vs torch path {err:.2e}")
+    use_source("shipped", [])
+
+
+if __name__ == "__main__":
+    main()
