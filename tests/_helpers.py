@@ -16,10 +16,15 @@ SHARED = Path(os.environ.get("KVARN_SHARED_DIR") or Path(__file__).resolve().par
 
 
 def load_tool(name: str):
-    """The module of ``tools/<name>.py`` (the tools are scripts, not a package), loaded afresh."""
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package), loaded afresh; ``tools/`` goes on
+    ``sys.path`` as it is for a script, so that a tool may import its siblings."""
     import importlib.util
+    import sys
 
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    path = tools / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -10,6 +10,8 @@ from kvarn_cutlass.cli import main
 from kvarn_cutlass.ops.prefill import CANDIDATES, FusedConfig
 from kvarn_cutlass.ops.prefill_tune import DEFAULT_BUCKETS, parse_bucket
 
+from _helpers import load_tool, require_disassembler
+
 
 def test_config_names_round_trip_and_bad_names_are_refused():
     assert len({c.name for c in CANDIDATES}) == len(CANDIDATES)
@@ -91,24 +93,11 @@ def test_sass_of_the_d256_wgmma_config(capsys):
     assert s["sass"]["ldl"] == s["sass"]["stl"] == 0 and 0 < s["dynamic_smem_bytes"] <= 227 * 1024
 
 
-def _variants_tool():
-    import importlib
-    import sys
-    from pathlib import Path
-
-    tools = str(Path(__file__).resolve().parents[1] / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module("prefill_variants")
-
-
 def test_every_prefill_variant_substitution_applies_to_the_kernel_source():
     """tools/prefill_variants.py's variants are text substitutions of csrc/prefill_fused.cu: each one's text must
     still be in the source (use_source refuses a variant whose text is gone, on the GPU, after the build)."""
-    tool = _variants_tool()
-    from prefill_phases import SHIPPED_SOURCE
-
-    src = SHIPPED_SOURCE.read_text()
+    tool = load_tool("prefill_variants")
+    src = load_tool("prefill_phases").SHIPPED_SOURCE.read_text()
     assert tool.VARIANTS["shipped"] == []
     for name, subs in tool.VARIANTS.items():
         for old, new in subs:
@@ -128,12 +117,10 @@ def test_hand_off_variants_compile_to_the_form_they_name(bucket, groups, tmp_pat
     from kvarn_cutlass.cli.sass import disassemble
     from kvarn_cutlass.ops.prefill import fused_spec, select_config
     from kvarn_cutlass.runtime.spec import build
-    from prefill_phases import SHIPPED_SOURCE
-
-    from _helpers import require_disassembler
 
     require_disassembler()
-    tool = _variants_tool()
+    tool = load_tool("prefill_variants")
+    SHIPPED_SOURCE = load_tool("prefill_phases").SHIPPED_SOURCE
     spec = parse_bucket(bucket)
     base = fused_spec(spec, torch.float16, torch.float16, select_config(spec, "sm90"))
     src = SHIPPED_SOURCE.read_text()
@@ -164,8 +151,8 @@ def test_gpu_hand_off_forms_give_the_same_bits(D):
 
     if device_arch() < 90:
         pytest.skip("the tuned wgmma configs need sm_90")
-    tool = _variants_tool()
-    from prefill_phases import use_source
+    tool = load_tool("prefill_variants")
+    use_source = tool.use_source
 
     g = torch.Generator(device="cuda").manual_seed(D)
     cache = kc.KVarNCache(1, 1, 2, D, window=256, device="cuda")
