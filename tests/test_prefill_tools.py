@@ -105,35 +105,30 @@ def test_every_prefill_variant_substitution_applies_to_the_kernel_source():
 
 
 @pytest.mark.parametrize("bucket, groups", [("D128_T128_V2", 2), ("D256_T128_V2", 1)])
-def test_hand_off_variants_compile_to_the_form_they_name(bucket, groups, tmp_path):
+def test_hand_off_variants_compile_to_the_form_they_name(bucket, groups):
     """The stage hand-off's A/B forms build for sm_90a: with mbarriers the kernel waits by try_wait (SASS SYNCS
     ... TRYWAIT), with named barriers it has none; the shipped rule takes mbarriers with two producer groups only."""
     pytest.importorskip("cuda.bindings")
     import re
-    from dataclasses import replace
 
     import torch
 
+    import kvarn_cutlass.ops.prefill as OP
     from kvarn_cutlass.cli.sass import disassemble
-    from kvarn_cutlass.ops.prefill import fused_spec, select_config
+    from kvarn_cutlass.ops.prefill import select_config
     from kvarn_cutlass.runtime.spec import build
 
     require_disassembler()
     tool = load_tool("prefill_variants")
-    SHIPPED_SOURCE = load_tool("prefill_phases").SHIPPED_SOURCE
     spec = parse_bucket(bucket)
-    base = fused_spec(spec, torch.float16, torch.float16, select_config(spec, "sm90"))
-    src = SHIPPED_SOURCE.read_text()
-    for name, mbar in (("shipped", groups == 2), ("mbar_every_config_hint", True), ("named_every_config", False)):
-        text = src
-        for old, new in tool.VARIANTS[name]:
-            text = text.replace(old, new)
-        path = tmp_path / f"prefill_fused_{name}.cu"
-        path.write_text(text)
-        m = build(replace(base, source_file=str(path), name=f"{base.name}_{name}",
-                          include_dirs=(str(SHIPPED_SOURCE.parent), *base.include_dirs)), "sm_90")
-        sass = disassemble(m.cubin)
-        assert bool(re.search(r"SYNCS\.PHASECHK", sass)) == mbar, (bucket, name)
+    cfg = select_config(spec, "sm90")
+    try:
+        for name, mbar in (("shipped", groups == 2), ("mbar_every_config_hint", True), ("named_every_config", False)):
+            tool.use_source(name, tool.VARIANTS[name])  # the tool's own build of the variant: OP.fused_spec
+            m = build(OP.fused_spec(spec, torch.float16, torch.float16, cfg), "sm_90")
+            assert bool(re.search(r"SYNCS\.PHASECHK", disassemble(m.cubin))) == mbar, (bucket, name)
+    finally:
+        tool.use_source("shipped", [])
 
 
 @pytest.mark.gpu
@@ -152,8 +147,6 @@ def test_gpu_hand_off_forms_give_the_same_bits(D):
     if device_arch() < 90:
         pytest.skip("the tuned wgmma configs need sm_90")
     tool = load_tool("prefill_variants")
-    use_source = tool.use_source
-
     g = torch.Generator(device="cuda").manual_seed(D)
     cache = kc.KVarNCache(1, 1, 2, D, window=256, device="cuda")
     k = torch.randn(1, 2, 1500, D, device="cuda", dtype=torch.float16, generator=g)
@@ -164,9 +157,9 @@ def test_gpu_hand_off_forms_give_the_same_bits(D):
     outs = {}
     try:
         for name in ("mbar_every_config", "named_every_config"):
-            use_source(name, tool.VARIANTS[name])
+            tool.use_source(name, tool.VARIANTS[name])
             outs[name] = kc.prefill_attention(q, kn, vn, cache, 0, append=False).clone()
     finally:
-        use_source("shipped", [])
+        tool.use_source("shipped", [])
     a, b = outs.values()
     assert torch.isfinite(a).all() and torch.equal(a, b)
