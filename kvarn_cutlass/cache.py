@@ -345,8 +345,8 @@ class KVarNCache:
         no tile holding one can be stored). Compression errors (float16 scale overflow) raise too. On
         any error nothing is changed.
 
-        On CUDA: one kernel launch (two when a tile completes) and, outside a
-        :meth:`deferred_checks` block, one read of the device-side error flag (the only host sync).
+        On CUDA: one kernel launch (two when a tile completes outside a :meth:`deferred_checks` block)
+        and, outside a block, one read of the device-side error flag (the only host sync).
         """
         self._append(layer, k, v, False)
 
