@@ -7,7 +7,8 @@ the tuned one)
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
-groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``."""
+groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
+``lazy_rescale`` (the running max moves only when a score passes it by more than 8, as in FlashAttention 4)."""
 import statistics, sys
 from pathlib import Path
 
@@ -62,6 +63,8 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
+    # FlashAttention 4's lazy rescaling: the running max moves only when passed by more than 8 (a factor 256)
+    "lazy_rescale": [("constexpr float RESCALE_SLACK = 0.f;", "constexpr float RESCALE_SLACK = 8.f;")],
 }
 
 

@@ -113,6 +113,10 @@ constexpr int BPT = T / BN;           // blocks per tile
 // 64-token blocks there have two 64 KB stages (218-232 KB in all; over the limit beside 128-token records of
 // 4-bit V or with float32 scales and Lloyd-Max, which the launcher refuses by the exported layout size)
 constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;
+// Lazy rescaling (FlashAttention 4): a row's running max m (log2 units) moves only when a block's max passes
+// it by more than this, so most blocks leave the accumulator unscaled (rescale_acc skips a warp whose rows all
+// kept theirs). p = 2^(score - m) <= 2^RESCALE_SLACK then: an f16/bf16 P operand and the f32 sums hold it.
+constexpr float RESCALE_SLACK = 0.f;
 // blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
 // block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it
 constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;
@@ -516,7 +520,10 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][SN][4], float fk, 
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float rf = TILE ? st.rowf[mi][hr] * fk : st.rowf[mi][hr];  // exact: powers of two
-            const float m_new = fmaxf(st.m[mi][hr], mx * rf);
+            const float m_seen = fmaxf(st.m[mi][hr], mx * rf);
+            // the running max moves only when a score passes it by more than RESCALE_SLACK (then p <= 2^slack)
+            const float m_new =
+                RESCALE_SLACK == 0.f || m_seen > st.m[mi][hr] + RESCALE_SLACK ? m_seen : st.m[mi][hr];
             const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen only masked keys
             const float alpha = fast_exp2(st.m[mi][hr] - m_use);     // 0 for the first block (m = -inf)
             st.m[mi][hr] = m_new;
