@@ -43,8 +43,8 @@ def test_the_model_uses_the_kernels_stage_count_and_rules():
                  "if (bi + NSTAGE < sc.nb) stages.release(bi);",
                  # the mbarrier form's parities and arrival counts
                  "static __device__ __forceinline__ u32 parity(int bi) { return (u32)(bi / NSTAGE) & 1u; }",
-                 "if constexpr (MBAR_HANDOFF) mbar_wait(full + 8 * (bi % NSTAGE), parity(bi));",
-                 "if constexpr (MBAR_HANDOFF) mbar_wait(empty + 8 * s, parity(bi) ^ 1u);",
+                 "if constexpr (MBAR_HANDOFF) mbar_wait((PART ? full_v : full) + 8 * (bi % NSTAGE), parity(bi));",
+                 "if constexpr (MBAR_HANDOFF) mbar_wait((PART ? empty_v : empty) + 8 * s, parity(bi) ^ 1u);",
                  "mbar_init(full + 8 * st, GT);", "mbar_init(empty + 8 * st, NC * 32);",
                  "pend = bi;", "if (newest_in_flight) cp_async_wait_group<1>();",
                  # the consumers' release points the model's hold follows
@@ -162,6 +162,194 @@ SHAPES = [(ng, bpt, nstage(ng, bpt, wg, d, bn), int(wg)) for ng, bpt, wg, d, bn 
 def test_hand_over_never_early_and_never_stuck(ng, bpt, ns, hold, n_tiles, nexact):
     for seed in range(20):
         _run(ng, bpt, ns, n_tiles * bpt, nexact, seed, hold)
+
+
+SPLIT_RULES = (
+    "constexpr bool SPLIT_HANDOFF = WGMMA && NG == 1 && NSTAGE == 2;",
+    # producers: a tile block's K part and factors, then (once the consumers freed the stage's V) its V part
+    """                    stages.fill_done_k(s);
+                    if (bi >= NSTAGE) stages.wait_empty_v(s, bi);
+                }
+                dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);""",
+    # an exact block: both parts freed before its copies, both handed over together
+    """                    stages.wait_empty(s, bi);
+                    stages.wait_empty_v(s, bi);""",
+    "            stages.fill_done_k(stage);\n            stages.fill_done(stage);",
+    # consumers: K at the iteration's start, the previous block's V after it (not for the tiles' last block,
+    # waited for before its flush), K released once the scores are in, an unread V once waited for
+    """        stages.wait_full(bi);
+        wait_v_of_previous(bi);""",
+    "if (SPLIT_HANDOFF && bi > 0 && bi != sc.nba) {",
+    "            stages.wait_full_v(bi - 1);\n            if (v_unread) release(bi - 1);",
+    "                stages.wait_full_v(bi);\n                turn(K0{}, K1{}, 0);",
+    "if constexpr (SC != 0) release_k(kbi);  // the scores are in",
+    "                release_k(bi);\n                if (SPLIT_HANDOFF) v_unread = true;\n                else release(bi);",
+    "    wait_v_of_previous(sc.nb);",
+)
+
+
+def test_the_split_model_follows_the_kernel():
+    for line in SPLIT_RULES:
+        assert line in SOURCE, line
+
+
+def _run_split(nba: int, nexact: int, seed: int, ns: int = 2, hand_over_first: bool = True) -> None:
+    """One random schedule of the split hand-off (SPLIT_HANDOFF: one producer group, wgmma, a K part and a V part
+    per stage with a FULL and an EMPTY named barrier each). The consumers' rows may skip any exact block (a
+    warpgroup whose rows see none of its keys). Checks: nothing is read before its FULL nor overwritten before its
+    EMPTY, a part is released only after its FULL wait, each barrier's phases alternate (a producer arrives FULL for
+    block b + ns only after the consumers waited for b's, so no phase of a named barrier can take another block's
+    arrivals), a parity wait (the mbarrier form) always finds exactly its phase completed, and no deadlock."""
+    rnd = random.Random(seed)
+    nb = nba + nexact
+    scored = [bi < nba or rnd.random() < 0.7 for bi in range(nb)]
+    filled = {"k": set(), "v": set()}  # parts handed over (FULL arrived)
+    waited = {"k": set(), "v": set()}  # parts the consumers waited FULL for
+    released = {"k": set(), "v": set()}  # parts the consumers released (EMPTY arrived)
+    reading = {"k": set(), "v": set()}  # parts read and not yet released
+    landed: set[int] = set()
+    in_flight: list[int] = []
+    # completed phases per (barrier, part, stage), as in _run: block b completes phase b // ns
+    phases = {(kind, part): [0] * ns for kind in ("full", "empty") for part in ("k", "v")}
+
+    def complete(kind, part, b):
+        done = phases[kind, part]
+        assert done[b % ns] == b // ns, f"{kind} {part} of {b}: phase out of order"
+        done[b % ns] += 1
+
+    def passes(kind, part, b) -> bool:
+        done = phases[kind, part][b % ns]
+        assert done <= b // ns + 1, f"{kind} {part} of {b}: the barrier ran a phase past the one waited for"
+        return done == b // ns + 1
+
+    def arrive_full(part, b):
+        assert b < ns or b - ns in waited[part], f"{part} FULL of {b} before the consumers' wait for {b - ns}"
+        filled[part].add(b)
+        complete("full", part, b)
+
+    def wait_empty(part, b):
+        while b >= ns and not passes("empty", part, b - ns):
+            yield "empty"
+        assert b < ns or b - ns not in reading[part], f"{part} of {b - ns} overwritten while read"
+
+    def producer():
+        pend = -1
+
+        def hand_over(block, newest_in_flight):
+            keep = in_flight[-1:] if newest_in_flight else []
+            while any(b not in landed for b in in_flight if b not in keep):
+                yield "copies"
+            in_flight[:] = [b for b in in_flight if b in keep]
+            assert block in landed
+            arrive_full("k", block)
+            arrive_full("v", block)
+
+        for bi in range(nb):
+            if bi < nba:
+                yield from wait_empty("k", bi)
+                arrive_full("k", bi)
+                yield from wait_empty("v", bi)
+                arrive_full("v", bi)
+                continue
+            if hand_over_first and pend >= 0 and bi >= ns and pend <= bi - ns + 1:
+                yield from hand_over(pend, False)
+                pend = -1
+            yield from wait_empty("k", bi)
+            yield from wait_empty("v", bi)
+            in_flight.append(bi)
+            if pend >= 0:
+                yield from hand_over(pend, True)
+            pend = bi
+        if pend >= 0:
+            yield from hand_over(pend, False)
+
+    def consumers():
+        held, unread = -1, False
+
+        def wait_full(part, b):
+            while not passes("full", part, b):
+                yield "full"
+            assert b in filled[part]
+            waited[part].add(b)
+
+        def release(part, b):
+            assert b in waited[part], f"{part} of {b} released before its FULL wait"
+            reading[part].discard(b)
+            released[part].add(b)
+            complete("empty", part, b)
+
+        def wait_v_of_previous(bi):
+            nonlocal unread
+            if bi > 0 and bi != nba:
+                yield from wait_full("v", bi - 1)
+                if unread:
+                    release("v", bi - 1)
+                unread = False
+
+        for bi in range(nb):
+            yield from wait_full("k", bi)
+            yield from wait_v_of_previous(bi)
+            if scored[bi]:
+                reading["k"].add(bi)
+                if held >= 0:
+                    assert held in waited["v"]
+                    reading["v"].add(held)  # its P . V, issued with these scores
+                yield "turn"
+                release("k", bi)
+                if held >= 0:
+                    release("v", held)  # finish_pv
+                held = bi
+            else:
+                if held >= 0:
+                    assert held in waited["v"]
+                    reading["v"].add(held)
+                    yield "turn"
+                    release("v", held)
+                    held = -1
+                release("k", bi)
+                unread = True
+            if bi == nba - 1:
+                yield from wait_full("v", bi)
+                reading["v"].add(bi)
+                yield "flush"
+                release("v", bi)
+                held = -1
+        yield from wait_v_of_previous(nb)
+        if held >= 0:
+            assert held in waited["v"]
+            release("v", held)
+
+    actors = [producer(), consumers()]
+    live = [0, 1]
+    for _ in range(200_000):
+        if not live:
+            assert all(len(waited[p]) == nb for p in waited), "a part handed over and never waited for"
+            return
+        pending = [b for b in in_flight if b not in landed]
+        moves = [("actor", a) for a in live] + [("land", b) for b in pending]
+        kind, x = rnd.choice(moves)
+        if kind == "land":
+            landed.add(x)
+            continue
+        try:
+            next(actors[x])
+        except StopIteration:
+            live.remove(x)
+    raise AssertionError(f"no progress: nba={nba} nexact={nexact} filled={filled} released={released}")
+
+
+@pytest.mark.parametrize("n_tiles,nexact", [(0, 1), (0, 5), (1, 3), (2, 7), (3, 2), (5, 9), (4, 0)])
+def test_the_split_hand_over_never_early_and_never_stuck(n_tiles, nexact):
+    for seed in range(40):
+        _run_split(n_tiles * 2, nexact, seed)  # D=256's 64-token blocks: two a tile
+
+
+def test_the_split_model_can_deadlock():
+    # without the hand-over-first rule the producer waits for block bi - 2's V, which the consumers free only
+    # after block bi - 1's K, the block it holds back
+    with pytest.raises(AssertionError, match="no progress"):
+        for seed in range(40):
+            _run_split(0, 6, seed, hand_over_first=False)
 
 
 def test_the_same_stage_rule_deadlocks_two_wgmma_groups():
