@@ -14,7 +14,7 @@ steady-state launch):
   step's fixed cost against its tile loop);
 * ``prefill``: one 512-token chunk at the end of a 16k prompt (kvarn_prefill_fused_*); ``prefill_c2048``:
   a 2048-token chunk there; ``prefill_d256``: the 512-token chunk at head_dim 256.
-* ``prefill_small`` / ``prefill_small_d256`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).
+* ``prefill_small`` / ``append_small``: small shapes for compute-sanitizer (``GPU_SANITIZE``).
 
 ``tools/gpu_check.sh`` runs them when GPU_NCU=1 and writes the reports to $OUT/ncu.txt.
 """
@@ -86,18 +86,6 @@ def prefill_small() -> None:
     torch.cuda.synchronize()
 
 
-def prefill_small_d256() -> None:
-    """prefill_small's shapes at head_dim 256 (float16): the one-producer-group wgmma kernel, whose stage hand-off
-    goes over in a K part and a V part, with exact blocks that one consumer warpgroup's rows skip."""
-    cache = kc.KVarNCache(1, 1, 2, 256, window=128, sink_tokens=128, dtype=torch.float16, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(2)
-    for n in (300, 77, 1, 260):
-        k = torch.randn(1, 2, n, 256, device="cuda", dtype=torch.float16, generator=g)
-        q = torch.randn(1, 8, n, 256, device="cuda", dtype=torch.float16, generator=g) * 0.3
-        kc.prefill_attention(q, k, torch.randn_like(k), cache, 0)
-    torch.cuda.synchronize()
-
-
 def append_small() -> None:
     """Small shapes for compute-sanitizer (racecheck: the in-place window rewrite in rounds): both cache
     dtypes, a sink, single tokens into a full 2-tile window (two rounds), a chunk completing several tiles,
@@ -160,7 +148,7 @@ def decode_small() -> None:
 TARGETS = {"compress": compress, "decode": decode, "decode_b1_16k": lambda: decode(1, 16384),
            "decode_b1_128k": lambda: decode(1, 131072), "prefill": prefill,
            "prefill_c2048": lambda: prefill(C=2048), "prefill_d256": lambda: prefill(D=256),
-           "prefill_small": prefill_small, "prefill_small_d256": prefill_small_d256,
+           "prefill_small": prefill_small,
            "append_small": append_small, "decode_small": decode_small}
 
 if __name__ == "__main__":

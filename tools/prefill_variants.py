@@ -7,9 +7,8 @@ the tuned one)
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
-groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint), ``mbar_every_config_hint``,
-``unsplit_handoff`` (one hand-off per stage where the shipped D=256 kernel hands a stage's K and V parts over
-apart); and ``lazy_rescale`` (the running max moves only when a score passes it by more than 8, as in FlashAttention 4)."""
+groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
+``lazy_rescale`` (the running max moves only when a score passes it by more than 8, as in FlashAttention 4)."""
 import statistics, sys
 from pathlib import Path
 
@@ -48,8 +47,6 @@ NO_DEQUANT = [(DQK, "if (t0 < 0) " + DQK), (DQV, "if (t0 < 0) " + DQV)]
 # hint CUTLASS's ClusterBarrier::wait passes (0x989680)
 MBAR_RULE = "constexpr bool MBAR_HANDOFF = NG == 2;"
 MBAR_RULE_ALL = (MBAR_RULE, "constexpr bool MBAR_HANDOFF = true;")
-SPLIT_OFF = ("constexpr bool SPLIT_HANDOFF = WGMMA && NG == 1 && NSTAGE == 2;",
-             "constexpr bool SPLIT_HANDOFF = false;")
 MBAR_HINT = ("mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;",
              "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 0x989680;")
 VARIANTS = {
@@ -66,8 +63,6 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
-    # one hand-off per stage where the shipped kernel splits it into a K part and a V part (D=256's two stages)
-    "unsplit_handoff": [SPLIT_OFF],
     # FlashAttention 4's lazy rescaling: the running max moves only when passed by more than 8 (a factor 256)
     "lazy_rescale": [("constexpr float RESCALE_SLACK = 0.f;", "constexpr float RESCALE_SLACK = 8.f;")],
 }

@@ -166,12 +166,9 @@ constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], c
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
-// The stage hand-off (see "synchronization"): mbarriers with two producer groups, named barriers with one; with
-// one group, wgmma and two stages a stage's K part and V part go over on barriers of their own.
+// The stage hand-off (see "synchronization"): mbarriers with two producer groups, named barriers with one.
 constexpr bool MBAR_HANDOFF = NG == 2;
-constexpr bool SPLIT_HANDOFF = WGMMA && NG == 1 && NSTAGE == 2;
-constexpr int HANDOFF_PARTS = SPLIT_HANDOFF ? 2 : 1;
-constexpr int SM_MBAR = MBAR_HANDOFF ? 2 * HANDOFF_PARTS * NSTAGE * 8 : 0;  // the stages' FULL and EMPTY mbarriers
+constexpr int SM_MBAR = MBAR_HANDOFF ? 2 * NSTAGE * 8 : 0;  // the stages' FULL and EMPTY mbarriers
 constexpr int ST_KD = D * KS * 2;
 constexpr int ST_VD = BN * QS * 2;
 constexpr int ST_TILE = ST_KD + ST_VD + 16;  // + the tile factors (fK f32, eV int)
@@ -717,12 +714,9 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 // split; unused after).
 constexpr int BAR_FULL = 1;             // + stage: producers arrive, consumers wait (named hand-off)
 constexpr int BAR_EMPTY = 1 + NSTAGE;   // + stage: consumers arrive, producers wait (named hand-off)
-constexpr int BAR_FULL_V = 1 + 2 * NSTAGE;           // + stage: the V part's FULL (SPLIT_HANDOFF)
-constexpr int BAR_EMPTY_V = 1 + 3 * NSTAGE;          // + stage: the V part's EMPTY (SPLIT_HANDOFF)
-constexpr int BAR_HANDOFFS = 2 * HANDOFF_PARTS * NSTAGE;  // (ids kept with mbarriers too)
-constexpr int BAR_PROD = 1 + BAR_HANDOFFS;   // producers only
-constexpr int BAR_CONS = 2 + BAR_HANDOFFS;   // consumers only
-constexpr int BAR_GROUP = 3 + BAR_HANDOFFS;  // + group: one producer group
+constexpr int BAR_PROD = 1 + 2 * NSTAGE;  // producers only
+constexpr int BAR_CONS = 2 + 2 * NSTAGE;  // consumers only
+constexpr int BAR_GROUP = 3 + 2 * NSTAGE;  // + group: one producer group
 constexpr int BAR_TURN = BAR_GROUP + NG;   // + warpgroup: its turn to issue MMAs (wgmma, 2 consumer warpgroups)
 static_assert(BAR_TURN + 2 <= 16, "16 named barriers");
 // threads on a stage's named FULL / EMPTY barrier: the consumers and the one producer group that owns the stage
@@ -765,21 +759,8 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 //   barriers BAR_FULL / BAR_EMPTY + stage with HANDOFF threads: with mbarriers the D=256 prompt was 4% slower
 //   (its producers set the pace, and the consumers' try_wait spins share their schedulers). racecheck does not
 //   model bar.arrive / bar.sync pairs and flags this form's hand-offs of data it sees read (the tile factors).
-// * SPLIT_HANDOFF (one producer group, wgmma, two stages: D=256's 64-token blocks; either form): the stage's K
-//   part (the dequantized or exact K and the tile factors) and its V part have a FULL and an EMPTY barrier each.
-//   wgmma's consumers are done with a block's K once its scores are in (the turn that issues them) but with its
-//   V only after the next block's turn (its P . V goes with the next scores), so with one hand-off per stage the
-//   producers could refill a stage only after that, and then the consumers waited for the whole block: with two
-//   stages the roles took turns instead of overlapping. Split, a stage's K part is free a block earlier: the
-//   producers write block bi + 2's K while the consumers still read block bi + 1, and its V after that.
-//   The consumers wait for block bi's K at the start of their iteration bi and for its V at the start of
-//   iteration bi + 1 (or before the tiles' last P . V), in both warpgroups alike whatever their rows read, so
-//   both meet each named barrier at the same point of their sequences; a part is released only after its FULL
-//   wait (which orders the barrier's phases).
 struct StageHandoff {
-    // MBAR_HANDOFF: shared addresses of stage 0's FULL and EMPTY mbarriers (+ 8 a stage), and SPLIT_HANDOFF's
-    // for the V parts; part 0 is the whole stage unless split
-    u32 full, empty, full_v, empty_v;
+    u32 full, empty;  // MBAR_HANDOFF: shared addresses of the FULL and EMPTY mbarriers of stage 0 (+ 8 a stage)
     static __device__ __forceinline__ u32 parity(int bi) { return (u32)(bi / NSTAGE) & 1u; }
     __device__ __forceinline__ void init(int tid) const {  // every thread, before the roles split
         if constexpr (MBAR_HANDOFF) {
@@ -787,59 +768,30 @@ struct StageHandoff {
                 for (int st = 0; st < NSTAGE; ++st) {
                     mbar_init(full + 8 * st, GT);
                     mbar_init(empty + 8 * st, NC * 32);
-                    if constexpr (SPLIT_HANDOFF) {
-                        mbar_init(full_v + 8 * st, GT);
-                        mbar_init(empty_v + 8 * st, NC * 32);
-                    }
                 }
             __syncthreads();
         }
     }
-    // the part barriers: part 0 (K, or the whole stage), part 1 (SPLIT_HANDOFF's V)
-    template <int PART>
-    __device__ __forceinline__ void arrive_full(int s) const {
-        if constexpr (MBAR_HANDOFF) mbar_arrive((PART ? full_v : full) + 8 * s);
-        else bar_arrive((PART ? BAR_FULL_V : BAR_FULL) + s, HANDOFF);
-    }
-    template <int PART>
-    __device__ __forceinline__ void sync_empty(int s, int bi) const {
-        if constexpr (MBAR_HANDOFF) mbar_wait((PART ? empty_v : empty) + 8 * s, parity(bi) ^ 1u);
-        else bar_sync((PART ? BAR_EMPTY_V : BAR_EMPTY) + s, HANDOFF);
-    }
-    template <int PART>
-    __device__ __forceinline__ void sync_full(int bi) const {
-        if constexpr (MBAR_HANDOFF) mbar_wait((PART ? full_v : full) + 8 * (bi % NSTAGE), parity(bi));
-        else bar_sync((PART ? BAR_FULL_V : BAR_FULL) + bi % NSTAGE, HANDOFF);
-    }
-    template <int PART>
-    __device__ __forceinline__ void arrive_empty(int bi) const {
-        if constexpr (MBAR_HANDOFF) mbar_arrive((PART ? empty_v : empty) + 8 * (bi % NSTAGE));
-        else bar_arrive((PART ? BAR_EMPTY_V : BAR_EMPTY) + bi % NSTAGE, HANDOFF);
-    }
-    // producers: stage s holds its block (SPLIT_HANDOFF: its V part)
-    __device__ __forceinline__ void fill_done(int s) const { arrive_full<HANDOFF_PARTS - 1>(s); }
-    // producers, SPLIT_HANDOFF: stage s holds its block's K part (else nothing: fill_done hands over the stage)
-    __device__ __forceinline__ void fill_done_k(int s) const {
-        if constexpr (SPLIT_HANDOFF) arrive_full<0>(s);
+    // producers: stage s holds its block
+    __device__ __forceinline__ void fill_done(int s) const {
+        if constexpr (MBAR_HANDOFF) mbar_arrive(full + 8 * s);
+        else bar_arrive(BAR_FULL + s, HANDOFF);
     }
     // producers, before filling block bi (>= NSTAGE) into its stage s: the consumers are done with the stage's
-    // previous block (SPLIT_HANDOFF: with its K part)
-    __device__ __forceinline__ void wait_empty(int s, int bi) const { sync_empty<0>(s, bi); }
-    // producers, SPLIT_HANDOFF, before block bi's V part: the consumers are done with the previous block's V
-    __device__ __forceinline__ void wait_empty_v(int s, int bi) const {
-        if constexpr (SPLIT_HANDOFF) sync_empty<1>(s, bi);
+    // previous block
+    __device__ __forceinline__ void wait_empty(int s, int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_wait(empty + 8 * s, parity(bi) ^ 1u);
+        else bar_sync(BAR_EMPTY + s, HANDOFF);
     }
-    // consumers: block bi is in its stage (SPLIT_HANDOFF: its K part)
-    __device__ __forceinline__ void wait_full(int bi) const { sync_full<0>(bi); }
-    // consumers, SPLIT_HANDOFF: block bi's V part is in its stage
-    __device__ __forceinline__ void wait_full_v(int bi) const {
-        if constexpr (SPLIT_HANDOFF) sync_full<1>(bi);
+    // consumers: block bi is in its stage
+    __device__ __forceinline__ void wait_full(int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_wait(full + 8 * (bi % NSTAGE), parity(bi));
+        else bar_sync(BAR_FULL + bi % NSTAGE, HANDOFF);
     }
-    // consumers: done with block bi's stage (SPLIT_HANDOFF: with its V part)
-    __device__ __forceinline__ void release(int bi) const { arrive_empty<HANDOFF_PARTS - 1>(bi); }
-    // consumers, SPLIT_HANDOFF: done with block bi's K part (else nothing: release frees the stage)
-    __device__ __forceinline__ void release_k(int bi) const {
-        if constexpr (SPLIT_HANDOFF) arrive_empty<0>(bi);
+    // consumers: done with block bi's stage
+    __device__ __forceinline__ void release(int bi) const {
+        if constexpr (MBAR_HANDOFF) mbar_arrive(empty + 8 * (bi % NSTAGE));
+        else bar_arrive(BAR_EMPTY + bi % NSTAGE, HANDOFF);
     }
 };
 
@@ -1363,7 +1315,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     float* sRowf = reinterpret_cast<float*>(smem + OFF_SM_ROWF);
     u8* sStage = smem + OFF_SM_STAGE;
     const u32 mbars = smem_addr(smem + OFF_SM_MBAR);
-    const StageHandoff stages{mbars, mbars + 8 * NSTAGE, mbars + 16 * NSTAGE, mbars + 24 * NSTAGE};
+    const StageHandoff stages{mbars, mbars + 8 * NSTAGE};
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     stages.init(tid);
@@ -1420,7 +1372,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (newest_in_flight) cp_async_wait_group<1>();  // all but the block just issued have landed
             else cp_async_wait_all();
             fence_operands_for_wgmma();
-            stages.fill_done_k(stage);
             stages.fill_done(stage);
         };
         for (int bi = 0, s = 0; bi < sc.nb; ++bi, s = s + 1 == NSTAGE ? 0 : s + 1) {
@@ -1452,11 +1403,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #else
                 dequant_k(rec, P, sLut, st, t0, gtid);
 #endif
-                if constexpr (SPLIT_HANDOFF) {  // the K part and the tile factors go over before the V part
-                    fence_operands_for_wgmma();
-                    stages.fill_done_k(s);
-                    if (bi >= NSTAGE) stages.wait_empty_v(s, bi);
-                }
                 dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);
                 fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
@@ -1474,10 +1420,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     hand_over(pend % NSTAGE, false);
                     pend = -1;
                 }
-                if (bi >= NSTAGE) {
-                    stages.wait_empty(s, bi);
-                    stages.wait_empty_v(s, bi);
-                }
+                if (bi >= NSTAGE) stages.wait_empty(s, bi);
                 load_exact_block(src, b, h, Hkv, (bi - sc.nba) * BN, sc.E, st, st + ST_EK, gtid);
                 if (pend >= 0) hand_over(pend % NSTAGE, true);
                 pend = bi;
@@ -1566,12 +1509,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         bar_sync(BAR_CONS, NC * 32);
         load_rowf();
     };
-    // (the stage's last NSTAGE blocks are never refilled: no producer waits for them)
     auto release = [&](int bi) {
         if (bi + NSTAGE < sc.nb) stages.release(bi);
-    };
-    auto release_k = [&](int bi) {
-        if (bi + NSTAGE < sc.nb) stages.release_k(bi);
     };
 #if WGMMA
     // A turn issues the block's S = Q . K^T together with the previous block's P . V and waits for the scores;
@@ -1632,7 +1571,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (PV != 0) release(pv_bi);
             pv_bi = -1;
         }
-        if constexpr (SC != 0) release_k(kbi);  // the scores are in
     };
     // after a turn that issued scores and a P . V: wait for the P . V, free its stage
     auto finish_pv = [&]() {
@@ -1647,20 +1585,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
     using K2 = cuda::std::integral_constant<int, 2>;
     // the pending P . V's kind: none, a tile block's or an exact block's
     auto pending = [&]() { return pv_bi < 0 ? 0 : pv_bi < sc.nba ? 1 : 2; };
-    // SPLIT_HANDOFF: this warpgroup read no row of the previous block (an exact block past its rows), whose V
-    // part it releases once it has waited for it
-    bool v_unread = false;
-    auto wait_v_of_previous = [&](int bi) {
-        if (SPLIT_HANDOFF && bi > 0 && bi != sc.nba) {  // (the tiles' last block's V was waited for at its flush)
-            stages.wait_full_v(bi - 1);
-            if (v_unread) release(bi - 1);
-            v_unread = false;
-        }
-    };
     for (int bi = 0; bi < sc.nb; ++bi) {
         const u8* stg = sStage + (bi % NSTAGE) * ST_BYTES;
         stages.wait_full(bi);
-        wait_v_of_previous(bi);  // the pending P . V's operand
         float a_acc[MT][2];
         if (bi < sc.nba) {
             const float rescale = tile_factor(bi, stg);
@@ -1678,7 +1605,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             pack_p<false>(s[0], pa);
             pv_bi = bi;
             if (bi == sc.nba - 1) {
-                stages.wait_full_v(bi);
                 turn(K0{}, K1{}, 0);
                 end_of_tiles();
             }
@@ -1700,13 +1626,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             } else {  // no scores, but a turn all the same: the turns stay paired across the warpgroups
                 if (pending() == 2) turn(K0{}, K2{}, 0);
                 else turn(K0{}, K0{}, 0);
-                release_k(bi);
-                if (SPLIT_HANDOFF) v_unread = true;
-                else release(bi);
+                release(bi);
             }
         }
     }
-    wait_v_of_previous(sc.nb);
     // the last P . V (an exact block's: a tile block's was flushed at the end of the tiles)
     if (pending() == 2) turn(K0{}, K2{}, 0);
     else turn(K0{}, K0{}, 0);
