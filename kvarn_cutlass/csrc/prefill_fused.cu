@@ -113,10 +113,6 @@ constexpr int BPT = T / BN;           // blocks per tile
 // 64-token blocks there have two 64 KB stages (218-232 KB in all; over the limit beside 128-token records of
 // 4-bit V or with float32 scales and Lloyd-Max, which the launcher refuses by the exported layout size)
 constexpr int NSTAGE = NG == 1 ? (WGMMA && D <= 128 ? 4 : (D == 256 && BN == 64 ? 2 : 3)) : NG * BPT;
-// Lazy rescaling (FlashAttention 4): a row's running max m (log2 units) moves only when a block's max passes
-// it by more than this, so most blocks leave the accumulator unscaled (rescale_acc skips a warp whose rows all
-// kept theirs). p = 2^(score - m) <= 2^RESCALE_SLACK then: an f16/bf16 P operand and the f32 sums hold it.
-constexpr float RESCALE_SLACK = 0.f;
 // blocks past the one whose stage the consumers free that they read first: wgmma's consumers release a
 // block after the turn that issues the next block's scores beside its P . V; mma.sync's right after it
 constexpr int CONSUMER_HOLD = WGMMA ? 1 : 0;
@@ -520,10 +516,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][SN][4], float fk, 
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float rf = TILE ? st.rowf[mi][hr] * fk : st.rowf[mi][hr];  // exact: powers of two
-            const float m_seen = fmaxf(st.m[mi][hr], mx * rf);
-            // the running max moves only when a score passes it by more than RESCALE_SLACK (then p <= 2^slack)
-            const float m_new =
-                RESCALE_SLACK == 0.f || m_seen > st.m[mi][hr] + RESCALE_SLACK ? m_seen : st.m[mi][hr];
+            const float m_new = fmaxf(st.m[mi][hr], mx * rf);
             const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row that has seen only masked keys
             const float alpha = fast_exp2(st.m[mi][hr] - m_use);     // 0 for the first block (m = -inf)
             st.m[mi][hr] = m_new;
@@ -810,21 +803,38 @@ struct TileFactors {
 constexpr float K_CB_ABSMAX = K_CB_LIMIT;
 constexpr float V_CB_ABSMAX = V_CB_LIMIT;
 
-// this thread's channels and tokens, reduced over its warp into red[warp][0..4]; then a group barrier
+// scales 2i and 2i + 1 of the record array at p, in one shared-memory load (the record's sections start
+// 16-byte aligned)
+__device__ __forceinline__ float2 scale_pair_at(const u8* p, int i) {
+#if SCALE_F32
+    return reinterpret_cast<const float2*>(p)[i];
+#else
+    return __half22float2(reinterpret_cast<const __half2*>(p)[i]);
+#endif
+}
+__device__ __forceinline__ float abs_max(float2 v) { return fmaxf(fabsf(v.x), fabsf(v.y)); }
+// The maximum over the warp of a value >= 0 (not NaN), in one redux: such floats order as their bits do.
+// (A butterfly of shuffles was 5 dependent round trips a value, and the producers' per-tile setup, which
+// the consumers wait for at D=256, stalled mostly on them: docs/perf-notes.md, nineteenth session.)
+__device__ __forceinline__ float warp_max_nonneg(float x) {
+    return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(x)));
+}
+
+// this thread's channel and token pairs, reduced over its warp into red[warp][0..5]; then a group barrier
 __device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
     float m[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // |chan_min|, |chan_step|, col_scale, |tok_min|, |tok_step|, row_scale
-    for (int c = gtid; c < D; c += GT) {
-        m[0] = fmaxf(m[0], fabsf(scale_at(rec + OFF_CHAN_MIN, c)));
-        m[1] = fmaxf(m[1], fabsf(scale_at(rec + OFF_CHAN_STEP, c)));
-        m[2] = fmaxf(m[2], scale_at(rec + OFF_COL_SCALE, c));
+    for (int i = gtid; i < D / 2; i += GT) {
+        m[0] = fmaxf(m[0], abs_max(scale_pair_at(rec + OFF_CHAN_MIN, i)));
+        m[1] = fmaxf(m[1], abs_max(scale_pair_at(rec + OFF_CHAN_STEP, i)));
+        m[2] = fmaxf(m[2], abs_max(scale_pair_at(rec + OFF_COL_SCALE, i)));  // (positive)
     }
-    for (int t = gtid; t < T; t += GT) {
-        m[3] = fmaxf(m[3], fabsf(scale_at(rec + OFF_TOK_MIN, t)));
-        m[4] = fmaxf(m[4], fabsf(scale_at(rec + OFF_TOK_STEP, t)));
-        m[5] = fmaxf(m[5], scale_at(rec + OFF_ROW_SCALE, t));
+    for (int i = gtid; i < T / 2; i += GT) {
+        m[3] = fmaxf(m[3], abs_max(scale_pair_at(rec + OFF_TOK_MIN, i)));
+        m[4] = fmaxf(m[4], abs_max(scale_pair_at(rec + OFF_TOK_STEP, i)));
+        m[5] = fmaxf(m[5], abs_max(scale_pair_at(rec + OFF_ROW_SCALE, i)));  // (positive)
     }
 #pragma unroll
-    for (int k = 0; k < 6; ++k) m[k] = warp_max(m[k]);
+    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
     if ((gtid & 31) == 0)
 #pragma unroll
         for (int k = 0; k < 6; ++k) red[(gtid >> 5) * 8 + k] = m[k];
@@ -874,29 +884,31 @@ __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 
 __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
     const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), rmul = exp2i(-f.er), cinv = exp2i(-f.ec);
-    for (int c = ptid; c < D; c += GT) {
-        const float step = scale_at(rec + OFF_CHAN_STEP, c) * kmul, mn = scale_at(rec + OFF_CHAN_MIN, c) * kmul;
-        const float ratio = scale_at(rec + OFF_COL_SCALE, c) * cinv;
+    // channel and token pairs (2i, 2i + 1): one load per scale array and one store per parameter array a pair
+    for (int i = ptid; i < D / 2; i += GT) {
+        const float2 step = scale_pair_at(rec + OFF_CHAN_STEP, i), mn = scale_pair_at(rec + OFF_CHAN_MIN, i);
+        const float2 ratio = scale_pair_at(rec + OFF_COL_SCALE, i);
 #if SCALE_F32
-        P.kp[c] = make_uint2(f2u(step), f2u(mn));
-        reinterpret_cast<float*>(P.cr)[c] = ratio;
+        reinterpret_cast<uint4*>(P.kp)[i] = make_uint4(f2u(step.x * kmul), f2u(mn.x * kmul), f2u(step.y * kmul),
+                                                       f2u(mn.y * kmul));
+        reinterpret_cast<float2*>(P.cr)[i] = make_float2(ratio.x * cinv, ratio.y * cinv);
 #else
-        P.kp[c] = make_uint2(h2u(bcast(step)), h2u(bcast(mn)));
-        reinterpret_cast<__half*>(P.cr)[c] = __float2half_rn(ratio);
+        reinterpret_cast<uint4*>(P.kp)[i] = make_uint4(h2u(bcast(step.x * kmul)), h2u(bcast(mn.x * kmul)),
+                                                       h2u(bcast(step.y * kmul)), h2u(bcast(mn.y * kmul)));
+        reinterpret_cast<__half2*>(P.cr)[i] = __floats2half2_rn(ratio.x * cinv, ratio.y * cinv);
 #endif
     }
-    for (int t = ptid; t < T; t += GT) {
-        const float step = scale_at(rec + OFF_TOK_STEP, t) * vmul, mn = scale_at(rec + OFF_TOK_MIN, t) * vmul;
+    for (int i = ptid; i < T / 2; i += GT) {
+        const float2 step = scale_pair_at(rec + OFF_TOK_STEP, i), mn = scale_pair_at(rec + OFF_TOK_MIN, i);
+        const float2 rs = scale_pair_at(rec + OFF_ROW_SCALE, i);
 #if SCALE_F32
-        P.vp[t] = make_uint2(f2u(step), f2u(mn));
+        reinterpret_cast<uint4*>(P.vp)[i] = make_uint4(f2u(step.x * vmul), f2u(mn.x * vmul), f2u(step.y * vmul),
+                                                       f2u(mn.y * vmul));
+        reinterpret_cast<float2*>(P.rs)[i] = make_float2(rs.x * rmul, rs.y * rmul);
 #else
-        P.vp[t] = make_uint2(h2u(bcast(step)), h2u(bcast(mn)));
-#endif
-        const float rs = scale_at(rec + OFF_ROW_SCALE, t) * rmul;
-#if SCALE_F32
-        reinterpret_cast<float*>(P.rs)[t] = rs;
-#else
-        reinterpret_cast<__half*>(P.rs)[t] = __float2half_rn(rs);
+        reinterpret_cast<uint4*>(P.vp)[i] = make_uint4(h2u(bcast(step.x * vmul)), h2u(bcast(mn.x * vmul)),
+                                                       h2u(bcast(step.y * vmul)), h2u(bcast(mn.y * vmul)));
+        reinterpret_cast<__half2*>(P.rs)[i] = __floats2half2_rn(rs.x * rmul, rs.y * rmul);
 #endif
     }
 }
