@@ -882,34 +882,36 @@ struct Params {
 };
 __device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 
+// Two parameter entries (step', min') = (step, min) * mul of channels or tokens 2i, 2i + 1, as one 16-byte store
+__device__ __forceinline__ uint4 param_pair(float2 step, float2 mn, float mul) {
+#if SCALE_F32
+    return make_uint4(f2u(step.x * mul), f2u(mn.x * mul), f2u(step.y * mul), f2u(mn.y * mul));
+#else
+    return make_uint4(h2u(bcast(step.x * mul)), h2u(bcast(mn.x * mul)), h2u(bcast(step.y * mul)),
+                      h2u(bcast(mn.y * mul)));
+#endif
+}
+// Two scale ratios r * mul (col_scale or row_scale entries 2i, 2i + 1) into the ratio array at base
+__device__ __forceinline__ void store_ratio_pair(void* base, int i, float2 r, float mul) {
+#if SCALE_F32
+    reinterpret_cast<float2*>(base)[i] = make_float2(r.x * mul, r.y * mul);
+#else
+    reinterpret_cast<__half2*>(base)[i] = __floats2half2_rn(r.x * mul, r.y * mul);
+#endif
+}
+
 __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f, const Params& P, int ptid) {
     const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), rmul = exp2i(-f.er), cinv = exp2i(-f.ec);
     // channel and token pairs (2i, 2i + 1): one load per scale array and one store per parameter array a pair
     for (int i = ptid; i < D / 2; i += GT) {
-        const float2 step = scale_pair_at(rec + OFF_CHAN_STEP, i), mn = scale_pair_at(rec + OFF_CHAN_MIN, i);
-        const float2 ratio = scale_pair_at(rec + OFF_COL_SCALE, i);
-#if SCALE_F32
-        reinterpret_cast<uint4*>(P.kp)[i] = make_uint4(f2u(step.x * kmul), f2u(mn.x * kmul), f2u(step.y * kmul),
-                                                       f2u(mn.y * kmul));
-        reinterpret_cast<float2*>(P.cr)[i] = make_float2(ratio.x * cinv, ratio.y * cinv);
-#else
-        reinterpret_cast<uint4*>(P.kp)[i] = make_uint4(h2u(bcast(step.x * kmul)), h2u(bcast(mn.x * kmul)),
-                                                       h2u(bcast(step.y * kmul)), h2u(bcast(mn.y * kmul)));
-        reinterpret_cast<__half2*>(P.cr)[i] = __floats2half2_rn(ratio.x * cinv, ratio.y * cinv);
-#endif
+        reinterpret_cast<uint4*>(P.kp)[i] =
+            param_pair(scale_pair_at(rec + OFF_CHAN_STEP, i), scale_pair_at(rec + OFF_CHAN_MIN, i), kmul);
+        store_ratio_pair(P.cr, i, scale_pair_at(rec + OFF_COL_SCALE, i), cinv);
     }
     for (int i = ptid; i < T / 2; i += GT) {
-        const float2 step = scale_pair_at(rec + OFF_TOK_STEP, i), mn = scale_pair_at(rec + OFF_TOK_MIN, i);
-        const float2 rs = scale_pair_at(rec + OFF_ROW_SCALE, i);
-#if SCALE_F32
-        reinterpret_cast<uint4*>(P.vp)[i] = make_uint4(f2u(step.x * vmul), f2u(mn.x * vmul), f2u(step.y * vmul),
-                                                       f2u(mn.y * vmul));
-        reinterpret_cast<float2*>(P.rs)[i] = make_float2(rs.x * rmul, rs.y * rmul);
-#else
-        reinterpret_cast<uint4*>(P.vp)[i] = make_uint4(h2u(bcast(step.x * vmul)), h2u(bcast(mn.x * vmul)),
-                                                       h2u(bcast(step.y * vmul)), h2u(bcast(mn.y * vmul)));
-        reinterpret_cast<__half2*>(P.rs)[i] = __floats2half2_rn(rs.x * rmul, rs.y * rmul);
-#endif
+        reinterpret_cast<uint4*>(P.vp)[i] =
+            param_pair(scale_pair_at(rec + OFF_TOK_STEP, i), scale_pair_at(rec + OFF_TOK_MIN, i), vmul);
+        store_ratio_pair(P.rs, i, scale_pair_at(rec + OFF_ROW_SCALE, i), rmul);
     }
 }
 
