@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="the script is bash")
 
 
-def _bench_calls(tmp_path, sections, **env) -> tuple[list[str], str]:
-    """The bench command lines the script runs for ``sections`` with ``env``, and its summary."""
+def _python_calls(tmp_path, sections, **env) -> tuple[list[str], str]:
+    """Every ``python3`` command line the script runs for ``sections`` with ``env``, and its summary."""
     stub = tmp_path / "bin"
     stub.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "calls.txt"
@@ -27,8 +27,13 @@ def _bench_calls(tmp_path, sections, **env) -> tuple[list[str], str]:
                 "GPU_TEST_GROUPS": "none", **env}
     subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), *sections], env=full_env, cwd=ROOT,
                    capture_output=True, text=True, check=False)
-    calls = [line for line in log.read_text().splitlines() if line.startswith("-m kvarn_cutlass.cli bench")]
-    return calls, (out / "summary.txt").read_text()
+    return log.read_text().splitlines(), (out / "summary.txt").read_text()
+
+
+def _bench_calls(tmp_path, sections, **env) -> tuple[list[str], str]:
+    """The bench command lines the script runs for ``sections`` with ``env``, and its summary."""
+    calls, summary = _python_calls(tmp_path, sections, **env)
+    return [line for line in calls if line.startswith("-m kvarn_cutlass.cli bench")], summary
 
 
 def test_parts_go_to_the_e2e_section_in_a_run_of_their_own(tmp_path):
@@ -48,3 +53,18 @@ def test_sections_without_parts_run_together_and_all_runs_every_section(tmp_path
 def test_parts_without_the_e2e_section_fail_the_step_and_run_no_bench(tmp_path):
     calls, summary = _bench_calls(tmp_path, ["prefill"], GPU_BENCH_PARTS="gen-b1-c2048")
     assert calls == [] and "bench: exit 2" in summary
+
+
+def _variant_calls(tmp_path, value):
+    calls, summary = _python_calls(tmp_path, [], GPU_PREFILL_VARIANTS=value)
+    return [line for line in calls if line.startswith("tools/prefill_variants.py")], summary
+
+
+def test_prefill_variant_runs_split_on_semicolons_each_a_step(tmp_path):
+    calls, summary = _variant_calls(tmp_path, "D256 only=k_batch_4,pv_serial ; only=k_batch_4;")
+    assert calls == ["tools/prefill_variants.py D256 only=k_batch_4,pv_serial", "tools/prefill_variants.py only=k_batch_4"]
+    assert summary.count("prefill_variants: exit 0") == 2
+    calls, _ = _variant_calls(tmp_path / "tuned", "tuned")
+    assert calls == ["tools/prefill_variants.py"]
+    calls, _ = _variant_calls(tmp_path / "configs", "D256 r16c8n32wg r16c8n64wg")
+    assert calls == ["tools/prefill_variants.py D256 r16c8n32wg r16c8n64wg"]

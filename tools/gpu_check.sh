@@ -226,12 +226,18 @@ if [ -n "${GPU_PREFILL_PHASES:-}" ]; then
   step prefill_phases timeout "${GPU_PREFILL_PHASES_LIMIT:-180}" python3 tools/prefill_phases.py "${phase_args[@]}"
 fi
 
-# 6b'. GPU_PREFILL_VARIANTS="CONFIG ..." (or "tuned"): which role of the fused prefill kernel sets its
-#     pace (tools/prefill_variants.py: variants that leave one role's work out)
+# 6b'. GPU_PREFILL_VARIANTS="ARG ..." (or "tuned"): which role of the fused prefill kernel sets its pace, and the
+#     A/B forms (tools/prefill_variants.py's arguments: D<head_dim>, only=VARIANT,..., config names); several runs
+#     separated by ";" (e.g. "D256 only=k_batch_4; only=k_batch_4": head_dim 256, then 128), each a step of its own
+#     with the carried wheels on the path (a tool run after gpu_check.sh in the same command has no such path)
 if [ -n "${GPU_PREFILL_VARIANTS:-}" ]; then
-  variant_configs=()
-  [ "$GPU_PREFILL_VARIANTS" = tuned ] || variant_configs=($GPU_PREFILL_VARIANTS)
-  step prefill_variants timeout "${GPU_PREFILL_VARIANTS_LIMIT:-240}" python3 tools/prefill_variants.py "${variant_configs[@]}"
+  IFS=';' read -ra variant_runs <<<"$GPU_PREFILL_VARIANTS"
+  for variant_run in "${variant_runs[@]}"; do
+    read -ra variant_args <<<"$variant_run"
+    [ "${#variant_args[@]}" -gt 0 ] || continue
+    [ "${variant_args[*]}" != tuned ] || variant_args=()
+    step prefill_variants timeout "${GPU_PREFILL_VARIANTS_LIMIT:-240}" python3 tools/prefill_variants.py "${variant_args[@]}"
+  done
 fi
 
 # 6b''. GPU_PREFILL_HOST=1: host time of prefill_attention and append against the fused kernel's GPU time,

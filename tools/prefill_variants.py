@@ -4,7 +4,7 @@ context, one 512-token chunk, 32 q / 8 KV heads, k4v2_g128, D=128 unless a D<hea
 otherwise). The variants' outputs are wrong by design; the shipped one is checked against the torch path.
 Run on a GPU: python3 tools/prefill_variants.py [D256] [only=VARIANT,...] [CONFIG ...]   (config names, default:
 the tuned one)
-(through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32")
+(through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32", several runs separated by ";")
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``."""
