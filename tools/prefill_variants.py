@@ -7,7 +7,9 @@ the tuned one)
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32", several runs separated by ";")
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
-groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``."""
+groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
+``setup_warp_maxima`` (the per-tile setup's scale maxima reduced by every warp on its own: no group barrier for
+them)."""
 import statistics, sys
 from pathlib import Path
 
@@ -23,7 +25,7 @@ ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, ac
 DQK = "dequant_k(rec, P, sLut, st, t0, gtid);"
 DQV = "dequant_v(rec, P, sLut, st + ST_KD, t0, gtid);"
 PARAMS = "tile_params(rec, f, P, gtid);"
-FACTORS = "const TileFactors f = tile_factors(P.red);"
+FACTORS = "const TileFactors f = tile_factors(m);"
 # wgmma consumers: a tile block's turn, softmax and pending P.V, and the P.V flushed after the last tile
 WG_TILE = """            if (pending() == 1) {
                 turn(K1{}, K1{}, bi);
@@ -48,6 +50,32 @@ MBAR_RULE = "constexpr bool MBAR_HANDOFF = NG == 2;"
 MBAR_RULE_ALL = (MBAR_RULE, "constexpr bool MBAR_HANDOFF = true;")
 MBAR_HINT = ("mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;",
              "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 0x989680;")
+# the per-tile setup with no exchange between the group's warps: each warp reduces every scale of the record
+# itself (4x the loads, one group barrier and the partial-maximum stores and loads fewer); outputs exact
+GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
+                    bar_sync(BAR_GROUP + pg, GT);
+                    float m[6];
+                    group_maxima(P.red, m);
+"""
+WARP_MAXIMA = """// every warp reduces all of the record's scales itself
+__device__ __forceinline__ void warp_maxima(const u8* rec, int lane, float (&m)[6]) {
+#pragma unroll
+    for (int k = 0; k < 6; ++k) m[k] = 0.f;
+    for (int i = lane; i < D / 2; i += 32) {
+        m[0] = fmaxf(m[0], abs_max(scale_pair_at(rec + OFF_CHAN_MIN, i)));
+        m[1] = fmaxf(m[1], abs_max(scale_pair_at(rec + OFF_CHAN_STEP, i)));
+        m[2] = fmaxf(m[2], abs_max(scale_pair_at(rec + OFF_COL_SCALE, i)));
+    }
+    for (int i = lane; i < T / 2; i += 32) {
+        m[3] = fmaxf(m[3], abs_max(scale_pair_at(rec + OFF_TOK_MIN, i)));
+        m[4] = fmaxf(m[4], abs_max(scale_pair_at(rec + OFF_TOK_STEP, i)));
+        m[5] = fmaxf(m[5], abs_max(scale_pair_at(rec + OFF_ROW_SCALE, i)));
+    }
+#pragma unroll
+    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
+}
+"""
+GROUP_MAXIMA_DEF = "// the group's six maxima from its warps' (tile_partial_max, after the group barrier)\n"
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": NO_MATH,
@@ -62,6 +90,8 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
+    "setup_warp_maxima": [(GROUP_MAXIMA_DEF, WARP_MAXIMA + GROUP_MAXIMA_DEF),
+                          (GROUP_MAXIMA, "                    float m[6];\n                    warp_maxima(rec, gtid & 31, m);\n")],
 }
 
 

@@ -843,12 +843,16 @@ __device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int 
 __device__ __forceinline__ int unit_exponent(float x, int lo, int hi) {
     return x > 0.f ? max(lo, min(hi, frexp_exponent(x))) : 0;
 }
-__device__ __forceinline__ TileFactors tile_factors(const float* red) {
-    float m[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// the group's six maxima from its warps' (tile_partial_max, after the group barrier)
+__device__ __forceinline__ void group_maxima(const float* red, float (&m)[6]) {
+#pragma unroll
+    for (int k = 0; k < 6; ++k) m[k] = 0.f;
 #pragma unroll
     for (int w = 0; w < GT / 32; ++w)
 #pragma unroll
         for (int k = 0; k < 6; ++k) m[k] = fmaxf(m[k], red[w * 8 + k]);
+}
+__device__ __forceinline__ TileFactors tile_factors(const float (&m)[6]) {
     TileFactors f;
     f.ek = f16_range_exponent(fmaf(K_CB_ABSMAX, m[1], m[0]));
     f.ev = f16_range_exponent(fmaf(V_CB_ABSMAX, m[4], m[3]));
@@ -1401,7 +1405,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     rec = sRec + (g % RSLOTS) * REC;
                     tile_partial_max(rec, P.red, gtid);
                     bar_sync(BAR_GROUP + pg, GT);
-                    const TileFactors f = tile_factors(P.red);
+                    float m[6];
+                    group_maxima(P.red, m);
+                    const TileFactors f = tile_factors(m);
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
                     if (bi >= NSTAGE) stages.wait_empty(s, bi);  // the consumers are done with this stage
