@@ -57,25 +57,11 @@ GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
                     float m[6];
                     group_maxima(P.red, m);
 """
-WARP_MAXIMA = """// every warp reduces all of the record's scales itself
-__device__ __forceinline__ void warp_maxima(const u8* rec, int lane, float (&m)[6]) {
+WARP_MAXIMA = """                    float m[6];
+                    scale_maxima(rec, gtid & 31, 32, m);
 #pragma unroll
-    for (int k = 0; k < 6; ++k) m[k] = 0.f;
-    for (int i = lane; i < D / 2; i += 32) {
-        m[0] = fmaxf(m[0], abs_max(scale_pair_at(rec + OFF_CHAN_MIN, i)));
-        m[1] = fmaxf(m[1], abs_max(scale_pair_at(rec + OFF_CHAN_STEP, i)));
-        m[2] = fmaxf(m[2], abs_max(scale_pair_at(rec + OFF_COL_SCALE, i)));
-    }
-    for (int i = lane; i < T / 2; i += 32) {
-        m[3] = fmaxf(m[3], abs_max(scale_pair_at(rec + OFF_TOK_MIN, i)));
-        m[4] = fmaxf(m[4], abs_max(scale_pair_at(rec + OFF_TOK_STEP, i)));
-        m[5] = fmaxf(m[5], abs_max(scale_pair_at(rec + OFF_ROW_SCALE, i)));
-    }
-#pragma unroll
-    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
-}
+                    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
 """
-GROUP_MAXIMA_DEF = "// the group's six maxima from its warps' (tile_partial_max, after the group barrier)\n"
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": NO_MATH,
@@ -90,8 +76,7 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
-    "setup_warp_maxima": [(GROUP_MAXIMA_DEF, WARP_MAXIMA + GROUP_MAXIMA_DEF),
-                          (GROUP_MAXIMA, "                    float m[6];\n                    warp_maxima(rec, gtid & 31, m);\n")],
+    "setup_warp_maxima": [(GROUP_MAXIMA, WARP_MAXIMA)],
 }
 
 
