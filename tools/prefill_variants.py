@@ -9,7 +9,8 @@ Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mb
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
 ``setup_warp_maxima`` (the per-tile setup's scale maxima reduced by every warp on its own: no group barrier for
-them)."""
+them) and ``fetch_halves`` (with one record slot, the next record copied in two parts that land while the producers
+still work: FETCH_HALVES)."""
 import statistics, sys
 from pathlib import Path
 
@@ -77,6 +78,9 @@ VARIANTS = {
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
     "setup_warp_maxima": [(GROUP_MAXIMA, WARP_MAXIMA)],
+    # one record slot, two blocks a tile (D=256's 64-token configs): the record copied in two parts; outputs exact
+    "fetch_halves": [("constexpr bool FETCH_HALVES = false;",
+                      "constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;")],
 }
 
 

@@ -191,6 +191,12 @@ constexpr int OFF_SM_ROWF = OFF_SM_LUT + SM_LUT;
 constexpr int OFF_SM_MBAR = OFF_SM_ROWF + SM_ROWF;  // 8-byte aligned: BM is a multiple of 16
 constexpr int OFF_SM_STAGE = (OFF_SM_MBAR + SM_MBAR + 127) / 128 * 128;
 constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
+// FETCH_HALVES (an A/B form, off: tools/prefill_variants.py's fetch_halves; one record slot, two blocks a tile):
+// a record is copied in two parts, A (the scales and the codes of the tile's first block) and B (those of its
+// second), A of tile g + 1 once tile g's first block is dequantized and B once its second is, so each part lands
+// while the producers still work on tile g or on g + 1's setup; otherwise the whole record is copied after tile
+// g's last block and waited for at once.
+constexpr bool FETCH_HALVES = false;
 
 // The launcher reads this from the module (one source for the layout above).
 extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
@@ -701,6 +707,18 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 }
 #endif
 
+
+// FETCH_HALVES: the record's 16-byte chunk i holds codes of the tile's second block (part B): the second half of
+// a channel's row of K codes (T / 2 bytes, tokens in order) or a V codes row of a token in the second half
+__device__ __forceinline__ bool second_block_chunk(int i) {
+    constexpr int KROW = T / 2 / 16;         // chunks a channel's row of K codes
+    constexpr int VROW = D * VB / 8 / 16;    // chunks a token's row of V codes
+    static_assert(!FETCH_HALVES || (KROW % 2 == 0 && VROW >= 1 && BPT == 2), "FETCH_HALVES: two blocks a tile");
+    const int o = i * 16;
+    if (o >= OFF_K_CODES && o < OFF_K_CODES + D * T / 2) return (o - OFF_K_CODES) / 16 % KROW >= KROW / 2;
+    if (o >= OFF_V_CODES && o < OFF_V_CODES + T * D * VB / 8) return (o - OFF_V_CODES) / 16 / VROW >= T / 2;
+    return false;
+}
 
 // --- synchronization ----------------------------------------------------------------------------
 // Named barriers (0 is __syncthreads: with MBAR_HANDOFF, after the mbarriers' initialization, before the roles
@@ -1369,21 +1387,30 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
         // records through a ring of RSLOTS slots (tile g in slot g % RSLOTS): a group fetches tile g + RSLOTS
         // as soon as it is done with tile g, so each record has at least one other tile's time to land
-        auto fetch = [&](int g) {
+        // part: 0 the whole record, FETCH_HALVES' 1 (A) or 2 (B)
+        auto fetch = [&](int g, int part) {
             const long long slot = tile_table[(long long)b * table_stride + g];
             const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
             u8* dst = sRec + (g % RSLOTS) * REC;
 #if K_INT8
             for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + kint8_rec_chunk(i) * 16, srcp + i * 16, true);
 #else
-            for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            for (int i = gtid; i < REC / 16; i += GT)
+                if (part == 0 || second_block_chunk(i) == (part == 2)) cp_async16(dst + i * 16, srcp + i * 16, true);
 #endif
             cp_async_commit();
         };
         if (n_tiles > 0) {
             build_luts(sLut, ptid);
             for (int g = 0; g < RSLOTS && g < n_tiles; ++g)
-                if (g % NG == pg) fetch(g);
+                if (g % NG == pg) {
+                    if (FETCH_HALVES) {
+                        fetch(g, 1);
+                        fetch(g, 2);
+                    } else {
+                        fetch(g, 0);
+                    }
+                }
             bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
         const u8* rec = sRec;
@@ -1404,8 +1431,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (bi < sc.nba) {
                 const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
                 if (t0 == 0) {  // a new tile: its record, factors and parameters
-                    // the group's next tile g + NG may stay in flight
-                    if (AHEAD == 1 && g + NG < n_tiles) cp_async_wait_group<1>();
+                    // the group's next tile g + NG may stay in flight (FETCH_HALVES: tile g's part B)
+                    if (FETCH_HALVES || (AHEAD == 1 && g + NG < n_tiles)) cp_async_wait_group<1>();
                     else cp_async_wait_all();
                     bar_sync(BAR_GROUP + pg, GT);  // record g landed (and the last tile's red was read)
                     rec = sRec + (g % RSLOTS) * REC;
@@ -1433,9 +1460,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
                     bar_sync(BAR_GROUP + pg, GT);
-                    if (g + RSLOTS < n_tiles) fetch(g + RSLOTS);
+                    if (g + RSLOTS < n_tiles) fetch(g + RSLOTS, FETCH_HALVES ? 2 : 0);
                 }
                 stages.fill_done(s);
+                if (FETCH_HALVES && t0 == 0) {  // part B of tile g landed, part A's regions are read: A of g + 1
+                    cp_async_wait_all();
+                    bar_sync(BAR_GROUP + pg, GT);
+                    if (g + 1 < n_tiles) fetch(g + 1, 1);
+                }
             } else {
                 // The consumers free this stage's previous block (bi - NSTAGE) only after reading blocks up to
                 // bi - NSTAGE + CONSUMER_HOLD (wgmma's consumers keep a block until the next one's scores are
