@@ -59,9 +59,7 @@ GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
                     group_maxima(P.red, m);
 """
 WARP_MAXIMA = """                    float m[6];
-                    scale_maxima(rec, gtid & 31, 32, m);
-#pragma unroll
-                    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
+                    warp_scale_maxima(rec, gtid & 31, 32, m);
 """
 VARIANTS = {
     "shipped": [],

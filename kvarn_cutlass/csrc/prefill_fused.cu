@@ -191,15 +191,16 @@ constexpr int OFF_SM_ROWF = OFF_SM_LUT + SM_LUT;
 constexpr int OFF_SM_MBAR = OFF_SM_ROWF + SM_ROWF;  // 8-byte aligned: BM is a multiple of 16
 constexpr int OFF_SM_STAGE = (OFF_SM_MBAR + SM_MBAR + 127) / 128 * 128;
 constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
+
+// The launcher reads this from the module (one source for the layout above).
+extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
+
 // FETCH_HALVES (an A/B form, off: tools/prefill_variants.py's fetch_halves; one record slot, two blocks a tile):
 // a record is copied in two parts, A (the scales and the codes of the tile's first block) and B (those of its
 // second), A of tile g + 1 once tile g's first block is dequantized and B once its second is, so each part lands
 // while the producers still work on tile g or on g + 1's setup; otherwise the whole record is copied after tile
 // g's last block and waited for at once.
 constexpr bool FETCH_HALVES = false;
-
-// The launcher reads this from the module (one source for the layout above).
-extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
 
 #if CACHE_BF16
 typedef __nv_bfloat16 cache_t;
@@ -853,12 +854,16 @@ __device__ __forceinline__ void scale_maxima(const u8* rec, int first, int strid
         m[5] = fmaxf(m[5], abs_max(scale_pair_at(rec + OFF_ROW_SCALE, i)));  // (positive)
     }
 }
+// scale_maxima reduced over the warp (each lane's share: first, first + stride, ...)
+__device__ __forceinline__ void warp_scale_maxima(const u8* rec, int first, int stride, float (&m)[6]) {
+    scale_maxima(rec, first, stride, m);
+#pragma unroll
+    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
+}
 // this thread's channel and token pairs, reduced over its warp into red[warp][0..5]; then a group barrier
 __device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
     float m[6];
-    scale_maxima(rec, gtid, GT, m);
-#pragma unroll
-    for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
+    warp_scale_maxima(rec, gtid, GT, m);
     if ((gtid & 31) == 0)
 #pragma unroll
         for (int k = 0; k < 6; ++k) red[(gtid >> 5) * 8 + k] = m[k];
