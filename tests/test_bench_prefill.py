@@ -43,9 +43,9 @@ def test_round_orders_are_permutations_and_balance_who_runs_before_whom(n):
     """Over 2n rounds every ordered pair of methods is adjacent equally often (a Williams design), odd n too."""
     from collections import Counter
 
-    from kvarn_cutlass.bench.prefill import _williams_order
+    from kvarn_cutlass.bench.timing import williams_order
 
-    rows = [_williams_order(n, r) for r in range(2 * n)]
+    rows = [williams_order(n, r) for r in range(2 * n)]
     assert all(sorted(row) == list(range(n)) for row in rows)
     pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
     assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}

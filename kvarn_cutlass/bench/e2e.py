@@ -30,7 +30,7 @@ captured once in a CUDA graph and replayed per token), in the same run:
   appends and tile compression, the last position's LM head and argmax) between CUDA events, one
   synchronization at the end; median of ``reps`` runs, each on a fresh cache (samples in ``*_samples``),
   the runs of both caches and of the flash baseline alternating round by round (:func:`ttft_rounds`: a
-  drifting host moves all three medians alike); a warm-up generation of every (cache, chunk) precedes all
+  drifting host moves all three medians alike, and no run always follows the same one); a warm-up generation of every (cache, chunk) precedes all
   timing;
 * ``decode_tok_s_*``: batch / median time of one graph-replayed decode step, per-step CUDA events over
   every replay after the first (eager) step, one synchronization at the end; the context grows from the
@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from . import BenchOptions, PartsPlan, register_section
+from .timing import williams_order
 
 __all__ = ["FULL", "QUICK", "QWEN3_8B", "Plan", "estimate_bytes", "estimate_part_seconds", "fp16_cache_bytes",
            "fp16_decode_attention", "fp16_prefill", "fp16_prefill_attention", "granted_context", "headline_markdown",
@@ -654,11 +655,12 @@ def _fp16_ttft(row: dict[str, Any]) -> None:
 
 
 def ttft_rounds(reps: int) -> list[list[str]]:
-    """The order of a row's timed prefills: ``reps`` rounds of one prefill of each of :data:`TTFT_RUNS`, the order
-    rotated one place each round, so that a host or clock that drifts during the row moves every run's median
-    alike (the samples of one run are never all before or all after another's)."""
-    n = len(TTFT_RUNS)
-    return [[TTFT_RUNS[(r + i) % n] for i in range(n)] for r in range(reps)]
+    """The order of a row's timed prefills: ``reps`` rounds of one prefill of each of :data:`TTFT_RUNS`, in the
+    rows of a Williams design (:func:`~kvarn_cutlass.bench.timing.williams_order`), so that a host or clock that
+    drifts during the row moves every run's median alike (the samples of one run are never all before or all
+    after another's) and no run always follows the same one (a run can inherit its predecessor's clocks and
+    allocator state: the prefill bench measured 1-2.5% on an H100 from a fixed predecessor)."""
+    return [[TTFT_RUNS[i] for i in williams_order(len(TTFT_RUNS), r)] for r in range(reps)]
 
 
 def _gen_row(model, plan: Plan, batch: int, chunk: int, device: str = "cuda") -> dict[str, Any]:

@@ -40,6 +40,7 @@ import statistics
 from typing import Any, Callable
 
 from . import BenchOptions, register_section
+from .timing import williams_order
 
 __all__ = ["run"]
 
@@ -128,24 +129,6 @@ def _matmul_tflops() -> float:
     return round(2 * 8192**3 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12, 1)
 
 
-def _williams_order(n: int, r: int) -> list[int]:
-    """Round ``r``'s order of ``n`` methods, a row of a Williams design: 0, 1, n-1, 2, n-2, ... shifted by r (n
-    even: over n rounds every method runs right after each other method once), or for odd n shifted by r // 2 and
-    mirrored in odd rounds (over 2n rounds, twice): no method always follows the same one."""
-    first = [0]
-    lo, hi = 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    if n % 2 == 0:
-        return [(x + r) % n for x in first]
-    row = [(x + r // 2) % n for x in first]
-    return row[::-1] if r % 2 else row
-
-
 def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
                  optional: frozenset[str] = frozenset()
                  ) -> tuple[dict[str, float], dict[str, str], dict[str, list[float]]]:
@@ -153,8 +136,8 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     method over the rounds). Each method returns its own event-timed ms; one warm-up call each, then ``reps``
     rounds in which every method runs once, so that a drift of clocks or of host load during the point lands on
     all of them alike (rather than on whichever ran last). The rounds' orders are the rows of a Williams design
-    (:func:`_williams_order`): each method follows a different one in every round. A rotated order (round r
-    starting at the r-th method) keeps every method after the same one, and on an H100 the prompt listed first,
+    (:func:`~kvarn_cutlass.bench.timing.williams_order`): each method follows a different one in every round. A
+    rotated order (round r starting at the r-th method) keeps every method after the same one, and on an H100 the prompt listed first,
     always right after the SDPA-over-dequantized-tiles prompt, ran 1-2.5% slower than the same configuration
     listed elsewhere, in four runs. An optional method whose warm-up raises RuntimeError (e.g. no cuDNN
     attention for the shape) is left out, with its error; any other error propagates."""
@@ -172,7 +155,7 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     samples: dict[str, list[float]] = {name: [] for name in live}
     order = list(live.items())
     for r in range(reps):
-        for i in _williams_order(len(order), r):
+        for i in williams_order(len(order), r):
             name, fn = order[i]
             samples[name].append(fn())
     return ({name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors,

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda", "time_queued"]
+__all__ = ["Timing", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda", "time_queued", "williams_order"]
 
 
 @dataclass(frozen=True)
@@ -183,3 +183,21 @@ def time_queued(fn: Callable[[], Any], lead_us: float) -> tuple[float, float]:
     if host_us > 0.8 * lead_us:
         raise RuntimeError(f"the host took {host_us:.0f} us behind a {lead_us:.0f} us lead: pass a longer lead_us")
     return a.elapsed_time(b) * 1000.0, host_us
+
+
+def williams_order(n: int, r: int) -> list[int]:
+    """Round ``r``'s order of ``n`` methods, a row of a Williams design: 0, 1, n-1, 2, n-2, ... shifted by r (n
+    even: over n rounds every method runs right after each other method once), or for odd n shifted by r // 2 and
+    mirrored in odd rounds (over 2n rounds, twice): no method always follows the same one."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    if n % 2 == 0:
+        return [(x + r) % n for x in first]
+    row = [(x + r // 2) % n for x in first]
+    return row[::-1] if r % 2 else row
