@@ -10,7 +10,9 @@ Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mb
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
 ``setup_warp_maxima`` (the per-tile setup's scale maxima reduced by every warp on its own: no group barrier for
 them) and ``fetch_halves`` (with one record slot, the next record copied in two parts that land while the producers
-still work: FETCH_HALVES)."""
+still work: FETCH_HALVES) and ``k_interleave`` (a K code word's tokens staged in the order its nibbles come out,
+with no byte permutes, and the V stage's rows in the same order: K_WORD_INTERLEAVED) and ``v_rows_linear``
+(dequant_v's rows a base a batch plus compile-time offsets)."""
 import statistics, sys
 from pathlib import Path
 
@@ -61,6 +63,49 @@ GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
 WARP_MAXIMA = """                    float m[6];
                     warp_scale_maxima(rec, gtid & 31, 32, m);
 """
+# dequant_v's items addressed from a base row a batch and compile-time offsets, not from each item's index (its
+# divisions); outputs exact
+V_ROWS_FROM_INDEX = """    // the stage rows of a thread's items (v_token) and their record tokens (stage_token)
+#pragma unroll 1
+    for (int i0 = 0; i0 < NI; i0 += NB) {
+        u32 w[NB];
+        uint2 vp[NB];
+        const int wi = v_word(ptid);  // the word of the thread's items i with i % VW == 0
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int tr = t0 + stage_token(v_token(ptid + (i0 + i) * GT));
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + tr * ROWB + (wi + (i % VW) * VW_STEP) * 4);
+            vp[i] = P.vp[tr];
+        }
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int tt = v_token(ptid + (i0 + i) * GT), c0 = (wi + (i % VW) * VW_STEP) * CPW;
+"""
+V_ROWS_LINEAR = """    // item n of the thread (ptid + n * GT) is word wi + (n % VW) * VW_STEP of stage row tt0 + (n / VW) * TT_STEP:
+    // a batch's rows are a base and compile-time offsets (computed from each item's index they cost ~15
+    // instructions an item)
+    constexpr int TT_STEP = VW == 1 ? GT / (V_LANES * WPT) * V_LANES : V_LANES;
+    const int tt0 = v_token(ptid), wi = v_word(ptid);
+    // rows TT_STEP apart, TT_STEP a multiple of 8, share their place in their 8 rows: one shift (stage_token's)
+    // serves them all
+    constexpr bool ROW_PHASE_FIXED = TT_STEP % 8 == 0;
+    const int tshift = stage_token(tt0) - tt0;
+#pragma unroll 1
+    for (int i0 = 0; i0 < NI; i0 += NB) {
+        u32 w[NB];
+        uint2 vp[NB];
+        const int tb = tt0 + (i0 / VW) * TT_STEP;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int tt = tb + (i / VW) * TT_STEP;
+            const int tr = t0 + (ROW_PHASE_FIXED ? tt + tshift : stage_token(tt));  // the record token of row tt
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + tr * ROWB + (wi + (i % VW) * VW_STEP) * 4);
+            vp[i] = P.vp[tr];
+        }
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+            const int tt = tb + (i / VW) * TT_STEP, c0 = (wi + (i % VW) * VW_STEP) * CPW;
+"""
 VARIANTS = {
     "shipped": [],
     "no_consumer_tile_math": NO_MATH,
@@ -79,7 +124,12 @@ VARIANTS = {
     # one record slot, two blocks a tile (D=256's 64-token configs): the record copied in two parts; outputs exact
     "fetch_halves": [("constexpr bool FETCH_HALVES = false;",
                       "constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;")],
+    # a K code word's tokens staged in extraction order (no byte permutes), V's rows alike; outputs to rounding
+    "k_interleave": [("constexpr bool K_WORD_INTERLEAVED = false;",
+                      "constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;")],
+    "v_rows_linear": [(V_ROWS_FROM_INDEX, V_ROWS_LINEAR)],
 }
+VARIANTS["k_interleave_v_rows_linear"] = VARIANTS["k_interleave"] + VARIANTS["v_rows_linear"]
 
 
 def main() -> None:

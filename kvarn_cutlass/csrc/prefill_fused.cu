@@ -201,6 +201,16 @@ extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
 // while the producers still work on tile g or on g + 1's setup; otherwise the whole record is copied after tile
 // g's last block and waited for at once.
 constexpr bool FETCH_HALVES = false;
+// K_WORD_INTERLEAVED (an A/B form, off: tools/prefill_variants.py's k_interleave; uniform codes, f16 K operand):
+// the 8 tokens of a K code word go to the K stage in the order the nibble extraction yields their pairs,
+// t0 t4 t1 t5 t2 t6 t3 t7, with no byte permutes per word (4 an item, ~15% of dequant_k's instructions at
+// D=256), and the V stage's rows take the same order within each 8 tokens. A tile block's scores and P . V are
+// sums over its tokens, which no order changes, and no tile block masks a column.
+constexpr bool K_WORD_INTERLEAVED = false;
+// the record token held by row (K column) p of a tile block's stage
+__device__ __forceinline__ int stage_token(int p) {
+    return K_WORD_INTERLEAVED ? (p & ~7) | ((p & 7) >> 1) | ((p & 1) << 2) : p;
+}
 
 #if CACHE_BF16
 typedef __nv_bfloat16 cache_t;
@@ -981,16 +991,23 @@ __device__ __forceinline__ __half2 crumb_pair(u32 w, int k) {  // 2-bit fields k
 __device__ __forceinline__ u32 lo_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x5410); }
 __device__ __forceinline__ u32 hi_pair(__half2 a, __half2 b) { return __byte_perm(h2u(a), h2u(b), 0x7632); }
 
-// 8 consecutive 4-bit codes of w -> 4 half2 of consecutive code values (uniform: the codes; lloyd_max: centroids)
+// 8 consecutive 4-bit codes of w -> 4 half2 of consecutive code values (uniform: the codes; lloyd_max: centroids);
+// INTERLEAVED (uniform only): the pairs of codes (k, k + 4) instead, as they come out of the word
+template <bool INTERLEAVED = false>
 __device__ __forceinline__ void values8(u32 w, __half2 (&v)[4], const u8* lut) {
 #if LLOYD_MAX
+    static_assert(!INTERLEAVED, "the lloyd_max tables give pairs of consecutive codes");
     const u32* lut4 = reinterpret_cast<const u32*>(lut);
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = u2h(lut4[(w >> (8 * j)) & 0xFFu]);
 #else
     const __half2 p0 = nib_pair(w, 0), p1 = nib_pair(w, 1), p2 = nib_pair(w, 2), p3 = nib_pair(w, 3);
-    v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3));  // (t0, t1), (t2, t3)
-    v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));  // (t4, t5), (t6, t7)
+    if constexpr (INTERLEAVED) {
+        v[0] = p0; v[1] = p1; v[2] = p2; v[3] = p3;  // (t0, t4), (t1, t5), (t2, t6), (t3, t7)
+    } else {
+        v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3));  // (t0, t1), (t2, t3)
+        v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));  // (t4, t5), (t6, t7)
+    }
 #endif
 }
 // 16 consecutive 2-bit codes of w -> 8 half2 of consecutive code values
@@ -1091,23 +1108,34 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
             w[i] = *reinterpret_cast<const u32*>(codes + i * CODE_STEP);
             kpv[i] = kp[i * CSTEP];
         }
-        // the tokens' row scales (the same 8 tokens for every item of the thread), loaded with the batch's codes
+        // the tokens' row scales (the same 8 tokens for every item of the thread), loaded with the batch's codes,
+        // paired as the values are: rsv[j] those of the stage's columns 2j, 2j + 1 (stage_token)
         ratio_t rsv[4];
 #if SCALE_F32
         const float4 ra = reinterpret_cast<const float4*>(rs2)[0], rb = reinterpret_cast<const float4*>(rs2)[1];
-        rsv[0] = make_float2(ra.x, ra.y); rsv[1] = make_float2(ra.z, ra.w);
-        rsv[2] = make_float2(rb.x, rb.y); rsv[3] = make_float2(rb.z, rb.w);
+        if constexpr (K_WORD_INTERLEAVED) {
+            rsv[0] = make_float2(ra.x, rb.x); rsv[1] = make_float2(ra.y, rb.y);
+            rsv[2] = make_float2(ra.z, rb.z); rsv[3] = make_float2(ra.w, rb.w);
+        } else {
+            rsv[0] = make_float2(ra.x, ra.y); rsv[1] = make_float2(ra.z, ra.w);
+            rsv[2] = make_float2(rb.x, rb.y); rsv[3] = make_float2(rb.z, rb.w);
+        }
 #else
         const uint4 r = *reinterpret_cast<const uint4*>(rs2);
-        rsv[0] = u2h(r.x); rsv[1] = u2h(r.y); rsv[2] = u2h(r.z); rsv[3] = u2h(r.w);
+        if constexpr (K_WORD_INTERLEAVED) {  // once a batch, not once an item
+            rsv[0] = u2h(__byte_perm(r.x, r.z, 0x5410)); rsv[1] = u2h(__byte_perm(r.x, r.z, 0x7632));
+            rsv[2] = u2h(__byte_perm(r.y, r.w, 0x5410)); rsv[3] = u2h(__byte_perm(r.y, r.w, 0x7632));
+        } else {
+            rsv[0] = u2h(r.x); rsv[1] = u2h(r.y); rsv[2] = u2h(r.z); rsv[3] = u2h(r.w);
+        }
 #endif
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             __half2 v[4];
-            values8(w[i], v, lut);
+            values8<K_WORD_INTERLEAVED>(w[i], v, lut);
             u32 out[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kpv[i], rsv[j]);  // tokens 2j, 2j + 1
+            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kpv[i], rsv[j]);  // stage columns 2j, 2j + 1
             *reinterpret_cast<uint4*>(dst + i * KD_STEP) = make_uint4(out[0], out[1], out[2], out[3]);
         }
     }
@@ -1147,6 +1175,7 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
     constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;  // batches of loads, as in dequant_k
     static_assert(NI % NB == 0 && NB % VW == 0, "whole batches, each starting at the thread's first word");
+    // the stage rows of a thread's items (v_token) and their record tokens (stage_token)
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
         u32 w[NB];
@@ -1154,9 +1183,9 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
         const int wi = v_word(ptid);  // the word of the thread's items i with i % VW == 0
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            const int tt = v_token(ptid + (i0 + i) * GT);
-            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + (t0 + tt) * ROWB + (wi + (i % VW) * VW_STEP) * 4);
-            vp[i] = P.vp[t0 + tt];
+            const int tr = t0 + stage_token(v_token(ptid + (i0 + i) * GT));
+            w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + tr * ROWB + (wi + (i % VW) * VW_STEP) * 4);
+            vp[i] = P.vp[tr];
         }
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
