@@ -8,11 +8,12 @@ the tuned one)
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
-``setup_warp_maxima`` (the per-tile setup's scale maxima reduced by every warp on its own: no group barrier for
-them) and ``fetch_halves`` (with one record slot, the next record copied in two parts that land while the producers
-still work: FETCH_HALVES) and ``k_interleave`` (a K code word's tokens staged in the order its nibbles come out,
-with no byte permutes, and the V stage's rows in the same order: K_WORD_INTERLEAVED) and ``v_rows_linear``
-(dequant_v's rows a base a batch plus compile-time offsets)."""
+the producer changes of the twentieth session, each turned back: ``setup_group_maxima`` (the per-tile setup's
+scale maxima exchanged between the warps through shared memory and a group barrier, not reduced by every warp on
+its own), ``fetch_whole`` (with one record slot, the next record copied whole after the tile's last block, not in
+two parts: FETCH_HALVES), ``k_plain_order`` (a K code word's tokens staged in token order with byte permutes, not in
+the order its nibbles come out: K_WORD_INTERLEAVED), ``v_rows_from_index`` (dequant_v's stage rows computed from
+each item's index), and ``previous`` (all four: the nineteenth session's kernel)."""
 import statistics, sys
 from pathlib import Path
 
@@ -53,8 +54,8 @@ MBAR_RULE = "constexpr bool MBAR_HANDOFF = NG == 2;"
 MBAR_RULE_ALL = (MBAR_RULE, "constexpr bool MBAR_HANDOFF = true;")
 MBAR_HINT = ("mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;",
              "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 0x989680;")
-# the per-tile setup with no exchange between the group's warps: each warp reduces every scale of the record
-# itself (4x the loads, one group barrier and the partial-maximum stores and loads fewer); outputs exact
+# the per-tile setup with no exchange between the group's warps (shipped: each warp reduces every scale of the
+# record itself), or through Params::red and a group barrier; outputs exact
 GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
                     bar_sync(BAR_GROUP + pg, GT);
                     float m[6];
@@ -63,8 +64,12 @@ GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
 WARP_MAXIMA = """                    float m[6];
                     warp_scale_maxima(rec, gtid & 31, 32, m);
 """
-# dequant_v's items addressed from a base row a batch and compile-time offsets, not from each item's index (its
-# divisions); outputs exact
+# the record copied in two parts where one slot holds it (shipped), or whole; a K word's tokens staged in the
+# order they are extracted (shipped), or in token order
+FETCH_RULE = "constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;"
+K_ORDER_RULE = "constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;"
+# dequant_v's items addressed from a base row a batch and compile-time offsets (shipped), or from each item's index
+# (its divisions); outputs exact
 V_ROWS_FROM_INDEX = """    // the stage rows of a thread's items (v_token) and their record tokens (stage_token)
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
@@ -120,16 +125,15 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
-    "setup_warp_maxima": [(GROUP_MAXIMA, WARP_MAXIMA)],
-    # one record slot, two blocks a tile (D=256's 64-token configs): the record copied in two parts; outputs exact
-    "fetch_halves": [("constexpr bool FETCH_HALVES = false;",
-                      "constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;")],
-    # a K code word's tokens staged in extraction order (no byte permutes), V's rows alike; outputs to rounding
-    "k_interleave": [("constexpr bool K_WORD_INTERLEAVED = false;",
-                      "constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;")],
-    "v_rows_linear": [(V_ROWS_FROM_INDEX, V_ROWS_LINEAR)],
+    # the twentieth session's four producer changes, each turned back (outputs exact but for k_plain_order's
+    # rounding), and all four at once (the nineteenth session's kernel)
+    "setup_group_maxima": [(WARP_MAXIMA, GROUP_MAXIMA)],
+    "fetch_whole": [(FETCH_RULE, "constexpr bool FETCH_HALVES = false;")],
+    "k_plain_order": [(K_ORDER_RULE, "constexpr bool K_WORD_INTERLEAVED = false;")],
+    "v_rows_from_index": [(V_ROWS_LINEAR, V_ROWS_FROM_INDEX)],
 }
-VARIANTS["k_interleave_v_rows_linear"] = VARIANTS["k_interleave"] + VARIANTS["v_rows_linear"]
+VARIANTS["previous"] = [sub for name in ("setup_group_maxima", "fetch_whole", "k_plain_order", "v_rows_from_index")
+                        for sub in VARIANTS[name]]
 
 
 def main() -> None:

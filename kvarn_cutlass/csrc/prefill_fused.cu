@@ -195,18 +195,17 @@ constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
 // The launcher reads this from the module (one source for the layout above).
 extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
 
-// FETCH_HALVES (an A/B form, off: tools/prefill_variants.py's fetch_halves; one record slot, two blocks a tile):
-// a record is copied in two parts, A (the scales and the codes of the tile's first block) and B (those of its
-// second), A of tile g + 1 once tile g's first block is dequantized and B once its second is, so each part lands
-// while the producers still work on tile g or on g + 1's setup; otherwise the whole record is copied after tile
-// g's last block and waited for at once.
-constexpr bool FETCH_HALVES = false;
-// K_WORD_INTERLEAVED (an A/B form, off: tools/prefill_variants.py's k_interleave; uniform codes, f16 K operand):
+// FETCH_HALVES (one record slot, two blocks a tile): a record is copied in two parts, A (the scales and the codes
+// of the tile's first block) and B (those of its second), A of tile g + 1 once tile g's first block is dequantized
+// and B once its second is, so each part lands while the producers still work on tile g or on g + 1's setup;
+// otherwise the whole record would be copied after tile g's last block and waited for at once.
+constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;
+// K_WORD_INTERLEAVED (uniform codes, f16 K operand):
 // the 8 tokens of a K code word go to the K stage in the order the nibble extraction yields their pairs,
 // t0 t4 t1 t5 t2 t6 t3 t7, with no byte permutes per word (4 an item, ~15% of dequant_k's instructions at
 // D=256), and the V stage's rows take the same order within each 8 tokens. A tile block's scores and P . V are
 // sums over its tokens, which no order changes, and no tile block masks a column.
-constexpr bool K_WORD_INTERLEAVED = false;
+constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;
 // the record token held by row (K column) p of a tile block's stage
 __device__ __forceinline__ int stage_token(int p) {
     return K_WORD_INTERLEAVED ? (p & ~7) | ((p & 7) >> 1) | ((p & 1) << 2) : p;
@@ -719,16 +718,42 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 #endif
 
 
-// FETCH_HALVES: the record's 16-byte chunk i holds codes of the tile's second block (part B): the second half of
-// a channel's row of K codes (T / 2 bytes, tokens in order) or a V codes row of a token in the second half
-__device__ __forceinline__ bool second_block_chunk(int i) {
-    constexpr int KROW = T / 2 / 16;         // chunks a channel's row of K codes
-    constexpr int VROW = D * VB / 8 / 16;    // chunks a token's row of V codes
-    static_assert(!FETCH_HALVES || (KROW % 2 == 0 && VROW >= 1 && BPT == 2), "FETCH_HALVES: two blocks a tile");
-    const int o = i * 16;
-    if (o >= OFF_K_CODES && o < OFF_K_CODES + D * T / 2) return (o - OFF_K_CODES) / 16 % KROW >= KROW / 2;
-    if (o >= OFF_V_CODES && o < OFF_V_CODES + T * D * VB / 8) return (o - OFF_V_CODES) / 16 / VROW >= T / 2;
-    return false;
+// FETCH_HALVES' parts of a record: B, the codes of the tile's second block (the second half of every channel's
+// row of K codes, T / 2 bytes with tokens in order; the V code rows of the second half's tokens), and A, the rest.
+// Each part is copied from explicit ranges: classifying every 16-byte chunk of the record cost ~20 instructions
+// a chunk.
+constexpr int K_CODES_END = OFF_K_CODES + D * T / 2, V_CODES_END = OFF_V_CODES + T * D * VB / 8;
+constexpr int V_HALF_BYTES = T / 2 * D * VB / 8;
+constexpr bool K_CODES_FIRST = OFF_K_CODES < OFF_V_CODES;
+constexpr int CODES_LO1 = K_CODES_FIRST ? OFF_K_CODES : OFF_V_CODES, CODES_HI1 = K_CODES_FIRST ? K_CODES_END : V_CODES_END;
+constexpr int CODES_LO2 = K_CODES_FIRST ? OFF_V_CODES : OFF_K_CODES, CODES_HI2 = K_CODES_FIRST ? V_CODES_END : K_CODES_END;
+static_assert(CODES_HI1 <= CODES_LO2 && CODES_HI2 <= REC && REC % 16 == 0 && CODES_LO1 % 16 == 0 &&
+              CODES_HI1 % 16 == 0 && CODES_LO2 % 16 == 0 && CODES_HI2 % 16 == 0 && V_HALF_BYTES % 16 == 0,
+              "the record's code regions are whole 16-byte chunks, apart");
+// bytes [lo, hi) of the record
+__device__ __forceinline__ void copy_record_range(u8* dst, const u8* src, int lo, int hi, int gtid) {
+#pragma unroll 1
+    for (int o = lo + gtid * 16; o < hi; o += GT * 16) cp_async16(dst + o, src + o, true);
+}
+// half `half` of every channel's row of K codes
+__device__ __forceinline__ void copy_k_code_halves(u8* dst, const u8* src, int half, int gtid) {
+    constexpr int HC = T / 2 / 16 / 2;  // 16-byte chunks in half a row
+    static_assert(!FETCH_HALVES || (HC >= 1 && BPT == 2), "FETCH_HALVES: two blocks a tile, whole chunks a half row");
+#pragma unroll 1
+    for (int j = gtid; j < D * HC; j += GT) {
+        const int o = OFF_K_CODES + (j / HC) * (T / 2) + (half * HC + j % HC) * 16;
+        cp_async16(dst + o, src + o, true);
+    }
+}
+// part 1 (A) or 2 (B) of the record at src
+__device__ __forceinline__ void copy_record_part(u8* dst, const u8* src, int part, int gtid) {
+    if (part == 1) {
+        copy_record_range(dst, src, 0, CODES_LO1, gtid);
+        copy_record_range(dst, src, CODES_HI1, CODES_LO2, gtid);
+        copy_record_range(dst, src, CODES_HI2, REC, gtid);
+    }
+    copy_k_code_halves(dst, src, part - 1, gtid);
+    copy_record_range(dst, src, OFF_V_CODES + (part - 1) * V_HALF_BYTES, OFF_V_CODES + part * V_HALF_BYTES, gtid);
 }
 
 // --- synchronization ----------------------------------------------------------------------------
@@ -1175,21 +1200,30 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
     static_assert(ITEMS % GT == 0, "whole items per producer thread");
     constexpr int NI = ITEMS / GT, NB = NI < 4 ? NI : 4;  // batches of loads, as in dequant_k
     static_assert(NI % NB == 0 && NB % VW == 0, "whole batches, each starting at the thread's first word");
-    // the stage rows of a thread's items (v_token) and their record tokens (stage_token)
+    // item n of the thread (ptid + n * GT) is word wi + (n % VW) * VW_STEP of stage row tt0 + (n / VW) * TT_STEP:
+    // a batch's rows are a base and compile-time offsets (computed from each item's index they cost ~15
+    // instructions an item)
+    constexpr int TT_STEP = VW == 1 ? GT / (V_LANES * WPT) * V_LANES : V_LANES;
+    const int tt0 = v_token(ptid), wi = v_word(ptid);
+    // rows TT_STEP apart, TT_STEP a multiple of 8, share their place in their 8 rows: one shift (stage_token's)
+    // serves them all
+    constexpr bool ROW_PHASE_FIXED = TT_STEP % 8 == 0;
+    const int tshift = stage_token(tt0) - tt0;
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
         u32 w[NB];
         uint2 vp[NB];
-        const int wi = v_word(ptid);  // the word of the thread's items i with i % VW == 0
+        const int tb = tt0 + (i0 / VW) * TT_STEP;
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            const int tr = t0 + stage_token(v_token(ptid + (i0 + i) * GT));
+            const int tt = tb + (i / VW) * TT_STEP;
+            const int tr = t0 + (ROW_PHASE_FIXED ? tt + tshift : stage_token(tt));  // the record token of row tt
             w[i] = *reinterpret_cast<const u32*>(rec + OFF_V_CODES + tr * ROWB + (wi + (i % VW) * VW_STEP) * 4);
             vp[i] = P.vp[tr];
         }
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
-            const int tt = v_token(ptid + (i0 + i) * GT), c0 = (wi + (i % VW) * VW_STEP) * CPW;
+            const int tt = tb + (i / VW) * TT_STEP, c0 = (wi + (i % VW) * VW_STEP) * CPW;
             const ratio_t* cri = cr + (i % VW) * (CPW / 2);
             u32 out[CPW / 2];
             if constexpr (VB == 2) {
@@ -1429,8 +1463,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
 #if K_INT8
             for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + kint8_rec_chunk(i) * 16, srcp + i * 16, true);
 #else
-            for (int i = gtid; i < REC / 16; i += GT)
-                if (part == 0 || second_block_chunk(i) == (part == 2)) cp_async16(dst + i * 16, srcp + i * 16, true);
+            if (part == 0) {
+                for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            } else {
+                copy_record_part(dst, srcp, part, gtid);
+            }
 #endif
             cp_async_commit();
         };
@@ -1470,10 +1507,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                     else cp_async_wait_all();
                     bar_sync(BAR_GROUP + pg, GT);  // record g landed (and the last tile's red was read)
                     rec = sRec + (g % RSLOTS) * REC;
-                    tile_partial_max(rec, P.red, gtid);
-                    bar_sync(BAR_GROUP + pg, GT);
                     float m[6];
-                    group_maxima(P.red, m);
+                    warp_scale_maxima(rec, gtid & 31, 32, m);
                     const TileFactors f = tile_factors(m);
                     tile_params(rec, f, P, gtid);
                     bar_sync(BAR_GROUP + pg, GT);  // parameters written
