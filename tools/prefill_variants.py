@@ -8,12 +8,9 @@ the tuned one)
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
-the producer changes of the twentieth session, each turned back: ``setup_group_maxima`` (the per-tile setup's
-scale maxima exchanged between the warps through shared memory and a group barrier, not reduced by every warp on
-its own), ``fetch_whole`` (with one record slot, the next record copied whole after the tile's last block, not in
-two parts: FETCH_HALVES), ``k_plain_order`` (a K code word's tokens staged in token order with byte permutes, not in
-the order its nibbles come out: K_WORD_INTERLEAVED), ``v_rows_from_index`` (dequant_v's stage rows computed from
-each item's index), and ``previous`` (all four: the nineteenth session's kernel)."""
+the dequantization changes of the twentieth session, each turned back: ``k_plain_order`` (a K code word's tokens
+staged in token order with byte permutes, not in the order its nibbles come out: K_WORD_INTERLEAVED),
+``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both)."""
 import statistics, sys
 from pathlib import Path
 
@@ -54,19 +51,7 @@ MBAR_RULE = "constexpr bool MBAR_HANDOFF = NG == 2;"
 MBAR_RULE_ALL = (MBAR_RULE, "constexpr bool MBAR_HANDOFF = true;")
 MBAR_HINT = ("mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;",
              "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 0x989680;")
-# the per-tile setup with no exchange between the group's warps (shipped: each warp reduces every scale of the
-# record itself), or through Params::red and a group barrier; outputs exact
-GROUP_MAXIMA = """                    tile_partial_max(rec, P.red, gtid);
-                    bar_sync(BAR_GROUP + pg, GT);
-                    float m[6];
-                    group_maxima(P.red, m);
-"""
-WARP_MAXIMA = """                    float m[6];
-                    warp_scale_maxima(rec, gtid & 31, 32, m);
-"""
-# the record copied in two parts where one slot holds it (shipped), or whole; a K word's tokens staged in the
-# order they are extracted (shipped), or in token order
-FETCH_RULE = "constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;"
+# a K word's tokens staged in the order they are extracted (shipped), or in token order
 K_ORDER_RULE = "constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;"
 # dequant_v's items addressed from a base row a batch and compile-time offsets (shipped), or from each item's index
 # (its divisions); outputs exact
@@ -125,15 +110,12 @@ VARIANTS = {
     "named_every_config": [(MBAR_RULE, "constexpr bool MBAR_HANDOFF = false;")],
     "mbar_hint": [MBAR_HINT],
     "mbar_every_config_hint": [MBAR_RULE_ALL, MBAR_HINT],
-    # the twentieth session's four producer changes, each turned back (outputs exact but for k_plain_order's
-    # rounding), and all four at once (the nineteenth session's kernel)
-    "setup_group_maxima": [(WARP_MAXIMA, GROUP_MAXIMA)],
-    "fetch_whole": [(FETCH_RULE, "constexpr bool FETCH_HALVES = false;")],
+    # the twentieth session's two dequantization changes, each turned back (outputs exact but for k_plain_order's
+    # rounding), and both (the kernel before them)
     "k_plain_order": [(K_ORDER_RULE, "constexpr bool K_WORD_INTERLEAVED = false;")],
     "v_rows_from_index": [(V_ROWS_LINEAR, V_ROWS_FROM_INDEX)],
 }
-VARIANTS["previous"] = [sub for name in ("setup_group_maxima", "fetch_whole", "k_plain_order", "v_rows_from_index")
-                        for sub in VARIANTS[name]]
+VARIANTS["previous"] = VARIANTS["k_plain_order"] + VARIANTS["v_rows_from_index"]
 
 
 def main() -> None:
