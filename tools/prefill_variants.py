@@ -10,7 +10,9 @@ Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mb
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
 the dequantization changes of the twentieth session, each turned back: ``k_plain_order`` (a K code word's tokens
 staged in token order with byte permutes, not in the order its nibbles come out: K_WORD_INTERLEAVED),
-``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both)."""
+``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both); and
+``k_scaled_steps`` (a K code word converted with one shift: its odd nibble pairs in place, scaled by step' / 16:
+K_SCALED_STEPS), ``v_scaled_steps`` (the same for V words: V_SCALED_STEPS) and ``kv_scaled_steps`` (both)."""
 import statistics, sys
 from pathlib import Path
 
@@ -116,6 +118,13 @@ VARIANTS = {
     "v_rows_from_index": [(V_ROWS_LINEAR, V_ROWS_FROM_INDEX)],
 }
 VARIANTS["previous"] = VARIANTS["k_plain_order"] + VARIANTS["v_rows_from_index"]
+# a K word converted with one shift, its odd pairs scaled by step' / 16 (K_SCALED_STEPS); outputs exact
+VARIANTS["k_scaled_steps"] = [("constexpr bool K_SCALED_STEPS = false;",
+                               "constexpr bool K_SCALED_STEPS = K_WORD_INTERLEAVED;")]
+# a V word converted with one shift, its pairs scaled by (step', step' / 4^k) half2s (V_SCALED_STEPS); outputs exact
+VARIANTS["v_scaled_steps"] = [("constexpr bool V_SCALED_STEPS = false;",
+                               "constexpr bool V_SCALED_STEPS = !LLOYD_MAX && !SCALE_F32;")]
+VARIANTS["kv_scaled_steps"] = VARIANTS["k_scaled_steps"] + VARIANTS["v_scaled_steps"]
 
 
 def main() -> None:
