@@ -156,8 +156,9 @@ static_assert(!WGMMA || (RPW == 16 && ((BN == 64 && D <= 128) || (D == 256 && NP
 // K_WORD_INTERLEAVED (uniform codes, f16 K operand):
 // the 8 tokens of a K code word go to the K stage in the order the nibble extraction yields their pairs,
 // t0 t4 t1 t5 t2 t6 t3 t7, with no byte permutes per word (4 an item, 13% of dequant_k's instructions at
-// D=256; the kernel 4% faster there, 1% at D=128), and the V stage's rows take the same order within each 8 tokens. A tile block's scores and P . V are
-// sums over its tokens, which no order changes, and no tile block masks a column.
+// D=256; the kernel 4% faster there, 1% at D=128), and the V stage's rows take the same order within each 8
+// tokens. A tile block's scores and P . V are sums over its tokens, which no order changes, and no tile block
+// masks a column.
 constexpr bool K_WORD_INTERLEAVED = !LLOYD_MAX && !K_INT8;
 // the record token held by row (K column) p of a tile block's stage
 __device__ __forceinline__ int stage_token(int p) {
@@ -190,7 +191,8 @@ __device__ __forceinline__ unsigned step16_of(uint2 p) { return p.x; }  // (no s
 // tile block (kd [D][KS] f16, vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V
 // [BN][QS], cache dtype); NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
-constexpr int SM_PAR1 = D * (int)sizeof(kparam_t) + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
+// kp [D], cr [D], vp [T], rs [T], red (Params)
+constexpr int SM_PAR1 = D * (int)sizeof(kparam_t) + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
@@ -1027,25 +1029,42 @@ __device__ __forceinline__ void values8(u32 w, __half2 (&v)[4], const u8* lut) {
     }
 #endif
 }
-// V_SCALED_STEPS: 16 consecutive 2-bit codes of w -> 8 half2 of consecutive code values times (1, 4) (even j)
-// or (16, 64) (odd j), one shift for the word
+// V_SCALED_STEPS: 16 consecutive 2-bit codes of w with one shift -> 8 half2 of consecutive code values times
+// (1, 4) (even j) or (16, 64) (odd j)
 __device__ __forceinline__ void values16_scaled(u32 w, __half2 (&v)[8]) {
     const u32 w8 = w >> 8;
     const __half2 m = bcast(1024.f);
-    const __half2 a0 = __hsub2(u2h(and_or_magic<0x00030003u>(w)), m), a1 = __hsub2(u2h(and_or_magic<0x000C000Cu>(w)), m);
-    const __half2 a2 = __hsub2(u2h(and_or_magic<0x00300030u>(w)), m), a3 = __hsub2(u2h(and_or_magic<0x00C000C0u>(w)), m);
-    const __half2 a4 = __hsub2(u2h(and_or_magic<0x00030003u>(w8)), m), a5 = __hsub2(u2h(and_or_magic<0x000C000Cu>(w8)), m);
-    const __half2 a6 = __hsub2(u2h(and_or_magic<0x00300030u>(w8)), m), a7 = __hsub2(u2h(and_or_magic<0x00C000C0u>(w8)), m);
-    v[0] = u2h(lo_pair(a0, a1)); v[1] = u2h(lo_pair(a2, a3)); v[2] = u2h(lo_pair(a4, a5)); v[3] = u2h(lo_pair(a6, a7));
-    v[4] = u2h(hi_pair(a0, a1)); v[5] = u2h(hi_pair(a2, a3)); v[6] = u2h(hi_pair(a4, a5)); v[7] = u2h(hi_pair(a6, a7));
+    __half2 a[8];  // a[k]: 4^(k % 4) x the fields (k, k + 8)
+    a[0] = __hsub2(u2h(and_or_magic<0x00030003u>(w)), m);
+    a[1] = __hsub2(u2h(and_or_magic<0x000C000Cu>(w)), m);
+    a[2] = __hsub2(u2h(and_or_magic<0x00300030u>(w)), m);
+    a[3] = __hsub2(u2h(and_or_magic<0x00C000C0u>(w)), m);
+    a[4] = __hsub2(u2h(and_or_magic<0x00030003u>(w8)), m);
+    a[5] = __hsub2(u2h(and_or_magic<0x000C000Cu>(w8)), m);
+    a[6] = __hsub2(u2h(and_or_magic<0x00300030u>(w8)), m);
+    a[7] = __hsub2(u2h(and_or_magic<0x00C000C0u>(w8)), m);
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        v[k / 2] = u2h(lo_pair(a[k], a[k + 1]));
+        v[4 + k / 2] = u2h(hi_pair(a[k], a[k + 1]));
+    }
 }
-// V_SCALED_STEPS: 8 consecutive 4-bit codes of w -> 4 half2 of consecutive code values times (1, 16)
+// K_SCALED_STEPS, V_SCALED_STEPS: 8 consecutive 4-bit codes of w with one shift -> 4 half2 of consecutive code
+// values times (1, 16); INTERLEAVED: the pairs of codes (k, k + 4) instead, times 1 (even k) or 16 (odd k)
+template <bool INTERLEAVED>
 __device__ __forceinline__ void values8_scaled(u32 w, __half2 (&v)[4]) {
     const u32 w8 = w >> 8;
     const __half2 m = bcast(1024.f);
-    const __half2 p0 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w)), m), p1 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w)), m);
-    const __half2 p2 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w8)), m), p3 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w8)), m);
-    v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3)); v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));
+    const __half2 p0 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w)), m);   // (0, 4)
+    const __half2 p1 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w)), m);   // 16 x (1, 5)
+    const __half2 p2 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w8)), m);  // (2, 6)
+    const __half2 p3 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w8)), m);  // 16 x (3, 7)
+    if constexpr (INTERLEAVED) {
+        v[0] = p0; v[1] = p1; v[2] = p2; v[3] = p3;
+    } else {
+        v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3));
+        v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));
+    }
 }
 // 16 consecutive 2-bit codes of w -> 8 half2 of consecutive code values
 __device__ __forceinline__ void values16(u32 w, __half2 (&v)[8], const u8* lut) {
@@ -1170,17 +1189,11 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
         for (int i = 0; i < NB; ++i) {
             u32 out[4];
             if constexpr (K_SCALED_STEPS) {
-                // pairs (0, 4) and (2, 6) as code values, (1, 5) and (3, 7) as 16 x code values
-                const u32 w8 = w[i] >> 8;
-                const __half2 v0 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w[i])), bcast(1024.f));
-                const __half2 v1 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w[i])), bcast(1024.f));
-                const __half2 v2 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w8)), bcast(1024.f));
-                const __half2 v3 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w8)), bcast(1024.f));
+                __half2 v[4];
+                values8_scaled<true>(w[i], v);  // pairs (1, 5) and (3, 7) at 16x: step' / 16
                 const uint2 p1 = make_uint2(kpv[i].x, kpv[i].y), p16 = make_uint2(step16_of(kpv[i]), kpv[i].y);
-                out[0] = affine_scaled(v0, p1, rsv[0]);
-                out[1] = affine_scaled(v1, p16, rsv[1]);
-                out[2] = affine_scaled(v2, p1, rsv[2]);
-                out[3] = affine_scaled(v3, p16, rsv[3]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], j % 2 ? p16 : p1, rsv[j]);
             } else {
                 __half2 v[4];
                 values8<K_WORD_INTERLEAVED>(w[i], v, lut);
@@ -1256,17 +1269,19 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
             if constexpr (V_SCALED_STEPS) {
                 // the token's step' as the half2 steps of the scaled pairs
                 const __half2 step = u2h(vp[i].x);
+                auto steps = [&](float lo, float hi) {  // (step' * lo, step' * hi): exact, powers of two
+                    return make_uint2(h2u(__hmul2(step, __floats2half2_rn(lo, hi))), vp[i].y);
+                };
                 if constexpr (VB == 2) {
-                    const uint2 p_even = make_uint2(h2u(__hmul2(step, __halves2half2(__float2half(1.f), __float2half(0.25f)))), vp[i].y);
-                    const uint2 p_odd = make_uint2(h2u(__hmul2(step, __halves2half2(__float2half(0.0625f), __float2half(0.015625f)))), vp[i].y);
+                    const uint2 p_even = steps(1.f, 0.25f), p_odd = steps(0.0625f, 0.015625f);
                     __half2 v[8];
                     values16_scaled(w[i], v);
 #pragma unroll
                     for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], k % 2 ? p_odd : p_even, cri[k]);
                 } else {
-                    const uint2 p = make_uint2(h2u(__hmul2(step, __halves2half2(__float2half(1.f), __float2half(0.0625f)))), vp[i].y);
+                    const uint2 p = steps(1.f, 0.0625f);
                     __half2 v[4];
-                    values8_scaled(w[i], v);
+                    values8_scaled<false>(w[i], v);
 #pragma unroll
                     for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], p, cri[k]);
                 }
