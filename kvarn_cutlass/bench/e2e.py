@@ -30,8 +30,8 @@ captured once in a CUDA graph and replayed per token), in the same run:
   appends and tile compression, the last position's LM head and argmax) between CUDA events, one
   synchronization at the end; median of ``reps`` runs, each on a fresh cache (samples in ``*_samples``),
   the runs of both caches and of the flash baseline alternating round by round (:func:`ttft_rounds`: a
-  drifting host moves all three medians alike, and no run always follows the same one); a warm-up generation of every (cache, chunk) precedes all
-  timing;
+  drifting host moves all three medians alike, and no run always follows the same one); a warm-up
+  generation of every (cache, chunk) precedes all timing;
 * ``decode_tok_s_*``: batch / median time of one graph-replayed decode step, per-step CUDA events over
   every replay after the first (eager) step, one synchronization at the end; the context grows from the
   prompt to prompt + new tokens over them (``decode_fp16_baseline``: the fp16 decode attention, a key of

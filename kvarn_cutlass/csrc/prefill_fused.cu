@@ -854,31 +854,24 @@ __device__ __forceinline__ float warp_max_nonneg(float x) {
     return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(x)));
 }
 
-// the six scale maxima over the record's channel and token pairs first, first + stride, ...
-__device__ __forceinline__ void scale_maxima(const u8* rec, int first, int stride, float (&m)[6]) {
+// The six scale maxima of this thread's channel and token pairs (gtid, gtid + GT, ...), reduced over its warp into
+// red[warp][0..5]; then a group barrier
+__device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
+    float m[6];
 #pragma unroll
     for (int k = 0; k < 6; ++k) m[k] = 0.f;  // |chan_min|, |chan_step|, col_scale, |tok_min|, |tok_step|, row_scale
-    for (int i = first; i < D / 2; i += stride) {
+    for (int i = gtid; i < D / 2; i += GT) {
         m[0] = fmaxf(m[0], abs_max(scale_pair_at(rec + OFF_CHAN_MIN, i)));
         m[1] = fmaxf(m[1], abs_max(scale_pair_at(rec + OFF_CHAN_STEP, i)));
         m[2] = fmaxf(m[2], abs_max(scale_pair_at(rec + OFF_COL_SCALE, i)));  // (positive)
     }
-    for (int i = first; i < T / 2; i += stride) {
+    for (int i = gtid; i < T / 2; i += GT) {
         m[3] = fmaxf(m[3], abs_max(scale_pair_at(rec + OFF_TOK_MIN, i)));
         m[4] = fmaxf(m[4], abs_max(scale_pair_at(rec + OFF_TOK_STEP, i)));
         m[5] = fmaxf(m[5], abs_max(scale_pair_at(rec + OFF_ROW_SCALE, i)));  // (positive)
     }
-}
-// scale_maxima reduced over the warp (each lane's share: first, first + stride, ...)
-__device__ __forceinline__ void warp_scale_maxima(const u8* rec, int first, int stride, float (&m)[6]) {
-    scale_maxima(rec, first, stride, m);
 #pragma unroll
     for (int k = 0; k < 6; ++k) m[k] = warp_max_nonneg(m[k]);
-}
-// this thread's channel and token pairs, reduced over its warp into red[warp][0..5]; then a group barrier
-__device__ __forceinline__ void tile_partial_max(const u8* rec, float* red, int gtid) {
-    float m[6];
-    warp_scale_maxima(rec, gtid, GT, m);
     if ((gtid & 31) == 0)
 #pragma unroll
         for (int k = 0; k < 6; ++k) red[(gtid >> 5) * 8 + k] = m[k];
