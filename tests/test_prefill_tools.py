@@ -104,6 +104,17 @@ def test_every_prefill_variant_substitution_applies_to_the_kernel_source():
             assert old in src and old != new, (name, old)
 
 
+def test_whole_source_variant_replaces_the_shipped_source(tmp_path):
+    """A NAME=PATH variant of tools/prefill_variants.py builds from the file at PATH: its one substitution takes
+    the whole shipped text (present, as use_source requires) to the file's."""
+    tool = load_tool("prefill_variants")
+    src = load_tool("prefill_phases").SHIPPED_SOURCE.read_text()
+    other = tmp_path / "older.cu"
+    other.write_text(src.replace("constexpr bool", "constexpr  bool"))
+    [(old, new)] = tool.whole_source_variant(str(other))
+    assert old == src and new == other.read_text() and new != src
+
+
 @pytest.mark.parametrize("bucket, groups", [("D128_T128_V2", 2), ("D256_T128_V2", 1)])
 def test_hand_off_variants_compile_to_the_form_they_name(bucket, groups):
     """The stage hand-off's A/B forms build for sm_90a: with mbarriers the kernel waits by try_wait (SASS SYNCS

@@ -3,7 +3,9 @@
 context, one 512-token chunk, 32 q / 8 KV heads, k4v2_g128, D=128 unless a D<head_dim> argument says
 otherwise). The variants' outputs are wrong by design; the shipped one is checked against the torch path.
 Run on a GPU: python3 tools/prefill_variants.py [D256] [only=VARIANT,...] [CONFIG ...]   (config names, default:
-the tuned one)
+the tuned one; a VARIANT NAME=PATH is the whole kernel source from PATH, e.g. an earlier commit's). Every variant
+is loaded first, then timed in interleaved rounds over rotating input sets larger than the L2, each against the
+shipped kernel of the same round.
 (through tools/gpu_check.sh: GPU_PREFILL_VARIANTS="D256 r16c8n32wg r16c4n32", several runs separated by ";")
 Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mbar_every_config`` and
 ``named_every_config`` (mbarriers or named barriers whatever the producer groups; shipped: mbarriers with two
@@ -12,8 +14,9 @@ the dequantization changes of the twentieth session, each turned back: ``k_plain
 staged in token order with byte permutes, not in the order its nibbles come out: K_WORD_INTERLEAVED),
 ``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both); and
 ``k_scaled_steps`` (a K code word converted with one shift: its odd nibble pairs in place, scaled by step' / 16:
-K_SCALED_STEPS), ``v_scaled_steps`` (the same for V words: V_SCALED_STEPS) and ``kv_scaled_steps`` (both)."""
-import statistics, sys
+K_SCALED_STEPS), ``v_scaled_steps`` (the same for V words: V_SCALED_STEPS) and ``kv_scaled_steps`` (both);
+``shipped_again`` (the shipped kernel built again under another name: the noise of a same-kernel A/B)."""
+import math, statistics, sys
 from pathlib import Path
 
 import torch
@@ -22,7 +25,8 @@ root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))  # the checkout's package
 import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
-from prefill_phases import use_source  # tools/ is the script's sys.path[0]
+from kvarn_cutlass.bench.timing import williams_order
+from prefill_phases import SHIPPED_SOURCE, use_source  # tools/ is the script's sys.path[0]
 
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
 DQK = "dequant_k(rec, P, sLut, st, t0, gtid);"
@@ -125,48 +129,101 @@ VARIANTS["k_scaled_steps"] = [("constexpr bool K_SCALED_STEPS = false;",
 VARIANTS["v_scaled_steps"] = [("constexpr bool V_SCALED_STEPS = false;",
                                "constexpr bool V_SCALED_STEPS = !LLOYD_MAX && !SCALE_F32;")]
 VARIANTS["kv_scaled_steps"] = VARIANTS["k_scaled_steps"] + VARIANTS["v_scaled_steps"]
+# the shipped kernel built a second time under another name: its ratio's spread is the timing's noise
+VARIANTS["shipped_again"] = [("constexpr bool V_SCALED_STEPS = false;",
+                              "constexpr bool V_SCALED_STEPS = false;  // (shipped_again)")]
+
+
+def whole_source_variant(path: str) -> list[tuple[str, str]]:
+    """A variant that replaces the whole shipped source with the file at ``path`` (e.g. an earlier version's
+    prefill_fused.cu from ``git show REV:kvarn_cutlass/csrc/prefill_fused.cu``, carried to the GPU machine)."""
+    return [(SHIPPED_SOURCE.read_text(), Path(path).read_text())]
+
+
+def timed_rounds(runs: list, sets: list, rounds: int, calls: int) -> list[list[float]]:
+    """ms per call of each of ``runs`` (callables taking an input set) in each of ``rounds`` rounds: a round
+    times every run once, ``calls`` calls back to back (so the host enqueues ahead; a call timed alone would add
+    its host time: tools/prefill_host.py) over the input sets in turn, in a Williams order (no run always after
+    the same one), so drift in the card's clocks falls on every run alike."""
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in williams_order(len(runs), r):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for c in range(calls):
+                runs[i](sets[c % len(sets)])
+            b.record()
+            b.synchronize()
+            times[i].append(a.elapsed_time(b) / calls)
+    return times
 
 
 def main() -> None:
-    variants = VARIANTS
+    variants = dict(VARIANTS)
     args = sys.argv[1:]
     D = next((int(a[1:]) for a in args if a[:1] == "D" and a[1:].isdigit()), 128)
-    # only=NAME[,NAME...]: time only those variants (shipped is always timed first)
+    # only=NAME[,NAME...]: time only those variants (shipped is always timed, as the reference); NAME=PATH: the
+    # whole kernel source from the file at PATH, under NAME
     only = next((a[5:].split(",") for a in args if a.startswith("only=")), None)
     args = [a for a in args if not a.startswith("only=")]
     if only is not None:
+        for entry in [e for e in only if "=" in e]:
+            name, path = entry.split("=", 1)
+            variants[name] = whole_source_variant(path)
+        only = [e.split("=", 1)[0] for e in only]
         unknown = set(only) - set(variants)
         if unknown:
-            sys.exit(f"unknown variants {sorted(unknown)}; choose from {list(variants)}")
+            sys.exit(f"unknown variants {sorted(unknown)}; choose from {list(variants)} or NAME=PATH")
         variants = {k: v for k, v in variants.items() if k == "shipped" or k in only}
     configs = [OP.FusedConfig.from_name(a) for a in args if not (a[:1] == "D" and a[1:].isdigit())] or [None]
     g = torch.Generator(device="cuda").manual_seed(0)
     ctx, n = 16384, 512
-    cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
-    k = torch.randn(1, 8, ctx, D, device="cuda", dtype=torch.float16, generator=g)
-    cache.append(0, k, torch.randn_like(k))
-    q = torch.randn(1, 32, n, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
-    kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
-    vn = torch.randn_like(kn)
+    # input sets in turn, more bytes of records than the L2 holds (50 MiB on an H100 or H200), so the calls read
+    # their tiles from device memory as a prompt's layers do
+    record_bytes = 8 * ctx * kc.TileSpec(head_dim=D).bytes_per_token
+    sets = []
+    for _ in range(max(2, math.ceil(120 * 2**20 / record_bytes))):
+        cache = kc.KVarNCache(1, 1, 8, D, window=256, device="cuda", max_seq_len=ctx + n)
+        k = torch.randn(1, 8, ctx, D, device="cuda", dtype=torch.float16, generator=g)
+        cache.append(0, k, torch.randn_like(k))
+        q = torch.randn(1, 32, n, D, device="cuda", dtype=torch.float16, generator=g) * 0.3
+        kn = torch.randn(1, 8, n, D, device="cuda", dtype=torch.float16, generator=g)
+        sets.append((q, kn, torch.randn_like(kn), cache, torch.empty_like(q)))
+    q, kn, vn, cache, _ = sets[0]
     want = kc.prefill_attention(q, kn, vn, cache, 0, append=False, impl="torch").float()
-    for cfg, (name, subs) in ((c, v) for c in configs for v in variants.items()):
+    # every variant built and loaded first; a run swaps its variant's loaded kernels in (OP._kernels)
+    loaded, errors = {}, {}
+    for name, subs in variants.items():
         use_source(name, subs)
-        out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
-        err = ((out.float() - want).norm() / want.norm()).item()
-        # GPU time: rounds of 10 calls back to back, so the host enqueues ahead (a call timed alone would
-        # add its host time: tools/prefill_host.py)
-        ts = []
-        for _ in range(6):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                kc.prefill_attention(q, kn, vn, cache, 0, append=False, out=out, config=cfg)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 10)
-        print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(ts[1:]):.4f} ms  "
-              f"error vs torch path {err:.2e}")
+        for cfg in configs:
+            out = kc.prefill_attention(q, kn, vn, cache, 0, append=False, config=cfg)
+            errors[cfg, name] = ((out.float() - want).norm() / want.norm()).item()
+        loaded[name] = dict(OP._kernels)
     use_source("shipped", [])
+
+    def run_of(cfg, name):
+        def run(s):
+            OP._kernels.clear()
+            OP._kernels.update(loaded[name])
+            kc.prefill_attention(s[0], s[1], s[2], s[3], 0, append=False, out=s[4], config=cfg)
+        return run
+
+    keys = [(cfg, name) for cfg in configs for name in variants]
+    runs = [run_of(*key) for key in keys]
+    for s in sets:  # warm-up: every kernel on every set
+        for run in runs:
+            run(s)
+    n_rounds = max(12, 2 * len(runs))
+    times = dict(zip(keys, timed_rounds(runs, sets, n_rounds, calls=12)))
+    OP._kernels.clear()
+    print(f"D={D}: ms per call, median over {n_rounds} rounds [fastest, slowest]; against shipped: the median of "
+          f"the rounds' ratios [lowest, highest]")
+    for cfg, name in keys:
+        t, ref = times[cfg, name], times[cfg, "shipped"]
+        ratios = sorted(a / b for a, b in zip(t, ref))
+        print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(t):.4f} ms "
+              f"[{min(t):.4f}, {max(t):.4f}]  x{statistics.median(ratios):.4f} [{ratios[0]:.4f}, {ratios[-1]:.4f}]  "
+              f"error vs torch path {errors[cfg, name]:.2e}")
 
 
 if __name__ == "__main__":
