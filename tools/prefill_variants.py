@@ -15,7 +15,8 @@ staged in token order with byte permutes, not in the order its nibbles come out:
 ``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both); and
 ``k_scaled_steps`` (a K code word converted with one shift: its odd nibble pairs in place, scaled by step' / 16:
 K_SCALED_STEPS), ``v_scaled_steps`` (the same for V words: V_SCALED_STEPS) and ``kv_scaled_steps`` (both);
-``shipped_again`` (the shipped kernel built again under another name: the noise of a same-kernel A/B)."""
+``whole_record_fetch`` (one record slot: the whole record copied after a tile's last block, not in two
+parts: FETCH_HALVES); ``shipped_again`` (the shipped kernel built again under another name: the noise of a same-kernel A/B)."""
 import math, statistics, sys
 from pathlib import Path
 
@@ -120,6 +121,9 @@ VARIANTS = {
     # rounding), and both (the kernel before them)
     "k_plain_order": [(K_ORDER_RULE, "constexpr bool K_WORD_INTERLEAVED = false;")],
     "v_rows_from_index": [(V_ROWS_LINEAR, V_ROWS_FROM_INDEX)],
+    # one record slot: the whole record copied after the tile's last block, not in two parts (FETCH_HALVES)
+    "whole_record_fetch": [("constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;",
+                            "constexpr bool FETCH_HALVES = false;")],
 }
 VARIANTS["previous"] = VARIANTS["k_plain_order"] + VARIANTS["v_rows_from_index"]
 # a K word converted with one shift, its odd pairs scaled by step' / 16 (K_SCALED_STEPS); outputs exact

@@ -229,6 +229,13 @@ constexpr int SMEM_TOTAL = OFF_SM_STAGE + NSTAGE * ST_BYTES;
 // The launcher reads this from the module (one source for the layout above).
 extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
 
+// FETCH_HALVES (one record slot, two blocks a tile): a record is copied in two parts, A (the scales and the codes
+// of the tile's first block) and B (those of its second), A of tile g + 1 once tile g's first block is dequantized
+// and B once its second is, so each part lands while the producers still work on tile g or on g + 1's setup;
+// otherwise the whole record would be copied after tile g's last block and waited for at once (1.7% of the D=256
+// kernel's time: tools/prefill_variants.py's whole_record_fetch).
+constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;
+
 #if CACHE_BF16
 typedef __nv_bfloat16 cache_t;
 typedef __nv_bfloat162 cache2_t;
@@ -735,6 +742,44 @@ __device__ __forceinline__ void attend_block(const u8* sQw, const u8* sK, const 
 }
 #endif
 
+
+// FETCH_HALVES' parts of a record: B, the codes of the tile's second block (the second half of every channel's
+// row of K codes, T / 2 bytes with tokens in order; the V code rows of the second half's tokens), and A, the rest.
+// Each part is copied from explicit ranges: classifying every 16-byte chunk of the record cost ~20 instructions
+// a chunk.
+constexpr int K_CODES_END = OFF_K_CODES + D * T / 2, V_CODES_END = OFF_V_CODES + T * D * VB / 8;
+constexpr int V_HALF_BYTES = T / 2 * D * VB / 8;
+constexpr bool K_CODES_FIRST = OFF_K_CODES < OFF_V_CODES;
+constexpr int CODES_LO1 = K_CODES_FIRST ? OFF_K_CODES : OFF_V_CODES, CODES_HI1 = K_CODES_FIRST ? K_CODES_END : V_CODES_END;
+constexpr int CODES_LO2 = K_CODES_FIRST ? OFF_V_CODES : OFF_K_CODES, CODES_HI2 = K_CODES_FIRST ? V_CODES_END : K_CODES_END;
+static_assert(CODES_HI1 <= CODES_LO2 && CODES_HI2 <= REC && REC % 16 == 0 && CODES_LO1 % 16 == 0 &&
+              CODES_HI1 % 16 == 0 && CODES_LO2 % 16 == 0 && CODES_HI2 % 16 == 0 && V_HALF_BYTES % 16 == 0,
+              "the record's code regions are whole 16-byte chunks, apart");
+// bytes [lo, hi) of the record
+__device__ __forceinline__ void copy_record_range(u8* dst, const u8* src, int lo, int hi, int gtid) {
+#pragma unroll 1
+    for (int o = lo + gtid * 16; o < hi; o += GT * 16) cp_async16(dst + o, src + o, true);
+}
+// half `half` of every channel's row of K codes
+__device__ __forceinline__ void copy_k_code_halves(u8* dst, const u8* src, int half, int gtid) {
+    constexpr int HC = T / 2 / 16 / 2;  // 16-byte chunks in half a row
+    static_assert(!FETCH_HALVES || (HC >= 1 && BPT == 2), "FETCH_HALVES: two blocks a tile, whole chunks a half row");
+#pragma unroll 1
+    for (int j = gtid; j < D * HC; j += GT) {
+        const int o = OFF_K_CODES + (j / HC) * (T / 2) + (half * HC + j % HC) * 16;
+        cp_async16(dst + o, src + o, true);
+    }
+}
+// part 1 (A) or 2 (B) of the record at src
+__device__ __forceinline__ void copy_record_part(u8* dst, const u8* src, int part, int gtid) {
+    if (part == 1) {
+        copy_record_range(dst, src, 0, CODES_LO1, gtid);
+        copy_record_range(dst, src, CODES_HI1, CODES_LO2, gtid);
+        copy_record_range(dst, src, CODES_HI2, REC, gtid);
+    }
+    copy_k_code_halves(dst, src, part - 1, gtid);
+    copy_record_range(dst, src, OFF_V_CODES + (part - 1) * V_HALF_BYTES, OFF_V_CODES + part * V_HALF_BYTES, gtid);
+}
 
 // --- synchronization ----------------------------------------------------------------------------
 // Named barriers (0 is __syncthreads: with MBAR_HANDOFF, after the mbarriers' initialization, before the roles
@@ -1507,21 +1552,33 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                               ck_sb, ck_sh, ck_st, cv_sb, cv_sh, cv_st};
         // records through a ring of RSLOTS slots (tile g in slot g % RSLOTS): a group fetches tile g + RSLOTS
         // as soon as it is done with tile g, so each record has at least one other tile's time to land
-        auto fetch = [&](int g) {
+        // part: 0 the whole record, FETCH_HALVES' 1 (A) or 2 (B)
+        auto fetch = [&](int g, int part) {
             const long long slot = tile_table[(long long)b * table_stride + g];
             const u8* srcp = pool + (slot * Hkv + h) * (long long)REC;
             u8* dst = sRec + (g % RSLOTS) * REC;
 #if K_INT8
             for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + kint8_rec_chunk(i) * 16, srcp + i * 16, true);
 #else
-            for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            if (part == 0) {
+                for (int i = gtid; i < REC / 16; i += GT) cp_async16(dst + i * 16, srcp + i * 16, true);
+            } else {
+                copy_record_part(dst, srcp, part, gtid);
+            }
 #endif
             cp_async_commit();
         };
         if (n_tiles > 0) {
             build_luts(sLut, ptid);
             for (int g = 0; g < RSLOTS && g < n_tiles; ++g)
-                if (g % NG == pg) fetch(g);
+                if (g % NG == pg) {
+                    if (FETCH_HALVES) {
+                        fetch(g, 1);
+                        fetch(g, 2);
+                    } else {
+                        fetch(g, 0);
+                    }
+                }
             bar_sync(BAR_PROD, PT);  // the byte tables are written
         }
         const u8* rec = sRec;
@@ -1542,8 +1599,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
             if (bi < sc.nba) {
                 const int g = bi / BPT, t0 = (bi - g * BPT) * BN;
                 if (t0 == 0) {  // a new tile: its record, factors and parameters
-                    // the group's next tile g + NG may stay in flight
-                    if (AHEAD == 1 && g + NG < n_tiles) cp_async_wait_group<1>();
+                    // the group's next tile g + NG may stay in flight (FETCH_HALVES: tile g's part B)
+                    if (FETCH_HALVES || (AHEAD == 1 && g + NG < n_tiles)) cp_async_wait_group<1>();
                     else cp_async_wait_all();
                     bar_sync(BAR_GROUP + pg, GT);  // record g landed (and the last tile's red was read)
                     rec = sRec + (g % RSLOTS) * REC;
@@ -1571,9 +1628,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
                 fence_operands_for_wgmma();
                 if (t0 + BN == T) {  // the tile's last block: its record's slot goes to tile g + RSLOTS
                     bar_sync(BAR_GROUP + pg, GT);
-                    if (g + RSLOTS < n_tiles) fetch(g + RSLOTS);
+                    if (g + RSLOTS < n_tiles) fetch(g + RSLOTS, FETCH_HALVES ? 2 : 0);
                 }
                 stages.fill_done(s);
+                if (FETCH_HALVES && t0 == 0) {  // part B of tile g landed, part A's regions are read: A of g + 1
+                    cp_async_wait_all();
+                    bar_sync(BAR_GROUP + pg, GT);
+                    if (g + 1 < n_tiles) fetch(g + 1, 1);
+                }
             } else {
                 // The consumers free this stage's previous block (bi - NSTAGE) only after reading blocks up to
                 // bi - NSTAGE + CONSUMER_HOLD (wgmma's consumers keep a block until the next one's scores are
