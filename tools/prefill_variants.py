@@ -12,9 +12,7 @@ Besides the role variants, A/B forms of the stage hand-off (outputs exact): ``mb
 groups), ``mbar_hint`` (the mbarrier waits with CUTLASS's suspend-time hint) and ``mbar_every_config_hint``; and
 the dequantization changes of the twentieth session, each turned back: ``k_plain_order`` (a K code word's tokens
 staged in token order with byte permutes, not in the order its nibbles come out: K_WORD_INTERLEAVED),
-``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both); and
-``k_scaled_steps`` (a K code word converted with one shift: its odd nibble pairs in place, scaled by step' / 16:
-K_SCALED_STEPS), ``v_scaled_steps`` (the same for V words: V_SCALED_STEPS) and ``kv_scaled_steps`` (both);
+``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both);
 ``whole_record_fetch`` (one record slot: the whole record copied after a tile's last block, not in two
 parts: FETCH_HALVES); ``shipped_again`` (the shipped kernel built again under another name: the noise of a same-kernel A/B)."""
 import math, statistics, sys
@@ -126,16 +124,8 @@ VARIANTS = {
                             "constexpr bool FETCH_HALVES = false;")],
 }
 VARIANTS["previous"] = VARIANTS["k_plain_order"] + VARIANTS["v_rows_from_index"]
-# a K word converted with one shift, its odd pairs scaled by step' / 16 (K_SCALED_STEPS); outputs exact
-VARIANTS["k_scaled_steps"] = [("constexpr bool K_SCALED_STEPS = false;",
-                               "constexpr bool K_SCALED_STEPS = K_WORD_INTERLEAVED;")]
-# a V word converted with one shift, its pairs scaled by (step', step' / 4^k) half2s (V_SCALED_STEPS); outputs exact
-VARIANTS["v_scaled_steps"] = [("constexpr bool V_SCALED_STEPS = false;",
-                               "constexpr bool V_SCALED_STEPS = !LLOYD_MAX && !SCALE_F32;")]
-VARIANTS["kv_scaled_steps"] = VARIANTS["k_scaled_steps"] + VARIANTS["v_scaled_steps"]
 # the shipped kernel built a second time under another name: its ratio's spread is the timing's noise
-VARIANTS["shipped_again"] = [("constexpr bool V_SCALED_STEPS = false;",
-                              "constexpr bool V_SCALED_STEPS = false;  // (shipped_again)")]
+VARIANTS["shipped_again"] = [(K_ORDER_RULE, K_ORDER_RULE + "  // (shipped_again)")]
 
 
 def whole_source_variant(path: str) -> list[tuple[str, str]]:

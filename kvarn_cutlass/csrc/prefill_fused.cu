@@ -165,34 +165,12 @@ __device__ __forceinline__ int stage_token(int p) {
     return K_WORD_INTERLEAVED ? (p & ~7) | ((p & 7) >> 1) | ((p & 1) << 2) : p;
 }
 
-// K_SCALED_STEPS (an A/B form, off: tools/prefill_variants.py's k_scaled_steps; with K_WORD_INTERLEAVED): a K
-// word's odd nibble pairs (1, 5) and (3, 7) are converted in place, (w & 0x00F000F0) | magic = 1024 + 16 v, and
-// scaled by step' / 16 (a third parameter per channel: kp entries of 16 bytes), so a word takes one shift instead
-// of three. 16 v * (step' / 16) = v * step' exactly while step' / 16 is a normal f16 (step' >= 2^-10, where the
-// tile's largest bound is 2^14..2^15: every channel within 2^24 of it), so the fused product rounds as before.
-constexpr bool K_SCALED_STEPS = false;
-static_assert(!K_SCALED_STEPS || K_WORD_INTERLEAVED, "K_SCALED_STEPS converts a K word's pairs in extraction order");
-// V_SCALED_STEPS (an A/B form, off: tools/prefill_variants.py's v_scaled_steps; uniform codes, f16 scales): a V
-// word's fields are converted in place, (w & (3 << 2k)) | magic = 1024 + 4^k v for k = 0..3 of each byte pair
-// (2-bit V; 4-bit: 16^k v, k = 0, 1), and each consecutive pair of channels is scaled by the half2 of the two
-// steps it needs ((step', step' / 4) or (step' / 16, step' / 64); 4-bit: (step', step' / 16)), made from step'
-// with one or two multiplies an item: one shift a word instead of seven (2-bit) or three (4-bit). Exact while the
-// scaled steps are normal f16s (step' >= 2^-8), as K_SCALED_STEPS.
-constexpr bool V_SCALED_STEPS = false;
-static_assert(!V_SCALED_STEPS || (!LLOYD_MAX && !SCALE_F32), "V_SCALED_STEPS: uniform codes, f16 scales");
-template <bool SCALED> struct KParamOf { typedef uint2 type; };   // (step', min')
-template <> struct KParamOf<true> { typedef uint4 type; };        // (step', min', step' / 16, unused)
-typedef KParamOf<K_SCALED_STEPS>::type kparam_t;
-__device__ __forceinline__ unsigned step16_of(uint4 p) { return p.z; }
-__device__ __forceinline__ unsigned step16_of(uint2 p) { return p.x; }  // (no step' / 16 without K_SCALED_STEPS)
-
 // Shared memory, bytes: Q rows, the record ring, the producers' per-tile parameters, the lloyd_max
 // byte tables, the per-row factors, the stage mbarriers (MBAR_HANDOFF), and the stages. A stage holds a
 // tile block (kd [D][KS] f16, vd [BN][QS] f16, the tile factors fK and eV) or an exact block (K and V
 // [BN][QS], cache dtype); NSTAGE of them, so one role's jitter does not stall the other at once.
 constexpr int SM_Q = BM * QS * 2;
-// kp [D], cr [D], vp [T], rs [T], red (Params)
-constexpr int SM_PAR1 = D * (int)sizeof(kparam_t) + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;
+constexpr int SM_PAR1 = D * 8 + D * 4 + T * 8 + T * 4 + 8 * 8 * 4;  // kp [D], cr [D], vp [T], rs [T], red (Params)
 constexpr int SM_PAR = NG * SM_PAR1;                      // one set per producer group
 constexpr int SM_LUT = LLOYD_MAX ? 256 * 4 + (VB == 2 ? 256 * 8 : 0) : 0;
 constexpr int SM_ROWF = BM * 4;
@@ -960,7 +938,7 @@ __device__ __forceinline__ __half2 bcast(float x) { return __float2half2_rn(x); 
 // f32 scales: kp, vp hold float2 (step', min') and cr f32, and it runs in f32 (one final rounding), so
 // the scales keep their f32 precision.
 struct Params {
-    kparam_t* kp;
+    uint2* kp;
     void* cr;
     uint2* vp;
     void* rs;    // ratio_t's element type: f16 for f16 scales, f32 for f32 scales
@@ -977,14 +955,6 @@ __device__ __forceinline__ uint4 param_pair(float2 step, float2 mn, float mul) {
                       h2u(bcast(mn.y * mul)));
 #endif
 }
-// step' / 16 of a parameter entry's step' (f16: a half2 broadcast; f32)
-__device__ __forceinline__ u32 step_sixteenth(u32 step) {
-#if SCALE_F32
-    return f2u(__uint_as_float(step) * 0.0625f);
-#else
-    return h2u(__hmul2(u2h(step), bcast(0.0625f)));
-#endif
-}
 // Two scale ratios r * mul (col_scale or row_scale entries 2i, 2i + 1) into the ratio array at base
 __device__ __forceinline__ void store_ratio_pair(void* base, int i, float2 r, float mul) {
 #if SCALE_F32
@@ -998,14 +968,8 @@ __device__ __forceinline__ void tile_params(const u8* rec, const TileFactors& f,
     const float kmul = exp2i(-f.ek), vmul = exp2i(-f.ev), rmul = exp2i(-f.er), cinv = exp2i(-f.ec);
     // channel and token pairs (2i, 2i + 1): one load per scale array and one store per parameter array a pair
     for (int i = ptid; i < D / 2; i += GT) {
-        const uint4 kpair =
+        reinterpret_cast<uint4*>(P.kp)[i] =
             param_pair(scale_pair_at(rec + OFF_CHAN_STEP, i), scale_pair_at(rec + OFF_CHAN_MIN, i), kmul);
-        if constexpr (K_SCALED_STEPS) {  // step' / 16: exact (a power of two) while it is a normal number
-            reinterpret_cast<uint4*>(P.kp)[2 * i] = make_uint4(kpair.x, kpair.y, step_sixteenth(kpair.x), 0u);
-            reinterpret_cast<uint4*>(P.kp)[2 * i + 1] = make_uint4(kpair.z, kpair.w, step_sixteenth(kpair.z), 0u);
-        } else {
-            reinterpret_cast<uint4*>(P.kp)[i] = kpair;
-        }
         store_ratio_pair(P.cr, i, scale_pair_at(rec + OFF_COL_SCALE, i), cinv);
     }
     for (int i = ptid; i < T / 2; i += GT) {
@@ -1066,43 +1030,6 @@ __device__ __forceinline__ void values8(u32 w, __half2 (&v)[4], const u8* lut) {
         v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));  // (t4, t5), (t6, t7)
     }
 #endif
-}
-// V_SCALED_STEPS: 16 consecutive 2-bit codes of w with one shift -> 8 half2 of consecutive code values times
-// (1, 4) (even j) or (16, 64) (odd j)
-__device__ __forceinline__ void values16_scaled(u32 w, __half2 (&v)[8]) {
-    const u32 w8 = w >> 8;
-    const __half2 m = bcast(1024.f);
-    __half2 a[8];  // a[k]: 4^(k % 4) x the fields (k, k + 8)
-    a[0] = __hsub2(u2h(and_or_magic<0x00030003u>(w)), m);
-    a[1] = __hsub2(u2h(and_or_magic<0x000C000Cu>(w)), m);
-    a[2] = __hsub2(u2h(and_or_magic<0x00300030u>(w)), m);
-    a[3] = __hsub2(u2h(and_or_magic<0x00C000C0u>(w)), m);
-    a[4] = __hsub2(u2h(and_or_magic<0x00030003u>(w8)), m);
-    a[5] = __hsub2(u2h(and_or_magic<0x000C000Cu>(w8)), m);
-    a[6] = __hsub2(u2h(and_or_magic<0x00300030u>(w8)), m);
-    a[7] = __hsub2(u2h(and_or_magic<0x00C000C0u>(w8)), m);
-#pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-        v[k / 2] = u2h(lo_pair(a[k], a[k + 1]));
-        v[4 + k / 2] = u2h(hi_pair(a[k], a[k + 1]));
-    }
-}
-// K_SCALED_STEPS, V_SCALED_STEPS: 8 consecutive 4-bit codes of w with one shift -> 4 half2 of consecutive code
-// values times (1, 16); INTERLEAVED: the pairs of codes (k, k + 4) instead, times 1 (even k) or 16 (odd k)
-template <bool INTERLEAVED>
-__device__ __forceinline__ void values8_scaled(u32 w, __half2 (&v)[4]) {
-    const u32 w8 = w >> 8;
-    const __half2 m = bcast(1024.f);
-    const __half2 p0 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w)), m);   // (0, 4)
-    const __half2 p1 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w)), m);   // 16 x (1, 5)
-    const __half2 p2 = __hsub2(u2h(and_or_magic<0x000F000Fu>(w8)), m);  // (2, 6)
-    const __half2 p3 = __hsub2(u2h(and_or_magic<0x00F000F0u>(w8)), m);  // 16 x (3, 7)
-    if constexpr (INTERLEAVED) {
-        v[0] = p0; v[1] = p1; v[2] = p2; v[3] = p3;
-    } else {
-        v[0] = u2h(lo_pair(p0, p1)); v[1] = u2h(lo_pair(p2, p3));
-        v[2] = u2h(hi_pair(p0, p1)); v[3] = u2h(hi_pair(p2, p3));
-    }
 }
 // 16 consecutive 2-bit codes of w -> 8 half2 of consecutive code values
 __device__ __forceinline__ void values16(u32 w, __half2 (&v)[8], const u8* lut) {
@@ -1193,10 +1120,10 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 #pragma unroll 1
     for (int i0 = 0; i0 < NI; i0 += NB) {
         const u8* codes = rec + code0 + i0 * CODE_STEP;
-        const kparam_t* kp = P.kp + c0 + i0 * CSTEP;
+        const uint2* kp = P.kp + c0 + i0 * CSTEP;
         u8* dst = sKd + kd0 + i0 * KD_STEP;
         u32 w[NB];
-        kparam_t kpv[NB];
+        uint2 kpv[NB];
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
             w[i] = *reinterpret_cast<const u32*>(codes + i * CODE_STEP);
@@ -1225,20 +1152,11 @@ __device__ __forceinline__ void dequant_k(const u8* rec, const Params& P, const 
 #endif
 #pragma unroll
         for (int i = 0; i < NB; ++i) {
+            __half2 v[4];
+            values8<K_WORD_INTERLEAVED>(w[i], v, lut);
             u32 out[4];
-            if constexpr (K_SCALED_STEPS) {
-                __half2 v[4];
-                values8_scaled<true>(w[i], v);  // pairs (1, 5) and (3, 7) at 16x: step' / 16
-                const uint2 p1 = make_uint2(kpv[i].x, kpv[i].y), p16 = make_uint2(step16_of(kpv[i]), kpv[i].y);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], j % 2 ? p16 : p1, rsv[j]);
-            } else {
-                __half2 v[4];
-                values8<K_WORD_INTERLEAVED>(w[i], v, lut);
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    out[j] = affine_scaled(v[j], make_uint2(kpv[i].x, kpv[i].y), rsv[j]);  // stage columns 2j, 2j + 1
-            }
+            for (int j = 0; j < 4; ++j) out[j] = affine_scaled(v[j], kpv[i], rsv[j]);  // stage columns 2j, 2j + 1
             *reinterpret_cast<uint4*>(dst + i * KD_STEP) = make_uint4(out[0], out[1], out[2], out[3]);
         }
     }
@@ -1304,26 +1222,7 @@ __device__ __forceinline__ void dequant_v(const u8* rec, const Params& P, const 
             const int tt = tb + (i / VW) * TT_STEP, c0 = (wi + (i % VW) * VW_STEP) * CPW;
             const ratio_t* cri = cr + (i % VW) * (CPW / 2);
             u32 out[CPW / 2];
-            if constexpr (V_SCALED_STEPS) {
-                // the token's step' as the half2 steps of the scaled pairs
-                const __half2 step = u2h(vp[i].x);
-                auto steps = [&](float lo, float hi) {  // (step' * lo, step' * hi): exact, powers of two
-                    return make_uint2(h2u(__hmul2(step, __floats2half2_rn(lo, hi))), vp[i].y);
-                };
-                if constexpr (VB == 2) {
-                    const uint2 p_even = steps(1.f, 0.25f), p_odd = steps(0.0625f, 0.015625f);
-                    __half2 v[8];
-                    values16_scaled(w[i], v);
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) out[k] = affine_scaled(v[k], k % 2 ? p_odd : p_even, cri[k]);
-                } else {
-                    const uint2 p = steps(1.f, 0.0625f);
-                    __half2 v[4];
-                    values8_scaled<false>(w[i], v);
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) out[k] = affine_scaled(v[k], p, cri[k]);
-                }
-            } else if constexpr (VB == 2) {
+            if constexpr (VB == 2) {
                 __half2 v[8];
                 values16(w[i], v, lut);
 #pragma unroll
@@ -1543,7 +1442,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KERNEL_NAME(
         const int ptid = tid - NC * 32;
         const int pg = ptid / GT, gtid = ptid - pg * GT;  // producer group, thread within it
         Params P;
-        P.kp = reinterpret_cast<kparam_t*>(smem + OFF_SM_PAR + pg * SM_PAR1);
+        P.kp = reinterpret_cast<uint2*>(smem + OFF_SM_PAR + pg * SM_PAR1);
         P.cr = P.kp + D;
         P.vp = reinterpret_cast<uint2*>(reinterpret_cast<float*>(P.cr) + D);
         P.rs = P.vp + T;
