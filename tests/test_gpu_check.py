@@ -68,3 +68,24 @@ def test_prefill_variant_runs_split_on_semicolons_each_a_step(tmp_path):
     assert calls == ["tools/prefill_variants.py"]
     calls, _ = _variant_calls(tmp_path / "configs", "D256 r16c8n32wg r16c8n64wg")
     assert calls == ["tools/prefill_variants.py D256 r16c8n32wg r16c8n64wg"]
+
+
+def test_records_reach_out_before_the_steps_after_the_bench(tmp_path):
+    """The benchmark records are copied to $OUT right after the bench, so a later step that runs the device call
+    past its time limit cannot lose them: when the decode variants step starts, they are there."""
+    records = sorted(p.name for p in (ROOT / "docs" / "benchmarks").glob("*.json"))
+    assert records
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log, out = tmp_path / "calls.txt", tmp_path / "out"
+    (stub / "python3").write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\n'
+        f'case "$1" in tools/decode_variants.py) ls {out} | grep "\\.json$" | sed "s/^/present: /" >> {log};; esac\n')
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(out), "GPU_BUILD": "0",
+           "GPU_TEST_GROUPS": "none", "GPU_DECODE_VARIANTS": "1"}
+    subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "prefill"], env=env, cwd=ROOT,
+                   capture_output=True, text=True, check=False)
+    lines = log.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("tools/decode_variants.py"))
+    assert sorted(line.removeprefix("present: ") for line in lines[at + 1:] if line.startswith("present: ")) == records

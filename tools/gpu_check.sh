@@ -19,7 +19,7 @@
 # 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
 #    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
-# 6. copies that record to $OUT
+# 6. copies that record to $OUT (at once, and again at the end)
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
 #    reasons too; GPU_NCU_TARGETS picks the kernels: compress decode decode_b1_16k decode_b1_128k prefill
@@ -77,6 +77,14 @@ step() {
   local rc=$?
   echo "$name: exit $rc" | tee -a "$SUMMARY"
   [ "$rc" -eq 0 ] || failed=1
+}
+
+# copy_records: the benchmark records to $OUT; right after the bench too, so that a later step which runs the
+# call past its time limit (the command is killed, and what is under $OUT comes back) cannot lose them
+copy_records() {
+  for record in docs/benchmarks/*.json; do
+    [ -f "$record" ] && cp "$record" "$OUT/"
+  done
 }
 
 # append_row FILE ARGS...: append the JSON document on stdin to FILE as one line, tagged with ARGS.
@@ -180,6 +188,7 @@ if [ "$#" -gt 0 ]; then
   if [ -n "${GPU_BENCH_OUT:-}" ] && [ -d "$GPU_BENCH_OUT" ]; then
     tar czf "$OUT/bench-results.tgz" -C "$GPU_BENCH_OUT" .
   fi
+  copy_records
 fi
 
 if [ -n "${GPU_NCU:-}" ]; then
@@ -322,9 +331,6 @@ if [ -n "${GPU_GENERATE:-}" ] && [ -n "$SHARED_DIR" ]; then
   step generate_k4v2 gen --preset k4v2_g128
 fi
 
-for record in docs/benchmarks/*.json; do
-  [ -f "$record" ] && cp "$record" "$OUT/"
-done
-
+copy_records
 cat "$SUMMARY"
 exit "$failed"
