@@ -577,6 +577,8 @@ __device__ __forceinline__ FoldLane fold_lane(int tid) {
     }
     return f;
 }
+// Whether thread tid's warp folds a pair of ntl tiles (warp-uniform; pairs fill warps in order).
+__device__ __forceinline__ bool warp_folds(int tid, int ntl, int G) { return tid / 32 * (32 / FOLD_LPP) < ntl * G; }
 // A lane's chan_step and chan_min bits of one tile (fold_ahead(): read from global memory an iteration early).
 struct FoldScales {
     unsigned cs[FOLD_UPL][SB], cm[FOLD_UPL][SB];  // 4 scales of SB bytes per unit: SB words
@@ -594,8 +596,8 @@ template <class Scales>
 __device__ __forceinline__ void fold_tiles(const Scales& scales, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
                                            int tid, const FoldLane& fl) {
-    constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP, PPW = 32 / LPP;
-    if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
+    constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP;
+    if (!warp_folds(tid, ntl, G)) return;  // a warp without a pair in any round
     const int pl = tid % LPP;
     const int npairs = ntl * G;
     const int rounds = (npairs + PPR - 1) / PPR;
@@ -985,7 +987,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     };
     // fold_ahead(): tile it + 1's scales (fs) and tile it + 2's record slot (fslot), read at the start of
     // iteration it; the warps that fold no pair read none
-    const bool folds = tid / 32 * (32 / FOLD_LPP) < G;
+    const bool folds = warp_folds(tid, 1, G);
     FoldScales fs;
     int fslot = 0;
     if constexpr (fold_ahead()) {
