@@ -52,6 +52,27 @@ def test_round_orders_are_permutations_and_balance_who_runs_before_whom(n):
     assert len(set(pairs.values())) <= 1
 
 
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_interleaved_samples_take_each_round_in_a_williams_row(n):
+    """Every method runs once a round, the round's order a row of the Williams design, and each method's samples
+    are what it returned, in round order."""
+    from kvarn_cutlass.bench.timing import interleaved_samples, williams_order
+
+    calls = []
+
+    def method(i):
+        def run():
+            calls.append(i)
+            return 10.0 * i + len(calls)
+        return run
+
+    samples = interleaved_samples([method(i) for i in range(n)], rounds=3)
+    assert calls == [i for r in range(3) for i in williams_order(n, r)]
+    for i in range(n):
+        at = [k + 1 for k, c in enumerate(calls) if c == i]
+        assert samples[i] == [10.0 * i + k for k in at]
+
+
 def test_an_optional_method_that_cannot_run_is_left_out_with_its_error():
     log = []
 

@@ -14,7 +14,8 @@ the dequantization changes of the twentieth session, each turned back: ``k_plain
 staged in token order with byte permutes, not in the order its nibbles come out: K_WORD_INTERLEAVED),
 ``v_rows_from_index`` (dequant_v's stage rows computed from each item's index), and ``previous`` (both);
 ``whole_record_fetch`` (one record slot: the whole record copied after a tile's last block, not in two
-parts: FETCH_HALVES); ``shipped_again`` (the shipped kernel built again under another name: the noise of a same-kernel A/B)."""
+parts: FETCH_HALVES); ``shipped_again`` (the shipped kernel built again under another name: the noise of a
+same-kernel A/B)."""
 import math, statistics, sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))  # the checkout's package
 import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
-from kvarn_cutlass.bench.timing import williams_order
+from kvarn_cutlass.bench.timing import interleaved_samples
 from prefill_phases import SHIPPED_SOURCE, use_source  # tools/ is the script's sys.path[0]
 
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
@@ -135,21 +136,22 @@ def whole_source_variant(path: str) -> list[tuple[str, str]]:
 
 
 def timed_rounds(runs: list, sets: list, rounds: int, calls: int) -> list[list[float]]:
-    """ms per call of each of ``runs`` (callables taking an input set) in each of ``rounds`` rounds: a round
-    times every run once, ``calls`` calls back to back (so the host enqueues ahead; a call timed alone would add
-    its host time: tools/prefill_host.py) over the input sets in turn, in a Williams order (no run always after
-    the same one), so drift in the card's clocks falls on every run alike."""
-    times: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        for i in williams_order(len(runs), r):
+    """ms per call of each of ``runs`` (callables taking an input set) in each of ``rounds`` rounds
+    (``bench.timing.interleaved_samples``: every run once a round, in a Williams order): a run's sample is
+    ``calls`` calls back to back (so the host enqueues ahead; a call timed alone would add its host time:
+    tools/prefill_host.py) over the input sets in turn."""
+    def timed(run):
+        def sample() -> float:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for c in range(calls):
-                runs[i](sets[c % len(sets)])
+                run(sets[c % len(sets)])
             b.record()
             b.synchronize()
-            times[i].append(a.elapsed_time(b) / calls)
-    return times
+            return a.elapsed_time(b) / calls
+        return sample
+
+    return interleaved_samples([timed(run) for run in runs], rounds)
 
 
 def main() -> None:

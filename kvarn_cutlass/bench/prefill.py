@@ -40,7 +40,7 @@ import statistics
 from typing import Any, Callable
 
 from . import BenchOptions, register_section
-from .timing import williams_order
+from .timing import interleaved_samples
 
 __all__ = ["run"]
 
@@ -152,12 +152,7 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
             errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
             continue
         live[name] = fn
-    samples: dict[str, list[float]] = {name: [] for name in live}
-    order = list(live.items())
-    for r in range(reps):
-        for i in williams_order(len(order), r):
-            name, fn = order[i]
-            samples[name].append(fn())
+    samples = dict(zip(live, interleaved_samples(list(live.values()), reps)))
     return ({name: round(statistics.median(ms), 3) for name, ms in samples.items()}, errors,
             {name: [round(min(ms), 3), round(max(ms), 3)] for name, ms in samples.items()})
 

@@ -18,7 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda", "time_queued", "williams_order"]
+__all__ = ["Timing", "interleaved_samples", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda",
+           "time_queued", "williams_order"]
 
 
 @dataclass(frozen=True)
@@ -201,3 +202,14 @@ def williams_order(n: int, r: int) -> list[int]:
         return [(x + r) % n for x in first]
     row = [(x + r // 2) % n for x in first]
     return row[::-1] if r % 2 else row
+
+
+def interleaved_samples(methods: Sequence[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """Each method's ``rounds`` samples (what it returns, e.g. its own event-timed ms), taken in rounds in which
+    every method runs once, each round's order a row of a Williams design (:func:`williams_order`), so that a drift
+    of clocks or of host load lands on every method alike and no method always runs after the same one."""
+    samples: list[list[float]] = [[] for _ in methods]
+    for r in range(rounds):
+        for i in williams_order(len(methods), r):
+            samples[i].append(methods[i]())
+    return samples
