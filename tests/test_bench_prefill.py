@@ -110,3 +110,13 @@ def test_idle_gaps_sum_the_uncovered_time_by_the_kernels_around_it():
     ]
     with pytest.raises(ValueError, match="spans"):
         idle_gaps([])
+
+
+def test_paired_ratios_take_each_sample_against_its_rounds_reference():
+    from kvarn_cutlass.bench.timing import paired_ratios
+
+    # a drift that doubles both in the last round cancels: the ratios are 0.9, 1.1, 1.0
+    assert paired_ratios([9.0, 11.0, 20.0], [10.0, 10.0, 20.0]) == pytest.approx((1.0, 0.9, 1.1))
+    for bad in (([], []), ([1.0], [1.0, 2.0])):
+        with pytest.raises(ValueError, match="one length"):
+            paired_ratios(*bad)

@@ -9,7 +9,7 @@ import torch
 
 import kvarn_cutlass as kc
 from kvarn_cutlass import decode
-from kvarn_cutlass.bench.timing import Timing
+from kvarn_cutlass.bench.timing import Timing, williams_order
 
 from _helpers import load_tool
 
@@ -76,8 +76,23 @@ def test_one_shape_with_stand_ins_for_the_gpu(tool, monkeypatch):
     monkeypatch.setattr(tool, "rotation_count", lambda nbytes: 2)
     monkeypatch.setattr(tool.bench, "_build_cache", lambda batch, ctx, layers: cache)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    sampled = []
+
+    def fake_sampler(plan, q, layers, replays):  # us per layer: 10 x the plan's split count + the sample's number
+        assert replays == tool.INTERLEAVED_REPLAYS and layers == 2
+        return lambda: sampled.append(plan.variant) or 10.0 * plan.splits + len(sampled)
+
+    monkeypatch.setattr(tool, "graph_sampler", fake_sampler)
     variants = [decode.DecodeVariant.parse(t) for t in tool.CANDIDATES]
     rows, extra = tool._time_shape(16, 32768, variants, runs=3)
+    # the interleaved A/B: every kernel at S0 = 4, warmed once, then rounds in Williams orders
+    kinds = [decode.DecodeVariant()] + variants
+    rounds = max(tool.INTERLEAVED_ROUNDS, 2 * len(kinds))
+    assert sampled[:4] == kinds
+    assert sampled[4:] == [kinds[i] for r in range(rounds) for i in williams_order(4, r)]
+    assert extra["interleaved_default_us"][1] > 40 and all(0.9 < r["interleaved_vs_default"][0] < 1.1 for r in rows[1:])
+    assert "interleaved_vs_default" not in rows[0] and all(
+        r["interleaved_vs_default"][1] <= r["interleaved_vs_default"][0] <= r["interleaved_vs_default"][2] for r in rows[1:])
     assert [r["variant"] for r in rows] == ["default", *tool.CANDIDATES]
     assert {r["default_splits"] for r in rows} == {4} and [r["splits"] for r in rows] == [4, 6, 6, 6]
     assert all(r["equal_to_default"] for r in rows)

@@ -17,8 +17,11 @@ the bench does, every time a median of CUDA-graph replays of one launch per laye
    operations in the same order and the same exact-part blocks E); the time at the variant's own plan (its
    S from ``choose_splits`` for the residency the driver reports) and its largest difference to the default
    (a different S changes the order of the split merge); on b1/128k, b16/32k and b16/128k a split sweep. The
-   default is timed again after the variants (``default_again_us``: the run's drift). cuDNN SDPA, graphed,
-   on the two batch-1 shapes (their bars are ratios to it).
+   default is timed again after the variants (``default_again_us``: the run's drift). Then the A/B that drift
+   cannot bias: the default and every variant at S0 in interleaved rounds (each a Williams order; a sample is
+   20 replays of a graph of all rotated layers), each variant as the median and range of its ratio to the same
+   round's default (``interleaved_vs_default``). cuDNN SDPA, graphed, on the two batch-1 shapes (their bars
+   are ratios to it).
 3. ``--ncu PATH``: Nsight Compute on b16/32k (``tools/ncu_targets.py decode``, its planned S) for the default
    and the variant fastest there at its own plan: per-SMSP instruction and issue counters (issue- vs
    latency-bound), warps per scheduler and the stall reasons per issued instruction -> PATH.
@@ -43,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
-from kvarn_cutlass.bench.timing import rotation_count, time_cuda  # noqa: E402
+from kvarn_cutlass.bench.timing import (  # noqa: E402
+    capture_graph, interleaved_samples, paired_ratios, rotation_count, time_cuda)
 from kvarn_cutlass.format import TileSpec  # noqa: E402
 from kvarn_cutlass.runtime import build  # noqa: E402
 
@@ -106,16 +110,62 @@ def fastest(rows: list[dict], shape: tuple[int, int]) -> str:
 
 def table(rows: list[dict]) -> str:
     """The per-(shape, variant) rows as a fixed-width text table."""
-    head = ("shape", "variant", "blocks", "S0", "us@S0", "equal", "S", "us@S", "vs default", "floor/us", "best sweep")
+    head = ("shape", "variant", "blocks", "S0", "us@S0", "equal", "S", "us@S", "vs default", "interleaved @S0",
+            "floor/us", "best sweep")
     lines = [" | ".join(head)]
     for r in rows:
         best = min(r["sweep_us"].items(), key=lambda kv: kv[1]) if r["sweep_us"] else None
         lines.append(" | ".join(str(x) for x in (
             f"b{r['batch']}/{r['context'] // 1024}k", r["variant"], r["blocks_per_sm"], r["default_splits"],
             r["at_default_splits_us"], r["equal_to_default"], r["splits"], r["own_us"],
-            f"{r['own_us'] / r['default_us']:.3f}", f"{r['floor_us'] / r['own_us']:.3f}",
+            f"{r['own_us'] / r['default_us']:.3f}",
+            "x{:.4f} [{:.4f}, {:.4f}]".format(*r["interleaved_vs_default"]) if "interleaved_vs_default" in r else "-",
+            f"{r['floor_us'] / r['own_us']:.3f}",
             f"S={best[0]}: {best[1]}" if best else "-")))
     return "\n".join(lines)
+
+
+# Interleaved A/B at the default's splits: rounds (at least INTERLEAVED_ROUNDS, two per kernel) in which the default
+# and every variant each replay their graph of all rotated layers INTERLEAVED_REPLAYS times, in a Williams order.
+INTERLEAVED_ROUNDS = 12
+INTERLEAVED_REPLAYS = 20
+
+
+def graph_sampler(plan, q, layers: int, replays: int):
+    """A function that replays a graph of ``plan``'s launches over ``layers`` layers ``replays`` times and returns
+    the us per layer (CUDA events around the replays)."""
+    import torch
+
+    outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
+    g = capture_graph(lambda i: plan.launch(q, i, outs[i]), list(range(layers)))
+
+    def sample() -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1000.0 / (replays * layers)
+
+    sample.keep = (plan, outs, g)  # the graph writes into outs and runs the plan's workspace
+    return sample
+
+
+def _interleaved(cache, q, layers: int, variants: list, splits: int) -> list[tuple[float, float, float]]:
+    """Each variant against the default (``variants[0]``), both at ``splits``, in interleaved rounds: the median,
+    lowest and highest ratio of its sample to the same round's default sample (``bench.timing.paired_ratios``);
+    the default's own entry is its samples' (median, fastest, slowest) us per layer."""
+    import statistics
+
+    samplers = [graph_sampler(decode.DecodePlan(cache, splits=splits, variant=v), q, layers, INTERLEAVED_REPLAYS)
+                for v in variants]
+    for sample in samplers:  # warm
+        sample()
+    samples = interleaved_samples(samplers, max(INTERLEAVED_ROUNDS, 2 * len(samplers)))
+    ref = samples[0]
+    return [(round(statistics.median(ref), 2), round(min(ref), 2), round(max(ref), 2))] + [
+        tuple(round(x, 4) for x in paired_ratios(t, ref)) for t in samples[1:]]
 
 
 def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs: int,
@@ -158,6 +208,17 @@ def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs
                      "exact_blocks": decode.exact_blocks(spec, bench.WINDOW, 0, cache.device, v)})
         print(json.dumps(rows[-1]), flush=True)
     extras = {"batch": batch, "context": ctx, "cache_build_s": round(build_s, 1), "default_again_us": run(default)[0]}
+    if variants:  # the A/B that drift cannot bias; a failure here is recorded and leaves the rows above standing
+        try:
+            inter = _interleaved(cache, q, layers, [default] + variants, s0)
+        except RuntimeError as e:
+            extras["interleaved_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        else:
+            extras["interleaved_default_us"] = list(inter[0])
+            for row, ratio in zip(rows[1:], inter[1:]):
+                row["interleaved_vs_default"] = list(ratio)
+                print(json.dumps({"variant": row["variant"], "batch": batch, "context": ctx,
+                                  "interleaved_vs_default": row["interleaved_vs_default"]}), flush=True)
     if pdl:  # the shipped kernel launched plainly and programmatically, at the default's splits: times, same outputs
         for mode, key in (("0", "plain"), ("1", "pdl")):
             os.environ[decode.PDL_ENV] = mode

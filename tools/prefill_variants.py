@@ -25,7 +25,7 @@ root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))  # the checkout's package
 import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
-from kvarn_cutlass.bench.timing import interleaved_samples
+from kvarn_cutlass.bench.timing import interleaved_samples, paired_ratios
 from prefill_phases import SHIPPED_SOURCE, use_source  # tools/ is the script's sys.path[0]
 
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
@@ -216,9 +216,9 @@ def main() -> None:
           f"the rounds' ratios [lowest, highest]")
     for cfg, name in keys:
         t, ref = times[cfg, name], times[cfg, "shipped"]
-        ratios = sorted(a / b for a, b in zip(t, ref))
+        ratio, lo, hi = paired_ratios(t, ref)
         print(f"D={D} {cfg.name if cfg else 'tuned':16s} {name:24s} {statistics.median(t):.4f} ms "
-              f"[{min(t):.4f}, {max(t):.4f}]  x{statistics.median(ratios):.4f} [{ratios[0]:.4f}, {ratios[-1]:.4f}]  "
+              f"[{min(t):.4f}, {max(t):.4f}]  x{ratio:.4f} [{lo:.4f}, {hi:.4f}]  "
               f"error vs torch path {errors[cfg, name]:.2e}")
 
 

@@ -18,8 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "interleaved_samples", "l2_cache_bytes", "queue_lead_us", "rotation_count", "time_cuda",
-           "time_queued", "williams_order"]
+__all__ = ["Timing", "capture_graph", "interleaved_samples", "l2_cache_bytes", "paired_ratios", "queue_lead_us",
+           "rotation_count", "time_cuda", "time_queued", "williams_order"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,24 @@ def _stats(samples_us: list[float], calls: int, graph: bool) -> Timing:
     return Timing(statistics.median(ordered), ordered[0], pick(0.1), pick(0.9), len(ordered), calls, graph)
 
 
+def capture_graph(call: Callable[[Any], Any], sets: Sequence[Any]) -> Any:
+    """A CUDA graph (``torch.cuda.CUDAGraph``) of ``call(s)`` for each input set in turn. Capture needs the
+    inputs' work done and the calls warm: each set is run once eagerly on a side stream first."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in sets:
+            call(s)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        for s in sets:
+            call(s)
+    return g
+
+
 def time_cuda(
     fn: Callable[..., Any],
     inputs: Sequence[Any] | None = None,
@@ -101,17 +119,7 @@ def time_cuda(
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     if graph:
-        g = torch.cuda.CUDAGraph()
-        # Capture needs a side stream with the inputs' work done; warm once eagerly first.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for s in sets:
-                call(s)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g):
-            for s in sets:
-                call(s)
+        g = capture_graph(call, sets)
         for _ in range(warmup):
             g.replay()
         for i in range(runs):
@@ -213,3 +221,13 @@ def interleaved_samples(methods: Sequence[Callable[[], float]], rounds: int) -> 
         for i in williams_order(len(methods), r):
             samples[i].append(methods[i]())
     return samples
+
+
+def paired_ratios(samples: Sequence[float], reference: Sequence[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of ``samples[i] / reference[i]``: each sample against the reference's sample of
+    the same round (:func:`interleaved_samples`), so that what drifts between rounds cancels."""
+    if not samples or len(samples) != len(reference):
+        raise ValueError(f"samples and reference must be non-empty and of one length, got {len(samples)} and "
+                         f"{len(reference)}")
+    ratios = sorted(a / b for a, b in zip(samples, reference))
+    return statistics.median(ratios), ratios[0], ratios[-1]
