@@ -136,12 +136,13 @@ def whole_source_variant(path: str) -> list[tuple[str, str]]:
 
 
 def timed_rounds(runs: list, sets: list, rounds: int, calls: int) -> list[list[float]]:
-    """ms per call of each of ``runs`` (callables taking an input set) in each of ``rounds`` rounds
-    (``bench.timing.interleaved_samples``: every run once a round, in a Williams order): a run's sample is
-    ``calls`` calls back to back (so the host enqueues ahead; a call timed alone would add its host time:
-    tools/prefill_host.py) over the input sets in turn."""
-    def timed(run):
+    """ms per call of each of ``runs`` (pairs of a setup, run before a sample's events, and a callable taking an
+    input set) in each of ``rounds`` rounds (``bench.timing.interleaved_samples``: every run once a round, in a
+    Williams order): a run's sample is ``calls`` calls back to back (so the host enqueues ahead; a call timed
+    alone would add its host time: tools/prefill_host.py) over the input sets in turn."""
+    def timed(setup, run):
         def sample() -> float:
+            setup()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for c in range(calls):
@@ -151,7 +152,7 @@ def timed_rounds(runs: list, sets: list, rounds: int, calls: int) -> list[list[f
             return a.elapsed_time(b) / calls
         return sample
 
-    return interleaved_samples([timed(run) for run in runs], rounds)
+    return interleaved_samples([timed(setup, run) for setup, run in runs], rounds)
 
 
 def main() -> None:
@@ -198,16 +199,20 @@ def main() -> None:
     use_source("shipped", [])
 
     def run_of(cfg, name):
-        def run(s):
+        """(setup: the variant's loaded kernels swapped in, once a sample; a call on an input set)"""
+        def setup():
             OP._kernels.clear()
             OP._kernels.update(loaded[name])
+
+        def run(s):
             kc.prefill_attention(s[0], s[1], s[2], s[3], 0, append=False, out=s[4], config=cfg)
-        return run
+        return setup, run
 
     keys = [(cfg, name) for cfg in configs for name in variants]
     runs = [run_of(*key) for key in keys]
-    for s in sets:  # warm-up: every kernel on every set
-        for run in runs:
+    for setup, run in runs:  # warm-up: every kernel on every set
+        setup()
+        for s in sets:
             run(s)
     n_rounds = max(12, 2 * len(runs))
     times = dict(zip(keys, timed_rounds(runs, sets, n_rounds, calls=12)))
