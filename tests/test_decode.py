@@ -416,7 +416,8 @@ def test_compact_layout_frees_the_queries_and_the_unused_heads():
 def test_compact_folds_from_registers():
     """compact=1 (d128 k4v2): the tile loops of both kernels keep the shipped floating-point and tensor-core
     instructions (the fold reads the same query values, from registers: the GPU tests compare the outputs bit
-    for bit) and issue fewer shared-memory loads (no LDS.128 of the query per fold)."""
+    for bit; the G <= 8 kernel picks its round's query with selects, FSEL, left out here) and issue fewer
+    shared-memory loads (no LDS.128 of the query per fold)."""
     import re
 
     from kvarn_cutlass.cli.sass import disassemble
@@ -428,7 +429,7 @@ def test_compact_folds_from_registers():
         sass = {v: disassemble(build(decode.decode_spec(TileSpec(), v), "sm_90").cubin) for v in (V(), cp)}
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|FSEL|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)")
+    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)")
     for k in range(2):
         loops = {}
         for v, text in sass.items():
