@@ -117,8 +117,8 @@ class DecodeVariant:
         compact: 1 keeps the rotated queries in the registers of the warps that fold them and sizes the
             per-head shared sections for the kernel's own heads (4 in the G <= 4 kernel, 8 in the G <= 8 one):
             at d128 k4v2 the G <= 4 kernel's block then takes 43,776 bytes of shared memory with the 3-slot ring
-            (5 resident blocks per SM instead of 4); head_dim 128 with 128-token tiles only (else the shipped
-            layout).
+            (with min_blocks=5, 5 resident blocks per SM instead of 4); head_dim 128 with 128-token tiles only
+            (else the shipped layout).
 
     A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
     shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist

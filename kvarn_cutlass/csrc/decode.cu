@@ -49,8 +49,9 @@
 // entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
 // V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Occupancy knobs for A/B runs, unset in the
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
-// minimum blocks per SM of the G <= 4 / G <= 8 kernel). Everything the host needs about the kernel's
-// shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
+// minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_FOLD_AHEAD and KVD_COMPACT (see fold_ahead() and
+// compact()). Everything the host needs about the kernels' shared memory is exported in
+// kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -130,7 +131,8 @@ constexpr bool fold_ahead() {
 // rotates heads w + 4 r and, one (tile, head) pair a warp, folds the same heads in round r; lane l holds channels
 // 4 l + [0, 4) in both), so they need no shared memory, and the per-head sections (fragments, factors, P' words)
 // hold the kernel's own NB n-blocks instead of two: the G <= 4 kernel's tile block at d128 k4v2 with 3 ring slots
-// then takes 43,776 bytes instead of 50,176, which lets 5 blocks share an SM. A function, as fold_ahead().
+// then takes 43,776 bytes instead of 50,176, so that 5 blocks can share an SM (with KVD_MINB1 = 5, which holds
+// the registers to 96). A function, as fold_ahead().
 constexpr bool compact() {
 #ifdef KVD_COMPACT
     return KVD_COMPACT != 0 && D == 128 && TPI == 1;
