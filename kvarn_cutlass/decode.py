@@ -114,11 +114,6 @@ class DecodeVariant:
         fold_ahead: 1 folds tile it + 1 at the end of iteration it (scales read into registers an iteration
             early, two fragment buffers), so the tile loop has one block barrier an iteration instead of two;
             tiles of 128 tokens only (a 64-token tile spec keeps the shipped fold).
-        compact: 1 keeps the rotated queries in the registers of the warps that fold them and sizes the
-            per-head shared sections for the kernel's own heads (4 in the G <= 4 kernel, 8 in the G <= 8 one):
-            at d128 k4v2 the G <= 4 kernel's block then takes 43,776 bytes of shared memory with the 3-slot ring
-            (with min_blocks=5, 5 resident blocks per SM instead of 4); head_dim 128 with 128-token tiles only
-            (else the shipped layout).
 
     A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
     shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist
@@ -130,12 +125,10 @@ class DecodeVariant:
     min_blocks: int | None = None
     min_blocks_g8: int | None = None
     fold_ahead: int | None = None
-    compact: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
-              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "fold_ahead": (0, 1, "fa", "KVD_FOLD_AHEAD"),
-              "compact": (0, 1, "cp", "KVD_COMPACT")}
+              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "fold_ahead": (0, 1, "fa", "KVD_FOLD_AHEAD")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():
@@ -267,24 +260,18 @@ register("decode", decode_specs)
 class KernelLayout:
     """What the host needs from the compiled kernel (exported by it in ``kvarn_decode_layout_<suffix>``).
 
-    smem_bytes: dynamic shared memory per block of the G <= 4 kernel. exact_tokens: TE, sink/window tokens per
-    exact block. smem_bytes_g8: the same for the G <= 8 kernel (more only where the layout is sized per kernel:
-    ``DecodeVariant.compact``)."""
+    smem_bytes: dynamic shared memory per block. exact_tokens: TE, sink/window tokens per exact block."""
 
     smem_bytes: int
     exact_tokens: int
-    smem_bytes_g8: int
-
-    def smem_for(self, group: int) -> int:
-        """Dynamic shared memory per block of the kernel that serves ``group`` query heads per KV head."""
-        return self.smem_bytes if group <= 4 else self.smem_bytes_g8
 
 
 @functools.lru_cache(maxsize=None)
 def _layout_for(spec: TileSpec, target: str, variant: DecodeVariant) -> KernelLayout:
     ks = decode_spec(spec, variant)
     raw = cubin_global(build(ks, target).cubin, f"kvarn_decode_layout_{_suffix(spec, variant)}")
-    return KernelLayout(*struct.unpack("<3i", raw[:12]))
+    smem, te = struct.unpack("<2i", raw)
+    return KernelLayout(smem, te)
 
 
 def _target(device: torch.device | None) -> str:
@@ -345,10 +332,10 @@ def residency(spec: TileSpec, variant: DecodeVariant = DEFAULT_VARIANT,
     regs_sm, smem_sm, warps_sm, blocks_sm = limits
     ks = decode_spec(spec, variant)
     mod = build(ks, target)
-    layout = _layout_for(spec, target, variant)
+    dyn = _layout_for(spec, target, variant).smem_bytes
     warps = NUM_THREADS // 32
     out = []
-    for name, dyn in zip(ks.kernel_names, (layout.smem_bytes, layout.smem_bytes_g8)):
+    for name in ks.kernel_names:
         res = mod.resources[name]
         per_warp = -(-res.registers * 32 // _REG_UNIT) * _REG_UNIT
         by_regs = regs_sm // _SUBPARTITIONS // per_warp * _SUBPARTITIONS // warps
@@ -592,8 +579,8 @@ def _kernels(spec: TileSpec, device: torch.device, variant: DecodeVariant = DEFA
         mod = get_module(ks_spec, device)
         ks = tuple(mod.kernel(name, _SIG) for name in ks_spec.kernel_names)
         # Opt in to the dynamic shared memory now, so that the occupancy query sees it.
-        layout = kernel_layout(spec, device, variant)
-        for k, smem in zip(ks, (layout.smem_bytes, layout.smem_bytes_g8)):
+        smem = kernel_layout(spec, device, variant).smem_bytes
+        for k in ks:
             k.prepare((1, 1, 1), NUM_THREADS, (0,) * 15 + (0,) * 10 + (1.0,), shared_mem=smem)
         _kernel_cache[key] = ks
     return ks
@@ -730,7 +717,7 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
     if launch is None:
         kernel = _kernels(spec, device, variant)[0 if G <= 4 else 1]
         launch = kernel.prepare((S + E, Hkv, B), NUM_THREADS, args,
-                                shared_mem=kernel_layout(spec, device, variant).smem_for(G), programmatic=pdl)
+                                shared_mem=kernel_layout(spec, device, variant).smem_bytes, programmatic=pdl)
         if _prepared is not None:
             if len(_prepared) > 256:
                 _prepared.clear()

@@ -246,8 +246,6 @@ OCCUPANCY_CLAIMS = [
         ("d128_k4v2", {}, "fold_ahead=1", 4),
         ("d128_k4v2", {}, "ring=2,fold_ahead=1", 4),
         ("d128_k4v2", {}, "ring=2,min_blocks=5,fold_ahead=1", 5),
-        ("d128_k4v2", {}, "compact=1,min_blocks=5", 5),
-        ("d128_k4v4", {"preset": "k4v4_g128"}, "compact=1", 4),
     ]
 ]
 
@@ -261,10 +259,8 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
     assert V.parse("ring=2,fold_ahead=1") == V(ring=2, fold_ahead=1) and V(fold_ahead=1).suffix == "_fa1"
     assert V(fold_ahead=1).defines() == {"KVD_FOLD_AHEAD": 1}
-    assert V.parse("compact=1,min_blocks=5") == V(min_blocks=5, compact=1) and V(compact=1).suffix == "_cp1"
-    assert V(compact=1).defines() == {"KVD_COMPACT": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "fold_ahead=2", "fold_ahead=-1", "compact=2"):
+                "fold_ahead=2", "fold_ahead=-1"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):
@@ -390,56 +386,6 @@ def test_fold_ahead_has_one_barrier_per_tile_iteration():
     t64 = TileSpec("k4v2_g64")
     shipped = _text_sections(build(decode.decode_spec(t64), "sm_90").cubin, decode.DecodeVariant())
     assert _text_sections(build(decode.decode_spec(t64, fa), "sm_90").cubin, fa) == shipped
-
-
-def test_compact_layout_frees_the_queries_and_the_unused_heads():
-    """compact=1 (head_dim 128, 128-token tiles): both kernels lose the 8 heads' fp32 rotated queries (8 x 128 x 4
-    bytes of shared memory), the G <= 4 kernel also the per-head sections of heads 4..7, and TE (so E) stays the
-    default's. Other shapes keep the shipped layout and machine code."""
-    V = decode.DecodeVariant
-    for preset in ("k4v2_g128", "k4v4_g128"):
-        ts = TileSpec(preset)
-        a, c = decode.kernel_layout(ts), decode.kernel_layout(ts, None, V(compact=1))
-        assert a.smem_bytes == a.smem_bytes_g8 and a.smem_for(4) == a.smem_for(8) == a.smem_bytes
-        assert a.smem_bytes - c.smem_bytes_g8 == 8 * 128 * 4, (a, c)
-        assert 0 < c.smem_bytes_g8 - c.smem_bytes < 8 * 128 * 4 and c.exact_tokens == a.exact_tokens, (a, c)
-        assert c.smem_for(4) == c.smem_bytes and c.smem_for(5) == c.smem_bytes_g8
-        # the ring and the exact layout still fit in the smaller block
-        assert c.smem_bytes > 3 * ts.tile_nbytes
-    for kw in ({"preset": "k4v2_g64"}, {"head_dim": 256}, {"head_dim": 64}):
-        ts = TileSpec(**kw)
-        assert decode.kernel_layout(ts, None, V(compact=1)) == decode.kernel_layout(ts), kw
-        shipped = _text_sections(build(decode.decode_spec(ts), "sm_90").cubin, V())
-        assert _text_sections(build(decode.decode_spec(ts, V(compact=1)), "sm_90").cubin, V(compact=1)) == shipped, kw
-
-
-def test_compact_folds_from_registers():
-    """compact=1 (d128 k4v2): the tile loops of both kernels keep the shipped floating-point and tensor-core
-    instructions (the fold reads the same query values, from registers: the GPU tests compare the outputs bit
-    for bit; the G <= 8 kernel picks its round's query with selects, FSEL, left out here) and issue fewer
-    shared-memory loads (no LDS.128 of the query per fold)."""
-    import re
-
-    from kvarn_cutlass.cli.sass import disassemble
-
-    tool = load_tool("decode_sass_loop")
-    V = decode.DecodeVariant
-    cp = V(compact=1)
-    try:
-        sass = {v: disassemble(build(decode.decode_spec(TileSpec(), v), "sm_90").cubin) for v in (V(), cp)}
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)")
-    for k in range(2):
-        loops = {}
-        for v, text in sass.items():
-            ins = tool.parse(text, decode.decode_spec(TileSpec(), v).kernel_names[k])
-            lo, hi = tool.tile_loop(ins)
-            loops[v] = [x for x in ins if lo <= x[0] <= hi]
-        ops = lambda body: sorted(x[2] for x in body if arith.match(x[2]))  # noqa: E731
-        assert ops(loops[cp]) == ops(loops[V()]), k
-        lds = {v: sum(x[2].startswith("LDS") for x in body) for v, body in loops.items()}
-        assert lds[cp] < lds[V()], (k, lds)
 
 
 def test_split_plan_uses_the_variants_residency():

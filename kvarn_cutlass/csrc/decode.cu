@@ -49,9 +49,8 @@
 // entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
 // V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Occupancy knobs for A/B runs, unset in the
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
-// minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_FOLD_AHEAD and KVD_COMPACT (see fold_ahead() and
-// compact()). Everything the host needs about the kernels' shared memory is exported in
-// kvarn_decode_layout_<sfx> (see the end of the file).
+// minimum blocks per SM of the G <= 4 / G <= 8 kernel). Everything the host needs about the kernel's
+// shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -126,46 +125,20 @@ constexpr bool fold_ahead() {
     return false;
 #endif
 }
-// Compact tile layout (KVD_COMPACT = 1: decode.DecodeVariant.compact, an A/B form; head_dim 128 and one tile an
-// iteration, else ignored): the rotated queries stay in the registers of the warp that rotated them (warp w
-// rotates heads w + 4 r and, one (tile, head) pair a warp, folds the same heads in round r; lane l holds channels
-// 4 l + [0, 4) in both), so they need no shared memory, and the per-head sections (fragments, factors, P' words)
-// hold the kernel's own NB n-blocks instead of two: the G <= 4 kernel's tile block at d128 k4v2 with 3 ring slots
-// then takes 43,776 bytes instead of 50,176, so that 5 blocks can share an SM (with KVD_MINB1 = 5, which holds
-// the registers to 96). A function, as fold_ahead().
-constexpr bool compact() {
-#ifdef KVD_COMPACT
-    return KVD_COMPACT != 0 && D == 128 && TPI == 1;
-#else
-    return false;
-#endif
-}
 constexpr int FRAG_WORDS = 72;                            // per (tile, n-block, k-step): 32 lanes x 2 words + 8 pad
-constexpr int SM_FRAG = align128(NS * RSLOT);
-// The tile block's shared memory after the ring, for the kernel of NB n-blocks (4 NB heads). fold_ahead(): two
-// buffers of the fragments, factors and C inputs, buffer it % 2 for iteration it.
-template <int NB>
-struct TileLayout {
-    static constexpr int NBL = compact() ? NB : 2;  // n-blocks of 4 heads the per-head sections hold
-    static constexpr int HEADS = 4 * NBL;
-    static constexpr int BUFS = fold_ahead() ? 2 : 1;
-    static constexpr int FOLD_BUF_WORDS = TPI * NBL * KS * FRAG_WORDS;  // one fragment buffer
-    static constexpr int FRAG = SM_FRAG;                            // u32 [BUFS][TPI][NBL][KS][FRAG_WORDS]: score B fragments
-    static constexpr int KCF = FRAG + BUFS * FOLD_BUF_WORDS * 4;    // float4 [BUFS][TPI][HEADS]: score factors, bias
-    static constexpr int KCI = KCF + BUFS * TPI * HEADS * 16;       // int4 [BUFS][TPI][HEADS]: score MMA C input (centering)
-    static constexpr int P = KCI + BUFS * TPI * HEADS * 16;         // u32 [NW][NBL][64]: P' words, warp-private
-    static constexpr int Q = P + NW * NBL * 64 * 4;                 // float [HEADS][D]: rotated queries (not compact())
-    static constexpr int END = Q + (compact() ? 0 : HEADS * D * 4);
-};
-// Exact blocks: TE tokens each, K/V rows staged in shared memory (see exact_part); their layout is set against
-// the smaller (G <= 4) tile block, since both kernels launch the same exact blocks.
+constexpr int FOLD_BUF_WORDS = TPI * 2 * KS * FRAG_WORDS;  // one fragment buffer
+// fold_ahead(): two buffers of each of the next three sections, buffer it % 2 for iteration it
+constexpr int SM_FRAG = align128(NS * RSLOT);             // u32 [buffers][TPI][2][KS][FRAG_WORDS]: score B fragments
+constexpr int SM_KCF = SM_FRAG + (fold_ahead() ? 2 : 1) * FOLD_BUF_WORDS * 4;  // float4 [buffers][TPI][8]: score factors, bias
+constexpr int SM_KCI = SM_KCF + (fold_ahead() ? 2 : 1) * TPI * 8 * 16;  // int4 [buffers][TPI][8]: score MMA C input (centering)
+constexpr int SM_P = SM_KCI + (fold_ahead() ? 2 : 1) * TPI * 8 * 16;    // u32 [NW][2][64]: P' words, warp-private
+constexpr int SM_Q = SM_P + NW * 2 * 64 * 4;              // float [8][D]: rotated queries
+constexpr int SMEM_TILE = SM_Q + 8 * D * 4;
+// Exact blocks: TE tokens each, K/V rows staged in shared memory (see exact_part).
 constexpr int exact_smem(int te) { return te * D * 4 + 8 * D * 4 + NT * 32 + 8 * te * 4 + 64 + NT * 64; }
-constexpr int TE = exact_smem(64) <= TileLayout<1>::END ? 64 : 32;
+constexpr int TE = exact_smem(64) <= SMEM_TILE ? 64 : 32;
 constexpr int EX_NP = NT / TE;  // channel parts per token in the exact score phase: 2 or 4
-// Dynamic shared memory of the kernel of NB n-blocks; SMEM, the G <= 4 kernel's, is the smaller one.
-template <int NB>
-constexpr int smem_of() { return TileLayout<NB>::END > exact_smem(TE) ? TileLayout<NB>::END : exact_smem(TE); }
-constexpr int SMEM = smem_of<1>();
+constexpr int SMEM = SMEM_TILE > exact_smem(TE) ? SMEM_TILE : exact_smem(TE);
 static_assert(NW * 8 * (D + 2) * 4 <= NS * RSLOT, "the warp merge buffers must fit in the ring");
 // Resident blocks per SM the register allocation is bounded for (__launch_bounds__' minimum): 4 (128
 // registers) for the G <= 4 kernel, 3 for G <= 8 (twice the score and output registers); head_dim 256
@@ -617,11 +590,10 @@ __device__ __forceinline__ void load_fold_scales(const unsigned char* rec, const
         ld_scale_words<4>(rec + OFF_CMIN, fl.c0[k], fs.cm[k]);
     }
 }
-// The fold of the (tile, head) pairs of ntl tiles into sections of NBL n-blocks (TileLayout); scales(j, k, cs,
-// cm) gives the lane's unit k chan_step and chan_min of tile j as f32 (4 each), query(r, h, c0) the rotated
-// query of head h at channels c0 + [0, 4) in round r.
-template <int NBL, class Scales, class Query>
-__device__ __forceinline__ void fold_tiles(const Scales& scales, const Query& query, int ntl, int G,
+// The fold of the (tile, head) pairs of ntl tiles; scales(j, k, cs, cm) gives the lane's unit k chan_step and
+// chan_min of tile j as f32 (4 each).
+template <class Scales>
+__device__ __forceinline__ void fold_tiles(const Scales& scales, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
                                            int tid, const FoldLane& fl) {
     constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP;
@@ -639,7 +611,7 @@ __device__ __forceinline__ void fold_tiles(const Scales& scales, const Query& qu
 #pragma unroll
         for (int k = 0; k < UPL; ++k) {
             const int c0 = fl.c0[k];
-            const float4 qv = query(r, h, c0);
+            const float4 qv = *reinterpret_cast<const float4*>(qrot + h * D + c0);
             float cs[4], cm[4];
             scales(j, k, cs, cm);
             const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
@@ -676,7 +648,7 @@ __device__ __forceinline__ void fold_tiles(const Scales& scales, const Query& qu
         if constexpr (!QZ) ssum = group_sum_u32<LPP>(ssum);
         if (valid) {
             const int nb = h >> 2, hl = 2 * (h & 3) * 4;  // lane (g = 2 (h % 4) + level, q) of the fragment
-            unsigned* f = fragB + (j * NBL + nb) * KS * FRAG_WORDS + 2 * hl;
+            unsigned* f = fragB + (j * 2 + nb) * KS * FRAG_WORDS + 2 * hl;
 #pragma unroll
             for (int k = 0; k < UPL; ++k) {
                 f[fl.frag[k]] = hw[k];
@@ -684,12 +656,12 @@ __device__ __forceinline__ void fold_tiles(const Scales& scales, const Query& qu
             }
             if (pl == 0) {
                 const float a = amax * kfac;
-                kcf[j * 4 * NBL + h] = make_float4(a, QZ ? a * (1.f / LFOLD) : a * (1.f / 16.f), bias * kscale, 0.f);
+                kcf[j * 8 + h] = make_float4(a, QZ ? a * (1.f / LFOLD) : a * (1.f / 16.f), bias * kscale, 0.f);
                 if constexpr (!QZ) {
                     const int shi = (int)(short)(ssum & 0xffffu), slo = (int)(ssum - (unsigned)shi) >> 16;
                     // C of the score MMA: rows g (even token, code c) and g + 8 (odd token, 16 c),
                     // columns hi / lo: acc = sum B * (code - 8) (x 16 for the odd rows)
-                    kci[j * 4 * NBL + h] = make_int4(-8 * shi, -8 * slo, -128 * shi, -128 * slo);
+                    kci[j * 8 + h] = make_int4(-8 * shi, -8 * slo, -128 * shi, -128 * slo);
                 }
             }
         }
@@ -941,13 +913,12 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
                            int h, int Hkv, int G, int cap, int nslots, int t0, int t1, float* po, float* pm,
                            float* pl, size_t slot, bool q_bf, float scale) {
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, qq = lane & 3;
-    using L = TileLayout<NB>;
     unsigned char* ring = smem;
-    unsigned* fragB = reinterpret_cast<unsigned*>(smem + L::FRAG);
-    float4* kcf = reinterpret_cast<float4*>(smem + L::KCF);
-    int4* kci = reinterpret_cast<int4*>(smem + L::KCI);
-    unsigned* pw = reinterpret_cast<unsigned*>(smem + L::P) + w * L::NBL * 64;
-    float* qrot = reinterpret_cast<float*>(smem + L::Q);
+    unsigned* fragB = reinterpret_cast<unsigned*>(smem + SM_FRAG);
+    float4* kcf = reinterpret_cast<float4*>(smem + SM_KCF);
+    int4* kci = reinterpret_cast<int4*>(smem + SM_KCI);
+    unsigned* pw = reinterpret_cast<unsigned*>(smem + SM_P) + w * 2 * 64;
+    float* qrot = reinterpret_cast<float*>(smem + SM_Q);
     const int nloc = t1 - t0;
     const int nit = (nloc + TPI - 1) / TPI;
     const int* trow = table + (size_t)b * cap + t0;
@@ -974,25 +945,11 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 #pragma unroll
     for (int jt = 0; jt < TPI; ++jt) pre[jt] = slot_of((NS - 1) * TPI + jt);
     // Zero the fragments and constants once: columns of heads >= G stay 0 (finite scores, ignored).
-    for (int i = tid; i < (L::P - L::FRAG) / 16; i += NT) reinterpret_cast<uint4*>(smem + L::FRAG)[i] = make_uint4(0, 0, 0, 0);
-    // q_rot = WHT(q) unnormalized, one warp per head: heads w + 4 r; compact(): kept in registers, qreg[r]
-    constexpr int CPL = D / 32;
-    const size_t qbase = (size_t)(b * Hkv + h) * G * D;
-    float qreg[NB][4];  // compact() (D = 128): a lane's CPL = 4 channels of heads w, w + 4
-    if constexpr (compact()) {
-#pragma unroll
-        for (int r = 0; r < NB; ++r) {
-            const int gg = w + NW * r;
-            float x[CPL] = {};
-            if (gg < G) {
-#pragma unroll
-                for (int k = 0; k < CPL; ++k) x[k] = ld_in(q, qbase + gg * D + lane * CPL + k, q_bf);
-                wht_warp<CPL>(x, lane);
-            }
-#pragma unroll
-            for (int k = 0; k < (CPL < 4 ? CPL : 4); ++k) qreg[r][k] = x[k];
-        }
-    } else {
+    for (int i = tid; i < (SM_P - SM_FRAG) / 16; i += NT) reinterpret_cast<uint4*>(smem + SM_FRAG)[i] = make_uint4(0, 0, 0, 0);
+    // q_rot = WHT(q) unnormalized, one warp per head
+    {
+        constexpr int CPL = D / 32;
+        const size_t qbase = (size_t)(b * Hkv + h) * G * D;
         for (int gg = w; gg < G; gg += NW) {
             float x[CPL];
 #pragma unroll
@@ -1002,17 +959,6 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
             for (int k = 0; k < CPL; ++k) qrot[gg * D + lane * CPL + k] = x[k];
         }
     }
-    // the fold's query: compact(): round r's pair is head w + 4 r (fold_tiles' pairs at one tile an iteration, a
-    // warp a pair) and lane l's unit holds channels 4 l + [0, 4) (FoldLane at D = 128), what the WHT left in it
-    const auto query = [&](int r, int hq, int c0) {
-        if constexpr (compact()) {  // selects, not an indexed array (which would live in local memory)
-            const bool first = NB == 1 || r == 0;
-            return make_float4(first ? qreg[0][0] : qreg[NB - 1][0], first ? qreg[0][1] : qreg[NB - 1][1],
-                               first ? qreg[0][2] : qreg[NB - 1][2], first ? qreg[0][3] : qreg[NB - 1][3]);
-        } else {
-            return *reinterpret_cast<const float4*>(qrot + hq * D + c0);
-        }
-    };
     constexpr float LOG2E = 1.4426950408889634f;
     const float kscale = scale * LOG2E * rsqrtf((float)D);
 #if KVD_QZ
@@ -1047,7 +993,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     if constexpr (fold_ahead()) {
         cp_async_wait<NS - 2>();
         __syncthreads();  // tile 0 landed; q_rot and the zeroed fragments are written
-        fold_tiles<L::NBL>(slot_scales(ring), query, 1, G, fragB, kcf, kci, kfac, kscale, tid, fl);
+        fold_tiles(slot_scales(ring), 1, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
         fslot = slot_of(1);
     }
     int rs = 0, ws = NS - 1;  // ring slots of iteration it and of it + NS - 1
@@ -1079,22 +1025,20 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
             if (folds && it + 1 < nit) load_fold_scales(head + fslot * sstride, fl, fs);
             fslot = slot_of(it + 2);
         } else {
-            fold_tiles<L::NBL>(slot_scales(sl), query, ntl, G, fragB, kcf, kci, kfac, kscale, tid, fl);
+            fold_tiles(slot_scales(sl), ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
             __syncthreads();
         }
         if (jw < ntl)
-            warp_tile<NB>(st, sl + jw * REC, fragB + buf * L::FOLD_BUF_WORDS + jw * L::NBL * KS * FRAG_WORDS,
-                          kcf + (buf * TPI + jw) * L::HEADS, kci + (buf * TPI + jw) * L::HEADS, pw, koff, vsw, tb, G,
-                          lane);
+            warp_tile<NB>(st, sl + jw * REC, fragB + buf * FOLD_BUF_WORDS + jw * 2 * KS * FRAG_WORDS,
+                          kcf + buf * TPI * 8 + jw * 8, kci + buf * TPI * 8 + jw * 8, pw, koff, vsw, tb, G, lane);
         if constexpr (fold_ahead()) {
             if (it + 1 < nit) {
                 const auto reg_scales = [&fs](int, int k, float* cs, float* cm) {
                     scales_of_words<4>(fs.cs[k], cs);
                     scales_of_words<4>(fs.cm[k], cm);
                 };
-                fold_tiles<L::NBL>(reg_scales, query, 1, G, fragB + (buf ^ 1) * L::FOLD_BUF_WORDS,
-                                   kcf + (buf ^ 1) * TPI * L::HEADS, kci + (buf ^ 1) * TPI * L::HEADS, kfac, kscale,
-                                   tid, fl);
+                fold_tiles(reg_scales, 1, G, qrot, fragB + (buf ^ 1) * FOLD_BUF_WORDS, kcf + (buf ^ 1) * TPI * 8,
+                           kci + (buf ^ 1) * TPI * 8, kfac, kscale, tid, fl);
             }
         }
     }
@@ -1340,6 +1284,5 @@ KVD_ENTRY(1)  // G <= 4: one n-block of 4 heads
 KVD_ENTRY(2)  // G <= 8
 #undef KVD_ENTRY
 
-// What the host needs to launch: the G <= 4 kernel's dynamic shared memory per block, tokens per exact block,
-// the G <= 8 kernel's dynamic shared memory per block.
-extern "C" __device__ const int KVD_NAME(kvarn_decode_layout_)[3] = {smem_of<1>(), TE, smem_of<2>()};
+// What the host needs to launch: dynamic shared memory per block, tokens per exact block.
+extern "C" __device__ const int KVD_NAME(kvarn_decode_layout_)[2] = {SMEM, TE};
