@@ -111,9 +111,6 @@ class DecodeVariant:
             (``__launch_bounds__``' minimum: ptxas fits the registers per thread in 65,536 / (128 x
             min_blocks), rounded down to a multiple of 8: 96 for 5 blocks, 80 for 6).
         min_blocks_g8: the same for the G <= 8 kernel.
-        fold_ahead: 1 folds tile it + 1 at the end of iteration it (scales read into registers an iteration
-            early, two fragment buffers), so the tile loop has one block barrier an iteration instead of two;
-            tiles of 128 tokens only (a 64-token tile spec keeps the shipped fold).
 
     A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
     shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist
@@ -124,11 +121,10 @@ class DecodeVariant:
     ring: int | None = None
     min_blocks: int | None = None
     min_blocks_g8: int | None = None
-    fold_ahead: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
-              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "fold_ahead": (0, 1, "fa", "KVD_FOLD_AHEAD")}
+              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():

@@ -15,7 +15,7 @@ from kvarn_cutlass.format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, T
 from kvarn_cutlass.runtime import build
 from kvarn_cutlass.runtime.registry import families
 
-from _helpers import load_tool, require_disassembler
+from _helpers import require_disassembler
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -243,9 +243,6 @@ OCCUPANCY_CLAIMS = [
         ("d64_k4v2", {"head_dim": 64}, "ring=2,min_blocks=8", 8),
         ("d256_k4v2", {"head_dim": 256}, "default", 2),
         ("d256_k4v2", {"head_dim": 256}, "ring=2", 3),
-        ("d128_k4v2", {}, "fold_ahead=1", 4),
-        ("d128_k4v2", {}, "ring=2,fold_ahead=1", 4),
-        ("d128_k4v2", {}, "ring=2,min_blocks=5,fold_ahead=1", 5),
     ]
 ]
 
@@ -257,10 +254,7 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
     assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
-    assert V.parse("ring=2,fold_ahead=1") == V(ring=2, fold_ahead=1) and V(fold_ahead=1).suffix == "_fa1"
-    assert V(fold_ahead=1).defines() == {"KVD_FOLD_AHEAD": 1}
-    for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "fold_ahead=2", "fold_ahead=-1"):
+    for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):
@@ -352,40 +346,6 @@ def test_variants_keep_the_floating_point_operations():
     assert len(base) == 2 and all(base.values())
     for v in variants[1:]:
         assert ops(v) == base, v
-
-
-def test_fold_ahead_has_one_barrier_per_tile_iteration():
-    """fold_ahead=1 (d128 k4v2, T = 128): the tile loop (the back edge around the score IMMAs) holds one
-    BAR.SYNC instead of the shipped two, its chan_step / chan_min reads are global loads issued before the
-    iteration's first score IMMA, and the tile loop's floating-point and tensor-core instructions are the
-    shipped loop's (the fold moved, not changed: the GPU tests compare the outputs bit for bit). A 64-token
-    tile spec keeps the shipped fold: its machine code is the default's."""
-    import re
-
-    from kvarn_cutlass.cli.sass import disassemble
-
-    tool = load_tool("decode_sass_loop")
-    fa = decode.DecodeVariant(fold_ahead=1)
-    try:
-        sass = {v: disassemble(build(decode.decode_spec(TileSpec(), v), "sm_90").cubin) for v in (decode.DecodeVariant(), fa)}
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|FSEL|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)")
-    loops = {}
-    for v, text in sass.items():
-        ins = tool.parse(text, decode.decode_spec(TileSpec(), v).kernel_names[0])
-        lo, hi = tool.tile_loop(ins)
-        loops[v] = [x for x in ins if lo <= x[0] <= hi]
-    bars = {v: sum(x[2].startswith("BAR.SYNC") for x in body) for v, body in loops.items()}
-    assert bars == {decode.DecodeVariant(): 2, fa: 1}, bars
-    ops = lambda body: sorted(x[2] for x in body if arith.match(x[2]))  # noqa: E731
-    assert ops(loops[fa]) == ops(loops[decode.DecodeVariant()])
-    body = loops[fa]
-    first_imma = next(i for i, x in enumerate(body) if x[2].startswith("IMMA"))
-    assert sum(x[2].startswith("LDG.E.64") for x in body[:first_imma]) == 2  # chan_step, chan_min (f16: 8 bytes)
-    t64 = TileSpec("k4v2_g64")
-    shipped = _text_sections(build(decode.decode_spec(t64), "sm_90").cubin, decode.DecodeVariant())
-    assert _text_sections(build(decode.decode_spec(t64, fa), "sm_90").cubin, fa) == shipped
 
 
 def test_split_plan_uses_the_variants_residency():

@@ -481,16 +481,13 @@ def test_more_splits_than_tiles_and_one_split(splits):
 
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy"): the shipped kernel's results -------------
 # The d128 k4v2 A/B candidates keep TE (so E) and every floating-point operation of the shipped kernel
-# (tests/test_decode.py; fold_ahead moves the fold, with its operations, to the end of the previous iteration):
-# at equal splits their outputs must be the default's bit for bit.
-OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "fold_ahead=1", "ring=2,fold_ahead=1",
-                "ring=2,min_blocks=5,fold_ahead=1"]
+# (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit.
+OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6"]
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
     ("k4v2_g128", 64, "default"), ("k4v2_g128", 64, "ring=2,min_blocks=8"),
     ("k4v2_g128", 256, "default"), ("k4v2_g128", 256, "ring=2"),
-    ("k4v4_g128", 128, "fold_ahead=1"), ("k4v2_g128", 64, "fold_ahead=1"), ("k4v2_g128", 256, "fold_ahead=1"),
 ]
 
 

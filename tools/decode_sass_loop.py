@@ -80,9 +80,9 @@ def walk(ins, folds: bool, rounds: int) -> int:
     body = [x for x in ins if lo <= x[0] <= hi]
     first_bar = next(x[0] for x in body if x[2].startswith("BAR.SYNC"))
     # the branch over the fold: the first forward conditional branch after the loop's first barrier that
-    # lands on the next barrier (none with fold_ahead: the fold has no barrier of its own)
-    fold_skip = next((a for a, p, o, t in body if a > first_bar and o == "BRA" and p and t and t > a
-                      and any(ins[k][2].startswith("BAR.SYNC") for k in range(idx[t], idx[t] + 4))), None)
+    # lands on the next barrier
+    fold_skip = next(a for a, p, o, t in body if a > first_bar and o == "BRA" and p and t and t > a
+                     and any(ins[k][2].startswith("BAR.SYNC") for k in range(idx[t], idx[t] + 4)))
     lazy = set()
     for a, _, o, _ in body:
         if o.startswith("VOTE.ANY"):

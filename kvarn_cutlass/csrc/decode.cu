@@ -113,25 +113,11 @@ constexpr int NS = KVD_NS;
 constexpr int NS = RSLOT <= 8192 ? 4 : 3;
 #endif
 static_assert(NS >= 2, "the ring needs a slot to compute on and one to load into");
-// Fold ahead (KVD_FOLD_AHEAD = 1: decode.DecodeVariant.fold_ahead, an A/B form; one tile an iteration): tile
-// it + 1 is folded at the end of iteration it into the other of two fragment buffers, from its chan_step and
-// chan_min read from global memory into registers at the start of iteration it. The iteration then needs one
-// __syncthreads (records landed, fold written, the previous slot and buffer free) instead of two, and a warp's
-// fold overlaps the other warps' scores and P' x V. A function, not a constant: see minb().
-constexpr bool fold_ahead() {
-#ifdef KVD_FOLD_AHEAD
-    return KVD_FOLD_AHEAD != 0 && TPI == 1;
-#else
-    return false;
-#endif
-}
 constexpr int FRAG_WORDS = 72;                            // per (tile, n-block, k-step): 32 lanes x 2 words + 8 pad
-constexpr int FOLD_BUF_WORDS = TPI * 2 * KS * FRAG_WORDS;  // one fragment buffer
-// fold_ahead(): two buffers of each of the next three sections, buffer it % 2 for iteration it
-constexpr int SM_FRAG = align128(NS * RSLOT);             // u32 [buffers][TPI][2][KS][FRAG_WORDS]: score B fragments
-constexpr int SM_KCF = SM_FRAG + (fold_ahead() ? 2 : 1) * FOLD_BUF_WORDS * 4;  // float4 [buffers][TPI][8]: score factors, bias
-constexpr int SM_KCI = SM_KCF + (fold_ahead() ? 2 : 1) * TPI * 8 * 16;  // int4 [buffers][TPI][8]: score MMA C input (centering)
-constexpr int SM_P = SM_KCI + (fold_ahead() ? 2 : 1) * TPI * 8 * 16;    // u32 [NW][2][64]: P' words, warp-private
+constexpr int SM_FRAG = align128(NS * RSLOT);             // u32 [TPI][2][KS][FRAG_WORDS]: score B fragments
+constexpr int SM_KCF = SM_FRAG + TPI * 2 * KS * FRAG_WORDS * 4;  // float4 [TPI][8]: score factors, bias
+constexpr int SM_KCI = SM_KCF + TPI * 8 * 16;             // int4 [TPI][8]: score MMA C input (centering)
+constexpr int SM_P = SM_KCI + TPI * 8 * 16;               // u32 [NW][2][64]: P' words, warp-private
 constexpr int SM_Q = SM_P + NW * 2 * 64 * 4;              // float [8][D]: rotated queries
 constexpr int SMEM_TILE = SM_Q + 8 * D * 4;
 // Exact blocks: TE tokens each, K/V rows staged in shared memory (see exact_part).
@@ -178,12 +164,12 @@ __device__ __forceinline__ float ld_in(const void* p, size_t i, bool bf) {
     return __half2float(reinterpret_cast<const __half*>(p)[i]);
 }
 
-// The bits of N consecutive scales at index i of a scale section (aligned to min(N * SB, 16) bytes): N * SB / 4
-// words.
+// N consecutive scales at index i of a scale section (aligned to min(N * SB, 16) bytes), as f32.
 template <int N>
-__device__ __forceinline__ void ld_scale_words(const unsigned char* sec, int i, unsigned* w) {
+__device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float* out) {
     constexpr int BYTES = N * SB;
     const unsigned char* p = sec + i * SB;
+    unsigned w[BYTES / 4];
     if constexpr (BYTES >= 16) {
 #pragma unroll
         for (int k = 0; k < BYTES / 16; ++k) {
@@ -197,26 +183,15 @@ __device__ __forceinline__ void ld_scale_words(const unsigned char* sec, int i, 
         static_assert(BYTES == 4, "scale loads of 4, 8 or 16k bytes");
         w[0] = *reinterpret_cast<const unsigned*>(p);
     }
-}
-// N scales as f32 from their bits (ld_scale_words)
-template <int N>
-__device__ __forceinline__ void scales_of_words(const unsigned* w, float* out) {
 #pragma unroll
-    for (int k = 0; k < N * SB / 4; ++k) {
+    for (int k = 0; k < BYTES / 4; ++k) {
         if constexpr (SB == 2) {
-            float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+            float2 f = __half22float2(*reinterpret_cast<__half2*>(&w[k]));
             out[2 * k] = f.x; out[2 * k + 1] = f.y;
         } else {
             out[k] = __uint_as_float(w[k]);
         }
     }
-}
-// N consecutive scales at index i of a scale section, as f32.
-template <int N>
-__device__ __forceinline__ void ld_scales(const unsigned char* sec, int i, float* out) {
-    unsigned w[N * SB / 4];
-    ld_scale_words<N>(sec, i, w);
-    scales_of_words<N>(w, out);
 }
 
 // 16 bytes global -> shared, asynchronously; smem is a shared-window address (smem_u32)
@@ -577,27 +552,11 @@ __device__ __forceinline__ FoldLane fold_lane(int tid) {
     }
     return f;
 }
-// Whether thread tid's warp folds a pair of ntl tiles (warp-uniform; pairs fill warps in order).
-__device__ __forceinline__ bool warp_folds(int tid, int ntl, int G) { return tid / 32 * (32 / FOLD_LPP) < ntl * G; }
-// A lane's chan_step and chan_min bits of one tile (fold_ahead(): read from global memory an iteration early).
-struct FoldScales {
-    unsigned cs[FOLD_UPL][SB], cm[FOLD_UPL][SB];  // 4 scales of SB bytes per unit: SB words
-};
-__device__ __forceinline__ void load_fold_scales(const unsigned char* rec, const FoldLane& fl, FoldScales& fs) {
-#pragma unroll
-    for (int k = 0; k < FOLD_UPL; ++k) {
-        ld_scale_words<4>(rec + OFF_CSTEP, fl.c0[k], fs.cs[k]);
-        ld_scale_words<4>(rec + OFF_CMIN, fl.c0[k], fs.cm[k]);
-    }
-}
-// The fold of the (tile, head) pairs of ntl tiles; scales(j, k, cs, cm) gives the lane's unit k chan_step and
-// chan_min of tile j as f32 (4 each).
-template <class Scales>
-__device__ __forceinline__ void fold_tiles(const Scales& scales, int ntl, int G, const float* qrot,
+__device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, int G, const float* qrot,
                                            unsigned* fragB, float4* kcf, int4* kci, float kfac, float kscale,
                                            int tid, const FoldLane& fl) {
-    constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP;
-    if (!warp_folds(tid, ntl, G)) return;  // a warp without a pair in any round
+    constexpr int LPP = FOLD_LPP, UPL = FOLD_UPL, PPR = NT / LPP, PPW = 32 / LPP;
+    if (tid / 32 * PPW >= ntl * G) return;  // a warp without a pair in any round (warp-uniform)
     const int pl = tid % LPP;
     const int npairs = ntl * G;
     const int rounds = (npairs + PPR - 1) / PPR;
@@ -606,6 +565,7 @@ __device__ __forceinline__ void fold_tiles(const Scales& scales, int ntl, int G,
         const bool valid = p < npairs;
         const int pc = valid ? p : 0;
         const int j = TPI == 2 && pc >= G ? 1 : 0, h = pc - j * G;  // pairs (tile j, head h) = j * G + h
+        const unsigned char* rec = slot + j * REC;
         float qf[UPL][4];
         float amax = 0.f, bias = 0.f;
 #pragma unroll
@@ -613,7 +573,8 @@ __device__ __forceinline__ void fold_tiles(const Scales& scales, int ntl, int G,
             const int c0 = fl.c0[k];
             const float4 qv = *reinterpret_cast<const float4*>(qrot + h * D + c0);
             float cs[4], cm[4];
-            scales(j, k, cs, cm);
+            ld_scales<4>(rec + OFF_CSTEP, c0, cs);
+            ld_scales<4>(rec + OFF_CMIN, c0, cm);
             const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -978,29 +939,10 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     const int rr = ldsm_row(lane);
     const int koff = OFF_K + 16 * swz<KCPR>(rr * KCPR + kc);
     const int vsw = 16 * swz<VCPR>((tb + rr) * VCPR);
-    // the fold's scales from a ring slot
-    auto slot_scales = [&](const unsigned char* sl) {
-        return [sl, &fl](int j, int k, float* cs, float* cm) {
-            ld_scales<4>(sl + j * REC + OFF_CSTEP, fl.c0[k], cs);
-            ld_scales<4>(sl + j * REC + OFF_CMIN, fl.c0[k], cm);
-        };
-    };
-    // fold_ahead(): tile it + 1's scales (fs) and tile it + 2's record slot (fslot), read at the start of
-    // iteration it; the warps that fold no pair read none
-    const bool folds = warp_folds(tid, 1, G);
-    FoldScales fs;
-    int fslot = 0;
-    if constexpr (fold_ahead()) {
-        cp_async_wait<NS - 2>();
-        __syncthreads();  // tile 0 landed; q_rot and the zeroed fragments are written
-        fold_tiles(slot_scales(ring), 1, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
-        fslot = slot_of(1);
-    }
     int rs = 0, ws = NS - 1;  // ring slots of iteration it and of it + NS - 1
     for (int it = 0; it < nit; ++it) {
         cp_async_wait<NS - 2>();
-        // iteration it landed for every thread; everyone is done with it - 1 (fold_ahead(): and has folded it)
-        __syncthreads();
+        __syncthreads();  // iteration it landed for every thread; everyone is done with it - 1
         {
             const int nx = it + NS - 1;
             if (nx < nit) {
@@ -1020,27 +962,11 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
         ws = ws + 1 == NS ? 0 : ws + 1;
         const int ntl = min(TPI, nloc - it * TPI);
         asm volatile("" : "+r"(fl.c0[0]), "+r"(fl.frag[0]));  // kept in registers, as rc above
-        const int buf = fold_ahead() ? it & 1 : 0;
-        if constexpr (fold_ahead()) {
-            if (folds && it + 1 < nit) load_fold_scales(head + fslot * sstride, fl, fs);
-            fslot = slot_of(it + 2);
-        } else {
-            fold_tiles(slot_scales(sl), ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
-            __syncthreads();
-        }
+        fold_tiles(sl, ntl, G, qrot, fragB, kcf, kci, kfac, kscale, tid, fl);
+        __syncthreads();
         if (jw < ntl)
-            warp_tile<NB>(st, sl + jw * REC, fragB + buf * FOLD_BUF_WORDS + jw * 2 * KS * FRAG_WORDS,
-                          kcf + buf * TPI * 8 + jw * 8, kci + buf * TPI * 8 + jw * 8, pw, koff, vsw, tb, G, lane);
-        if constexpr (fold_ahead()) {
-            if (it + 1 < nit) {
-                const auto reg_scales = [&fs](int, int k, float* cs, float* cm) {
-                    scales_of_words<4>(fs.cs[k], cs);
-                    scales_of_words<4>(fs.cm[k], cm);
-                };
-                fold_tiles(reg_scales, 1, G, qrot, fragB + (buf ^ 1) * FOLD_BUF_WORDS, kcf + (buf ^ 1) * TPI * 8,
-                           kci + (buf ^ 1) * TPI * 8, kfac, kscale, tid, fl);
-            }
-        }
+            warp_tile<NB>(st, sl + jw * REC, fragB + jw * 2 * KS * FRAG_WORDS, kcf + jw * 8, kci + jw * 8, pw, koff, vsw,
+                          tb, G, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: merge the four warps there
