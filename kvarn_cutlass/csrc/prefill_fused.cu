@@ -210,8 +210,8 @@ extern "C" __device__ const int kvarn_prefill_smem_bytes = SMEM_TOTAL;
 // FETCH_HALVES (one record slot, two blocks a tile): a record is copied in two parts, A (the scales and the codes
 // of the tile's first block) and B (those of its second), A of tile g + 1 once tile g's first block is dequantized
 // and B once its second is, so each part lands while the producers still work on tile g or on g + 1's setup;
-// otherwise the whole record would be copied after tile g's last block and waited for at once (1.7% of the D=256
-// kernel's time: tools/prefill_variants.py's whole_record_fetch).
+// otherwise the whole record would be copied after tile g's last block and waited for at once (1.7% and 3.9% of
+// the D=256 kernel's time in two interleaved A/Bs on an H100: tools/prefill_variants.py's whole_record_fetch).
 constexpr bool FETCH_HALVES = RSLOTS == 1 && BPT == 2 && !K_INT8;
 
 #if CACHE_BF16
