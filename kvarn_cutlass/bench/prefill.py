@@ -139,8 +139,8 @@ def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
     (:func:`~kvarn_cutlass.bench.timing.williams_order`): each method follows a different one in every round. A
     rotated order (round r starting at the r-th method) keeps every method after the same one, and on an H100
     the prompt listed first, always right after the SDPA-over-dequantized-tiles prompt, ran 1-2.5% slower than
-    the same configuration listed elsewhere, in four runs. An optional method whose warm-up raises RuntimeError (e.g. no cuDNN
-    attention for the shape) is left out, with its error; any other error propagates."""
+    the same configuration listed elsewhere, in four runs. An optional method whose warm-up raises RuntimeError
+    (e.g. no cuDNN attention for the shape) is left out, with its error; any other error propagates."""
     errors: dict[str, str] = {}
     live = {}
     for name, fn in methods.items():
