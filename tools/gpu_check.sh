@@ -33,6 +33,8 @@
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
 #    GPU_DECODE_PDL=1: the shipped kernel launched plainly and with programmatic dependent launch too)
+# 6b''''x. GPU_DECODE_TIMING=1 (or its shapes, "16x32768 1x131072"): tools/decode_timing_check.py, the decode layer
+#    and graphed cuDNN timed both ways the bench and the variant tool time a replay -> $OUT/decode_timing.json
 # 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (e.g. "--prompt --profile 30") -> the log
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes
@@ -275,6 +277,12 @@ if [ -n "${GPU_DECODE_VARIANTS:-}" ]; then
   [ -z "${GPU_DECODE_VARIANTS_NCU:-}" ] || dv_args+=(--ncu "$OUT/ncu_decode_variants.txt")
   [ -z "${GPU_DECODE_PDL:-}" ] || dv_args+=(--pdl)
   step decode_variants timeout "${GPU_DECODE_VARIANTS_LIMIT:-480}" python3 tools/decode_variants.py "${dv_args[@]}"
+fi
+
+if [ -n "${GPU_DECODE_TIMING:-}" ]; then
+  dt_args=(--json "$OUT/decode_timing.json")
+  [ "$GPU_DECODE_TIMING" = 1 ] || for s in $GPU_DECODE_TIMING; do dt_args+=(--shape "$s"); done
+  step decode_timing timeout "${GPU_DECODE_TIMING_LIMIT:-300}" python3 tools/decode_timing_check.py "${dt_args[@]}"
 fi
 
 if [ -n "${GPU_COMPRESS_VARIANTS:-}" ]; then

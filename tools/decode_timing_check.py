@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Decode's per-layer time under the bench's two timing methods, on one cache, interleaved (GPU).
+
+``python3 tools/decode_timing_check.py [--shape BxCTX ...] [--rounds N] [--json PATH]``
+
+Why: on 2026-12-07 (H200, tree e8f441d) one device call measured the b16/32k decode layer at 155.84 us with
+``kvarn-cutlass bench --section decode`` and at 137.84 us (same kernel, ring 2, same split count) with
+``tools/decode_variants.py``, the floor bar's 0.704 against 0.796. The two differ in how a graph replay is
+timed:
+
+- ``per_replay``: the bench's ``time_cuda(g.replay)`` - CUDA events around each replay of a graph of one launch
+  per rotated layer, median over 100 replays (the host queues them all; one sync at the end);
+- ``back_to_back``: ``decode_variants.graph_sampler`` - one event pair around 20 replays, median of the
+  samples.
+
+Both are timed here on the same graphs, in interleaved rounds, for the plan's kernel (``DecodePlan(cache)``,
+what the bench times), the default kernel and ring 2, and for graphed cuDNN SDPA on an fp16 cache of the same
+shape (the bars' baseline), each with its median, p10 and p90. If the per-replay median of one kernel moves
+with the method while cuDNN's does not, the difference is the kernel's, not the timer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvarn_cutlass import decode  # noqa: E402
+from kvarn_cutlass.bench import decode as bench  # noqa: E402
+from kvarn_cutlass.bench.timing import capture_graph, rotation_count, time_cuda  # noqa: E402
+from kvarn_cutlass.format import TileSpec  # noqa: E402
+
+REPLAYS_PER_SAMPLE = 20
+SAMPLES = 12
+PER_REPLAY_RUNS = 100
+
+
+def _methods(graph, calls: int) -> dict:
+    """Both timings of ``graph`` (``calls`` layers or input sets in it), us per call."""
+    import torch
+
+    per = time_cuda(lambda: graph.replay(), warmup=5, runs=PER_REPLAY_RUNS)
+    samples = []
+    for _ in range(SAMPLES):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(REPLAYS_PER_SAMPLE):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1000.0 / (REPLAYS_PER_SAMPLE * calls))
+    return {"per_replay_us": round(per.median_us / calls, 2), "per_replay_p10_us": round(per.p10_us / calls, 2),
+            "per_replay_p90_us": round(per.p90_us / calls, 2),
+            "back_to_back_us": round(statistics.median(samples), 2),
+            "back_to_back_min_us": round(min(samples), 2), "back_to_back_max_us": round(max(samples), 2)}
+
+
+def _kvarn_graphs(batch: int, ctx: int) -> tuple[dict, int, object]:
+    import torch
+
+    spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
+    layers = min(64, rotation_count(max(batch * bench.HKV * -(-(ctx - bench.WINDOW) // 128) * spec.tile_nbytes, 1)))
+    cache = bench._build_cache(batch, ctx, layers)
+    q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
+    graphs = {}
+    for name, variant in (("plan", None), ("default", decode.DecodeVariant()),
+                          ("ring=2", decode.DecodeVariant.parse("ring=2"))):
+        plan = decode.DecodePlan(cache, variant=variant)
+        ws = plan.workspace(bench.HQ // bench.HKV)
+        outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
+        g = capture_graph(lambda i, plan=plan, outs=outs: plan.launch(q, i, outs[i]), list(range(layers)))
+        graphs[f"kvarn {name} ({ws.variant}, S={ws.splits})"] = (g, layers, (plan, outs))
+    return graphs, layers, (cache, q)
+
+
+def _cudnn_graph(batch: int, ctx: int) -> tuple:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sets = min(16, rotation_count(2 * batch * bench.HKV * ctx * bench.D * 2))
+    kv = [(torch.randn(batch, bench.HKV, ctx, bench.D, device="cuda", dtype=torch.float16),
+           torch.randn(batch, bench.HKV, ctx, bench.D, device="cuda", dtype=torch.float16)) for _ in range(sets)]
+    q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
+
+    def call(s):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, s[0], s[1], enable_gqa=True)
+
+    return capture_graph(call, kv), sets, (kv, q)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", help="BATCHxCONTEXT (default: 16x32768 and 1x131072)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    import torch
+
+    shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["16x32768", "1x131072"])]
+    rows = []
+    for batch, ctx in shapes:
+        graphs, _, keep = _kvarn_graphs(batch, ctx)
+        g, sets, keep2 = _cudnn_graph(batch, ctx)
+        graphs["sdpa cudnn"] = (g, sets, keep2)
+        for name, (g, calls, _) in graphs.items():  # warm
+            g.replay()
+        torch.cuda.synchronize()
+        for r in range(args.rounds):
+            order = list(graphs) if r % 2 == 0 else list(reversed(graphs))
+            for name in order:
+                g, calls, _ = graphs[name]
+                row = {"batch": batch, "context": ctx, "round": r, "graph": name, "calls": calls,
+                       **_methods(g, calls)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        del graphs, keep, keep2
+        torch.cuda.empty_cache()
+    print("shape | graph | per_replay us (median of rounds) | back_to_back us | ratio")
+    for batch, ctx in shapes:
+        names = dict.fromkeys(r["graph"] for r in rows if (r["batch"], r["context"]) == (batch, ctx))
+        for name in names:
+            sel = [r for r in rows if (r["batch"], r["context"], r["graph"]) == (batch, ctx, name)]
+            pr = statistics.median(r["per_replay_us"] for r in sel)
+            bb = statistics.median(r["back_to_back_us"] for r in sel)
+            print(f"b{batch}/{ctx} | {name} | {pr:.2f} | {bb:.2f} | {pr / bb:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
