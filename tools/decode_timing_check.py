@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode's per-layer time under the bench's two timing methods, on one cache, interleaved (GPU).
 
-``python3 tools/decode_timing_check.py [--shape BxCTX ...] [--rounds N] [--json PATH]``
+``python3 tools/decode_timing_check.py [--shape BxCTX ...] [--caches N] [--rounds N] [--json PATH]``
 
 Why: on 2026-12-07 (H200, tree e8f441d) one device call measured the b16/32k decode layer at 155.84 us with
 ``kvarn-cutlass bench --section decode`` and at 137.84 us (same kernel, ring 2, same split count) with
@@ -16,7 +16,9 @@ timed:
 Both are timed here on the same graphs, in interleaved rounds, for the plan's kernel (``DecodePlan(cache)``,
 what the bench times), the default kernel and ring 2, and for graphed cuDNN SDPA on an fp16 cache of the same
 shape (the bars' baseline), each with its median, p10 and p90. If the per-replay median of one kernel moves
-with the method while cuDNN's does not, the difference is the kernel's, not the timer's.
+with the method while cuDNN's does not, the difference is the kernel's, not the timer's. The KVarN graphs are
+built on ``--caches`` caches of the shape built one after another and held together (their records in
+different device memory): a time that moves from cache to cache is the memory's, not the method's.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _methods(graph, calls: int) -> dict:
             "back_to_back_min_us": round(min(samples), 2), "back_to_back_max_us": round(max(samples), 2)}
 
 
-def _kvarn_graphs(batch: int, ctx: int) -> tuple[dict, int, object]:
+def _kvarn_graphs(batch: int, ctx: int, tag: str) -> tuple[dict, object]:
     import torch
 
     spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
@@ -74,8 +76,8 @@ def _kvarn_graphs(batch: int, ctx: int) -> tuple[dict, int, object]:
         ws = plan.workspace(bench.HQ // bench.HKV)
         outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
         g = capture_graph(lambda i, plan=plan, outs=outs: plan.launch(q, i, outs[i]), list(range(layers)))
-        graphs[f"kvarn {name} ({ws.variant}, S={ws.splits})"] = (g, layers, (plan, outs))
-    return graphs, layers, (cache, q)
+        graphs[f"kvarn {tag} {name} ({ws.variant}, S={ws.splits})"] = (g, layers, (plan, outs))
+    return graphs, (cache, q)
 
 
 def _cudnn_graph(batch: int, ctx: int) -> tuple:
@@ -98,6 +100,7 @@ def _cudnn_graph(batch: int, ctx: int) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", action="append", help="BATCHxCONTEXT (default: 16x32768 and 1x131072)")
+    ap.add_argument("--caches", type=int, default=2, help="caches built per shape (default 2)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -106,9 +109,13 @@ def main() -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["16x32768", "1x131072"])]
     rows = []
     for batch, ctx in shapes:
-        graphs, _, keep = _kvarn_graphs(batch, ctx)
-        g, sets, keep2 = _cudnn_graph(batch, ctx)
-        graphs["sdpa cudnn"] = (g, sets, keep2)
+        graphs, keep = {}, []
+        for c in range(args.caches):
+            more, held = _kvarn_graphs(batch, ctx, f"cache{c}")
+            graphs.update(more)
+            keep.append(held)
+        g, sets, held = _cudnn_graph(batch, ctx)
+        graphs["sdpa cudnn"] = (g, sets, held)
         for name, (g, calls, _) in graphs.items():  # warm
             g.replay()
         torch.cuda.synchronize()
@@ -120,7 +127,7 @@ def main() -> int:
                        **_methods(g, calls)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        del graphs, keep, keep2
+        del graphs, keep, held
         torch.cuda.empty_cache()
     print("shape | graph | per_replay us (median of rounds) | back_to_back us | ratio")
     for batch, ctx in shapes:
