@@ -5,6 +5,11 @@ products (a model of one warp with the PTX semantics of each instruction), argum
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +20,7 @@ from kvarn_cutlass.format import HEAD_DIMS, PRESETS, QUANTIZERS, SCALE_DTYPES, T
 from kvarn_cutlass.runtime import build
 from kvarn_cutlass.runtime.registry import families
 
-from _helpers import require_disassembler
+from _helpers import load_tool, require_disassembler
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -225,6 +230,48 @@ def test_kernel_waits_for_the_previous_kernel_before_any_memory_read(which):
             assert not reads and first < ops.index("PREEXIT"), (fn, ops[:first + 2])
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_prefetch_variant_reads_only_the_tile_count_and_table_before_the_wait(which):
+    """The prefetch variant's one exception to the rule above: before griddepcontrol.wait its first threads load
+    the tile count and one table entry at GPU scope (LDG.E.STRONG.GPU: no L1 line that a later load could hit
+    stale) and ask L2 for the record (UBLKPF.L2, a hint); no other load, no shared memory, atomic or cp.async.
+    The tile loop is the shipped one: the same warp-instructions an iteration (tools/decode_sass_loop.py)."""
+    pytest.importorskip("cuda.bindings")
+    from kvarn_cutlass.cli.sass import disassemble, kernel_opcodes
+
+    require_disassembler()
+    v = decode.DecodeVariant(prefetch=2)
+    ks = decode.decode_spec(TileSpec("k4v2_g128", 128), v)
+    fn = ks.kernel_names[which]
+    ops = kernel_opcodes(disassemble(build(ks, "sm90").cubin), fn)
+    first = ops.index("ACQBULK")
+    mem = [o for o in ops[:first] if o.startswith(("LDG", "LDS", "LD.", "LDSM", "ST", "ATOM", "RED", "UBLK", "CCTL"))]
+    assert mem == ["LDG.E.STRONG.GPU", "LDG.E.STRONG.GPU", "UBLKPF.L2"], mem
+    assert "UBLKPF.L2" not in ops[first:]
+    shipped_spec = decode.decode_spec(TileSpec("k4v2_g128", 128))
+    shipped = kernel_opcodes(disassemble(build(shipped_spec, "sm90").cubin), shipped_spec.kernel_names[which])
+    assert "UBLKPF.L2" not in shipped
+    # after the wait the floating-point and tensor-core work is the shipped kernel's (bit-identical outputs)
+    arith = re.compile(r"^(FFMA|FMUL|FADD|FMNMX|FSETP|FSEL|MUFU|F2F|F2I|I2F|F2FP|HADD2|HFMA2|HMUL2|IMMA|HMMA)\b")
+    after = lambda o: sorted(x for x in o[o.index("ACQBULK"):] if arith.match(x))  # noqa: E731
+    assert after(ops) == after(shipped)
+
+
+def test_prefetch_variant_keeps_the_tile_loop():
+    """The prefetch sits before the kernel's wait, outside the tile loop: the loop issues the shipped kernel's
+    warp-instructions an iteration, at the shipped registers and residency."""
+    require_disassembler()
+    tool = load_tool("decode_sass_loop")
+    rows = []
+    for variant in (decode.DecodeVariant(), decode.DecodeVariant(prefetch=2)):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            tool.main(["--only", "d128 k4v2_g128 n1", "--variant", str(variant)])
+        rows.append(json.loads(buf.getvalue()))
+    keys = ("iteration", "max_warp", "registers", "blocks_per_sm")
+    assert [rows[1][k] for k in keys] == [rows[0][k] for k in keys], rows
+
+
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
 # What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
 # resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are
@@ -249,12 +296,15 @@ OCCUPANCY_CLAIMS = [
 
 def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
-    for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2"):
+    for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
+                 "ring=2,prefetch=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
     assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
-    for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5"):
+    assert V(ring=2, prefetch=1).suffix == "_ns2_pf1" and V(prefetch=2).defines() == {"KVD_PREFETCH": 2}
+    for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
+                "prefetch=0", "prefetch=9"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):
@@ -324,8 +374,6 @@ def test_variants_keep_the_floating_point_operations():
     """Only occupancy changes: the d128 k4v2 candidates' kernels have the same floating-point, conversion and
     tensor-core instructions as the shipped ones (ptxas made the same FMA contractions), which bit-identical
     outputs at equal splits need (the GPU tests compare the outputs)."""
-    import re
-
     from kvarn_cutlass.cli.sass import disassemble
 
     variants = [decode.DecodeVariant.parse(v) for v in ("default", "ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6")]

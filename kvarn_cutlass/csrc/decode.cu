@@ -49,7 +49,8 @@
 // entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
 // V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Occupancy knobs for A/B runs, unset in the
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
-// minimum blocks per SM of the G <= 4 / G <= 8 kernel). Everything the host needs about the kernel's
+// minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
+// it waits on the previous kernel; see prefetch_first_records). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
@@ -1141,6 +1142,36 @@ __device__ __forceinline__ void block_coords(int S, int E, int Hkv, bool exact_l
     split = (tile ? 0 : S) + r % n, h = pair % Hkv, b = pair / Hkv;
 }
 
+#if defined(KVD_PREFETCH) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+static_assert(KVD_PREFETCH >= 1 && KVD_PREFETCH <= NT, "one thread asks for each prefetched record");
+// A tile block that becomes resident while the previous kernel still runs (programmatic dependent launch: at a
+// layer boundary, the previous layer's final merges or the step's append) asks L2 for the records of its first
+// KVD_PREFETCH tiles, one bulk prefetch each, so that its ring's first copies find them there once the wait
+// is over instead of all blocks' first copies reaching DRAM at once. A prefetch is only a hint: the tile count
+// and table entries it reads may still be written by the previous kernel (relaxed loads at GPU scope, which
+// leave no L1 line behind; a stale value prefetches another record, whose slot is clamped into the pool like
+// the ring's), and nothing read here is used after the wait.
+__device__ __forceinline__ void prefetch_first_records(const unsigned char* pool, const int* table, const int* n_tiles,
+                                                       int Hkv, int cap, int nslots, int S, int E, int min_tps,
+                                                       bool exact_last) {
+    const int tid = threadIdx.x;
+    if (tid >= KVD_PREFETCH) return;
+    int split, h, b;
+    block_coords(S, E, Hkv, exact_last, split, h, b);
+    if (split >= S) return;
+    int n;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(n) : "l"(n_tiles + b));
+    n = n < 0 ? 0 : (n > cap ? cap : n);
+    const int tps = max(min_tps, (n + S - 1) / S), t = split * tps + tid;
+    if (tid >= tps || t >= n) return;
+    int s;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(s) : "l"(table + (size_t)b * cap + t));
+    s = s < 0 ? 0 : (s >= nslots ? nslots - 1 : s);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pool + ((size_t)s * Hkv + h) * REC), "r"(REC)
+                 : "memory");
+}
+#endif
+
 // flags: bit 0 = q (and out) bf16, bit 1 = window/sink bf16, bit 2 = the exact blocks after every tile block.
 template <int NB>
 __device__ __forceinline__ void decode_block(const void* q, const unsigned char* pool, const int* table,
@@ -1156,6 +1187,9 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     // previous kernel of the stream (the step's append, another layer's decode sharing the workspace) still
     // runs. Nothing is read before it completed; the next kernel may then be launched at once, since it too
     // waits before reading. Without the launch attribute both are no-ops.
+#ifdef KVD_PREFETCH
+    prefetch_first_records(pool, table, n_tiles, Hkv, cap, nslots, S, E, min_tps, (flags & 4) != 0);
+#endif
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
