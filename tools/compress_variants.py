@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn_cutlass.bench import BenchOptions  # noqa: E402
 from kvarn_cutlass.bench import compress as bench  # noqa: E402
-from kvarn_cutlass.bench.timing import queue_lead_us, time_queued  # noqa: E402
+from kvarn_cutlass.bench.timing import elapsed_ms, queue_lead_us, time_queued  # noqa: E402
 from kvarn_cutlass.ops import compress as C  # noqa: E402
 from kvarn_cutlass.presets import DEFAULT_SINKHORN_ITERS  # noqa: E402
 
@@ -124,13 +124,8 @@ def prompt_appends(warps: int, cluster: bool | None, with_gemm: bool, reps: int,
 
     def timed(appends: bool, gemms: bool) -> float:
         cache = fresh()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with cache.deferred_checks():
-            e0.record()
-            run(cache, appends, gemms)
-            e1.record()
-            e1.synchronize()
-        return e0.elapsed_time(e1)
+            return elapsed_ms(lambda: run(cache, appends, gemms))
 
     def queued(appends: bool, gemms: bool, lead: float) -> float:
         cache = fresh()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
-from kvarn_cutlass.bench.timing import capture_graph, rotation_count, time_cuda  # noqa: E402
+from kvarn_cutlass.bench.timing import capture_graph, elapsed_ms, rotation_count, time_cuda  # noqa: E402
 from kvarn_cutlass.format import TileSpec  # noqa: E402
 
 REPLAYS_PER_SAMPLE = 20
@@ -44,18 +44,12 @@ PER_REPLAY_RUNS = 100
 
 def _methods(graph, calls: int) -> dict:
     """Both timings of ``graph`` (``calls`` layers or input sets in it), us per call."""
-    import torch
-
-    per = time_cuda(lambda: graph.replay(), warmup=5, runs=PER_REPLAY_RUNS)
-    samples = []
-    for _ in range(SAMPLES):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    def replays_back_to_back() -> None:
         for _ in range(REPLAYS_PER_SAMPLE):
             graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1000.0 / (REPLAYS_PER_SAMPLE * calls))
+
+    per = time_cuda(lambda: graph.replay(), warmup=5, runs=PER_REPLAY_RUNS)
+    samples = [elapsed_ms(replays_back_to_back) * 1000.0 / (REPLAYS_PER_SAMPLE * calls) for _ in range(SAMPLES)]
     return {"per_replay_us": round(per.median_us / calls, 2), "per_replay_p10_us": round(per.p10_us / calls, 2),
             "per_replay_p90_us": round(per.p90_us / calls, 2),
             "back_to_back_us": round(statistics.median(samples), 2),

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
 from kvarn_cutlass.bench.timing import (  # noqa: E402
-    capture_graph, interleaved_samples, paired_ratios, rotation_count, time_cuda)
+    capture_graph, elapsed_ms, interleaved_samples, paired_ratios, rotation_count, time_cuda)
 from kvarn_cutlass.format import TileSpec  # noqa: E402
 from kvarn_cutlass.runtime import build  # noqa: E402
 
@@ -139,14 +139,12 @@ def graph_sampler(plan, q, layers: int, replays: int):
     outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
     g = capture_graph(lambda i: plan.launch(q, i, outs[i]), list(range(layers)))
 
-    def sample() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    def replays_back_to_back() -> None:
         for _ in range(replays):
             g.replay()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1000.0 / (replays * layers)
+
+    def sample() -> float:
+        return elapsed_ms(replays_back_to_back) * 1000.0 / (replays * layers)
 
     sample.keep = (plan, outs, g)  # the graph writes into outs and runs the plan's workspace
     return sample

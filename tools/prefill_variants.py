@@ -25,7 +25,7 @@ root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))  # the checkout's package
 import kvarn_cutlass as kc
 import kvarn_cutlass.ops.prefill as OP
-from kvarn_cutlass.bench.timing import interleaved_samples, paired_ratios
+from kvarn_cutlass.bench.timing import elapsed_ms, interleaved_samples, paired_ratios
 from prefill_phases import SHIPPED_SOURCE, use_source  # tools/ is the script's sys.path[0]
 
 ATTEND = "attend_block<true>(sQw, stg, stg + ST_KD, fk, kf, lsc, rescale, st, acc, lane, 0, 0, 0, false);"
@@ -141,15 +141,13 @@ def timed_rounds(runs: list, sets: list, rounds: int, calls: int) -> list[list[f
     Williams order): a run's sample is ``calls`` calls back to back (so the host enqueues ahead; a call timed
     alone would add its host time: tools/prefill_host.py) over the input sets in turn."""
     def timed(setup, run):
-        def sample() -> float:
-            setup()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+        def calls_back_to_back() -> None:
             for c in range(calls):
                 run(sets[c % len(sets)])
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / calls
+
+        def sample() -> float:
+            setup()
+            return elapsed_ms(calls_back_to_back) / calls
         return sample
 
     return interleaved_samples([timed(setup, run) for setup, run in runs], rounds)

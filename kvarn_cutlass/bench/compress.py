@@ -50,7 +50,7 @@ import time
 
 from ..presets import DEFAULT_SINKHORN_ITERS
 from . import BenchOptions, register_section
-from .timing import queue_lead_us, rotation_count, time_cuda, time_queued
+from .timing import elapsed_ms, queue_lead_us, rotation_count, time_cuda, time_queued
 
 __all__ = ["run", "run_append"]
 
@@ -171,13 +171,8 @@ def _prefill_compress(opts: BenchOptions) -> dict[str, Any]:
 
     def wall_ms(run=prompt) -> float:
         cache = fresh()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with cache.deferred_checks():
-            a.record()
-            run(cache)
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b)
+            return elapsed_ms(lambda: run(cache))
 
     def queued() -> tuple[float, float]:
         cache = fresh()

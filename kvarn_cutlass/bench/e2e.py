@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from . import BenchOptions, PartsPlan, register_section
-from .timing import williams_order
+from .timing import elapsed_ms, williams_order
 
 __all__ = ["FULL", "QUICK", "QWEN3_8B", "Plan", "estimate_bytes", "estimate_part_seconds", "fp16_cache_bytes",
            "fp16_decode_attention", "fp16_prefill", "fp16_prefill_attention", "granted_context", "headline_markdown",
@@ -569,17 +569,6 @@ def _cache_bytes(cache, kind: str) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def _elapsed_ms(fn) -> float:
-    import torch
-
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
-
-
 def _step_ms(run, steps: int) -> list[float]:
     """GPU ms of each of ``steps`` replayed decode steps of ``run`` (events between replays; one sync at the end)."""
     import torch
@@ -612,7 +601,7 @@ def _generation(model, kind: str, ids, chunk: int, new_tokens: int, decode: bool
     torch.cuda.reset_peak_memory_stats()
     run = StaticGreedy(model, ids, new_tokens, _cache_for(model, kind, prompt + new_tokens), chunk, graph=True,
                        decode_attn=_decode_attn(kind))
-    ttft = _elapsed_ms(run.prefill)
+    ttft = elapsed_ms(run.prefill)
     out: dict[str, Any] = {}
     if decode:
         run.step()  # the eager first step and the capture
@@ -638,7 +627,7 @@ def _flash_ttft(model, ids, chunk: int, capacity: int) -> tuple[float, dict[str,
     _release()
     torch.cuda.reset_peak_memory_stats()
     cache = StaticCache(config=model.config, max_cache_len=capacity)
-    ttft = _elapsed_ms(lambda c=cache: fp16_prefill(model, ids, c, chunk).argmax(-1))
+    ttft = elapsed_ms(lambda c=cache: fp16_prefill(model, ids, c, chunk).argmax(-1))
     del cache
     out = {"peak_mem_gib_fp16_flash_prefill": round(torch.cuda.max_memory_allocated() / GIB, 2)}
     _release()

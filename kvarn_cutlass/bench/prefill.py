@@ -40,7 +40,7 @@ import statistics
 from typing import Any, Callable
 
 from . import BenchOptions, register_section
-from .timing import interleaved_samples
+from .timing import elapsed_ms, interleaved_samples
 
 __all__ = ["run"]
 
@@ -120,13 +120,12 @@ def _matmul_tflops() -> float:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     for _ in range(3):
         a @ b
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        a @ b
-    e1.record()
-    e1.synchronize()
-    return round(2 * 8192**3 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12, 1)
+
+    def run() -> None:
+        for _ in range(10):
+            a @ b
+
+    return round(2 * 8192**3 * 10 / (elapsed_ms(run) * 1e-3) / 1e12, 1)
 
 
 def _interleaved(methods: dict[str, Callable[[], float]], reps: int,
@@ -177,9 +176,6 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
     # torch's indexing of the [1, H, P, D] prompt (~5 us of host time a slice on the dev CPU).
     views = [(q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n]) for s, n in chunks]
 
-    def events():
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
     def static_steps(kbuf, vbuf) -> list:
         """Per chunk, made before a timed region: its q, k, v views, the views of an fp16 cache [1, H, P, D]
         (kbuf, vbuf) that it writes and that it attends to, and its mask."""
@@ -195,17 +191,16 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
             cache._writer.cluster_tiles = 0
         elif form == "cluster" and cache._writer.cluster_tiles:
             cache._writer.cluster_tiles = 1 << 30
-        a, b = events()
-        with cache.deferred_checks():
-            a.record()
+
+        def run() -> None:
             for qn, kn, vn in views:
                 if attend:
                     kc.prefill_attention(qn, kn, vn, cache, 0)
                 else:
                     cache.append(0, kn, vn)
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b)
+
+        with cache.deferred_checks():
+            return elapsed_ms(run)
 
     def sdpa_prompt(backend) -> float:
         gqa = _gqa_supported(backend)
@@ -213,18 +208,17 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         kc_ = torch.empty(1, heads, P, D, device=dev, dtype=torch.float16)
         vc_ = torch.empty_like(kc_)
         steps = static_steps(kc_, vc_)
-        a, b = events()
-        a.record()
-        with sdpa_kernel(backend):
-            for qn, kn, vn, k_dst, v_dst, k_seen, v_seen, mask in steps:
-                if not gqa:
-                    kn, vn = kn.repeat_interleave(HQ // HKV, 1), vn.repeat_interleave(HQ // HKV, 1)
-                k_dst.copy_(kn)
-                v_dst.copy_(vn)
-                F.scaled_dot_product_attention(qn, k_seen, v_seen, attn_mask=mask, enable_gqa=gqa)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+
+        def run() -> None:
+            with sdpa_kernel(backend):
+                for qn, kn, vn, k_dst, v_dst, k_seen, v_seen, mask in steps:
+                    if not gqa:
+                        kn, vn = kn.repeat_interleave(HQ // HKV, 1), vn.repeat_interleave(HQ // HKV, 1)
+                    k_dst.copy_(kn)
+                    v_dst.copy_(vn)
+                    F.scaled_dot_product_attention(qn, k_seen, v_seen, attn_mask=mask, enable_gqa=gqa)
+
+        return elapsed_ms(run)
 
     def dequant_prompt() -> float:
         cache = kc.KVarNCache(1, 1, HKV, D, window=256, dtype=torch.float16, device=dev, max_seq_len=P)
@@ -232,9 +226,8 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
         kb = torch.empty(1, HKV, P, D, device=dev, dtype=torch.float16)
         vb = torch.empty_like(kb)
         steps = static_steps(kb, vb)
-        a, b = events()
-        with cache.deferred_checks():
-            a.record()
+
+        def run() -> None:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 for qn, kn, vn, k_dst, v_dst, kk, vv, mask in steps:
                     kc.dequantize_layer(cache, 0, out=(kb, vb))
@@ -244,9 +237,9 @@ def _one_point(P: int, C: int, D: int, reps: int, peak_tflops: float) -> dict[st
                         kk, vv = kk.repeat_interleave(HQ // HKV, 1), vv.repeat_interleave(HQ // HKV, 1)
                     F.scaled_dot_product_attention(qn, kk, vv, attn_mask=mask, enable_gqa=gqa)
                     cache.append(0, kn, vn)
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b)
+
+        with cache.deferred_checks():
+            return elapsed_ms(run)
 
     res: dict[str, Any] = {"P": P, "C": C, "head_dim": D, "q_heads": HQ, "kv_heads": HKV}
     times, errors, spreads = _interleaved({

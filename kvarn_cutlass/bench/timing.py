@@ -18,8 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Timing", "capture_graph", "interleaved_samples", "l2_cache_bytes", "paired_ratios", "queue_lead_us",
-           "rotation_count", "time_cuda", "time_queued", "williams_order"]
+__all__ = ["Timing", "capture_graph", "elapsed_ms", "interleaved_samples", "l2_cache_bytes", "paired_ratios",
+           "queue_lead_us", "rotation_count", "time_cuda", "time_queued", "williams_order"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,20 @@ def _stats(samples_us: list[float], calls: int, graph: bool) -> Timing:
     ordered = sorted(samples_us)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
     return Timing(statistics.median(ordered), ordered[0], pick(0.1), pick(0.9), len(ordered), calls, graph)
+
+
+def elapsed_ms(fn: Callable[[], Any]) -> float:
+    """GPU milliseconds of the work ``fn`` enqueues on the current stream: a CUDA event recorded before and one
+    after it, then one synchronize on the second. ``fn`` must only enqueue (no synchronization inside), so that
+    the time is the stream's, with the host's launch gaps where the host is slower than the GPU."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def capture_graph(call: Callable[[Any], Any], sets: Sequence[Any]) -> Any:

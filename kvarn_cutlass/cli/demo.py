@@ -376,46 +376,41 @@ def _time_prefill(args, q16, k16, v16, scale: float) -> dict:
     per chunk; one warm-up prompt, median of 3."""
     import statistics
 
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     import kvarn_cutlass as kc
+    from kvarn_cutlass.bench.timing import elapsed_ms
 
     n, Hkv, D = k16.shape[2], k16.shape[1], k16.shape[3]
     group = q16.shape[1] // Hkv
     chunks = [(s, min(args.chunk, n - s)) for s in range(0, n, args.chunk)]
 
-    def event():
-        return torch.cuda.Event(enable_timing=True)
-
     def kvarn_prompt() -> float:
         """The whole prompt, attention and append (compression) of every chunk, one sync at the end."""
         cache = kc.KVarNCache(1, 1, Hkv, D, preset=args.preset, window=args.window, device="cuda", max_seq_len=n)
-        a, b = event(), event()
-        with cache.deferred_checks():  # the appends' checks read back once, after the timed region
-            a.record()
+
+        def run() -> None:
             for s, m in chunks:
                 kc.prefill_attention(q16[:, :, s : s + m], k16[:, :, s : s + m], v16[:, :, s : s + m], cache, 0, scale)
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b)
+
+        with cache.deferred_checks():  # the appends' checks read back once, after the timed region
+            return elapsed_ms(run)
 
     kk = k16.repeat_interleave(group, 1)  # flash SDPA needs equal head counts; the fp16 cache holds all tokens
     vv = v16.repeat_interleave(group, 1)
 
     def sdpa_prompt() -> float:
         """Flash SDPA over an fp16 cache, each chunk against every earlier token (causal lower right)."""
-        a, b = event(), event()
-        a.record()
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            for s, m in chunks:
-                F.scaled_dot_product_attention(q16[:, :, s : s + m], kk[:, :, : s + m], vv[:, :, : s + m],
-                                               attn_mask=causal_lower_right(m, s + m), scale=scale)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+
+        def run() -> None:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                for s, m in chunks:
+                    F.scaled_dot_product_attention(q16[:, :, s : s + m], kk[:, :, : s + m], vv[:, :, : s + m],
+                                                   attn_mask=causal_lower_right(m, s + m), scale=scale)
+
+        return elapsed_ms(run)
 
     kvarn_prompt(), sdpa_prompt()  # warm-up: kernel builds and loads
     kvarn_ms = statistics.median(kvarn_prompt() for _ in range(3))
