@@ -18,7 +18,11 @@ what the bench times), the default kernel and ring 2, and for graphed cuDNN SDPA
 shape (the bars' baseline), each with its median, p10 and p90. If the per-replay median of one kernel moves
 with the method while cuDNN's does not, the difference is the kernel's, not the timer's. The KVarN graphs are
 built on ``--caches`` caches of the shape built one after another and held together (their records in
-different device memory): a time that moves from cache to cache is the memory's, not the method's.
+different device memory): a time that moves from cache to cache is the memory's, not the method's. Two more
+entries repeat what the bench did that the rounds do not: the plan's eager ``decode_attention`` (the bench's
+``eager_us``, 143.28 us at b16/32k in that call, below its own graph time on the same cache), and, per cache,
+the plan's graph timed per replay at once after the cache is built (``first_per_replay_us``), as the bench
+times it, before anything else has run on that cache.
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ SAMPLES = 12
 PER_REPLAY_RUNS = 100
 
 
-def _methods(graph, calls: int) -> dict:
-    """Both timings of ``graph`` (``calls`` layers or input sets in it), us per call."""
+def _methods(run_once, calls: int) -> dict:
+    """Both timings of ``run_once`` (a graph's replay holding ``calls`` layers or input sets, or one eager call),
+    us per call."""
     def replays_back_to_back() -> None:
         for _ in range(REPLAYS_PER_SAMPLE):
-            graph.replay()
+            run_once()
 
-    per = time_cuda(lambda: graph.replay(), warmup=5, runs=PER_REPLAY_RUNS)
+    per = time_cuda(run_once, warmup=5, runs=PER_REPLAY_RUNS)
     samples = [elapsed_ms(replays_back_to_back) * 1000.0 / (REPLAYS_PER_SAMPLE * calls) for _ in range(SAMPLES)]
     return {"per_replay_us": round(per.median_us / calls, 2), "per_replay_p10_us": round(per.p10_us / calls, 2),
             "per_replay_p90_us": round(per.p90_us / calls, 2),
@@ -56,22 +61,38 @@ def _methods(graph, calls: int) -> dict:
             "back_to_back_min_us": round(min(samples), 2), "back_to_back_max_us": round(max(samples), 2)}
 
 
-def _kvarn_graphs(batch: int, ctx: int, tag: str) -> tuple[dict, object]:
+def _kvarn_entries(batch: int, ctx: int, tag: str) -> tuple[dict, dict, object]:
+    """The KVarN entries of one freshly built cache (name -> (run_once, calls, what to keep alive)) and the plan
+    graph's per-replay time taken at once after the build."""
     import torch
 
     spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
     layers = min(64, rotation_count(max(batch * bench.HKV * -(-(ctx - bench.WINDOW) // 128) * spec.tile_nbytes, 1)))
     cache = bench._build_cache(batch, ctx, layers)
     q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
-    graphs = {}
+    entries, first = {}, {}
     for name, variant in (("plan", None), ("default", decode.DecodeVariant()),
                           ("ring=2", decode.DecodeVariant.parse("ring=2"))):
         plan = decode.DecodePlan(cache, variant=variant)
         ws = plan.workspace(bench.HQ // bench.HKV)
         outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
         g = capture_graph(lambda i, plan=plan, outs=outs: plan.launch(q, i, outs[i]), list(range(layers)))
-        graphs[f"kvarn {tag} {name} ({ws.variant}, S={ws.splits})"] = (g, layers, (plan, outs))
-    return graphs, (cache, q)
+        label = f"kvarn {tag} {name} ({ws.variant}, S={ws.splits})"
+        if not first:
+            per = time_cuda(g.replay, warmup=5, runs=PER_REPLAY_RUNS)
+            first = {"batch": batch, "context": ctx, "graph": label,
+                     "first_per_replay_us": round(per.median_us / layers, 2)}
+            print(json.dumps(first), flush=True)
+        entries[label] = (g.replay, layers, (g, plan, outs))
+    outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
+    turn = [0]
+
+    def eager() -> None:  # the bench's eager_us: decode_attention through the cache's plan, layers in turn
+        i = turn[0] = (turn[0] + 1) % layers
+        decode.decode_attention(q, cache, i, out=outs[i])
+
+    entries[f"kvarn {tag} plan eager"] = (eager, 1, outs)
+    return entries, first, (cache, q)
 
 
 def _cudnn_graph(batch: int, ctx: int) -> tuple:
@@ -88,7 +109,8 @@ def _cudnn_graph(batch: int, ctx: int) -> tuple:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, s[0], s[1], enable_gqa=True)
 
-    return capture_graph(call, kv), sets, (kv, q)
+    g = capture_graph(call, kv)
+    return g.replay, sets, (g, kv, q)
 
 
 def main() -> int:
@@ -101,27 +123,27 @@ def main() -> int:
     import torch
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shape or ["16x32768", "16x131072", "1x131072"])]
-    rows = []
+    rows, firsts = [], []
     for batch, ctx in shapes:
-        graphs, keep = {}, []
+        entries, keep = {}, []
         for c in range(args.caches):
-            more, held = _kvarn_graphs(batch, ctx, f"cache{c}")
-            graphs.update(more)
+            more, first, held = _kvarn_entries(batch, ctx, f"cache{c}")
+            entries.update(more)
+            firsts.append(first)
             keep.append(held)
-        g, sets, held = _cudnn_graph(batch, ctx)
-        graphs["sdpa cudnn"] = (g, sets, held)
-        for name, (g, calls, _) in graphs.items():  # warm
-            g.replay()
+        entries["sdpa cudnn"] = _cudnn_graph(batch, ctx)
+        for run_once, _, _ in entries.values():  # warm
+            run_once()
         torch.cuda.synchronize()
         for r in range(args.rounds):
-            order = list(graphs) if r % 2 == 0 else list(reversed(graphs))
+            order = list(entries) if r % 2 == 0 else list(reversed(entries))
             for name in order:
-                g, calls, _ = graphs[name]
+                run_once, calls, _ = entries[name]
                 row = {"batch": batch, "context": ctx, "round": r, "graph": name, "calls": calls,
-                       **_methods(g, calls)}
+                       **_methods(run_once, calls)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        del graphs, keep, held
+        del entries, keep
         torch.cuda.empty_cache()
     print("shape | graph | per_replay us (median of rounds) | back_to_back us | ratio")
     for batch, ctx in shapes:
@@ -132,7 +154,7 @@ def main() -> int:
             bb = statistics.median(r["back_to_back_us"] for r in sel)
             print(f"b{batch}/{ctx} | {name} | {pr:.2f} | {bb:.2f} | {pr / bb:.3f}")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "first_after_build": firsts}, indent=1))
     return 0
 
 
