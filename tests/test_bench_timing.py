@@ -67,3 +67,32 @@ def test_elapsed_ms_propagates_the_work_s_error_unsynchronized(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         timing.elapsed_ms(fn)
     assert log.calls == ["e1.record"]
+
+
+def _fake_stream(monkeypatch, log: _Log, rate: float = 1000.0):
+    """torch.cuda's sleep, synchronize and device replaced by log entries; the sleep clock's rate preset."""
+    monkeypatch.setattr(torch.cuda, "Event", log.event_class())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.calls.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 7)
+    monkeypatch.setitem(timing._sleep_cycles_per_us, 7, rate)
+
+
+def test_time_queued_puts_the_call_behind_a_sleep_and_times_it_between_two_events(monkeypatch):
+    log = _Log()
+    _fake_stream(monkeypatch, log, rate=1000.0)
+    clock = iter([10.0, 10.0 + 250e-6])  # the host's perf_counter around the call: 250 us
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    gpu_us, host_us = timing.time_queued(lambda: log.calls.append("work"), lead_us=2000.0)
+    assert log.calls == ["synchronize", "sleep 2000000", "e1.record", "work", "e2.record", "e2.synchronize"]
+    assert gpu_us == 2000.0  # the fake event pair's distance (2 log entries) in ms, as us
+    assert abs(host_us - 250.0) < 1e-6
+
+
+def test_time_queued_refuses_a_lead_the_host_outran(monkeypatch):
+    log = _Log()
+    _fake_stream(monkeypatch, log)
+    clock = iter([0.0, 1700e-6])  # 1,700 us of host time behind a 2,000 us lead: more than 0.8 of it
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    with pytest.raises(RuntimeError, match="pass a longer lead_us"):
+        timing.time_queued(lambda: None, lead_us=2000.0)

@@ -162,14 +162,9 @@ def _cycles_per_us(device: int) -> float:
 
     rate = _sleep_cycles_per_us.get(device)
     if rate is None:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 20_000_000
         torch.cuda._sleep(cycles // 10)  # clocks up
-        a.record()
-        torch.cuda._sleep(cycles)
-        b.record()
-        b.synchronize()
-        rate = _sleep_cycles_per_us[device] = cycles / (a.elapsed_time(b) * 1000.0)
+        rate = _sleep_cycles_per_us[device] = cycles / (elapsed_ms(lambda: torch.cuda._sleep(cycles)) * 1000.0)
     return rate
 
 
@@ -194,18 +189,20 @@ def time_queued(fn: Callable[[], Any], lead_us: float) -> tuple[float, float]:
     import torch
 
     rate = _cycles_per_us(torch.cuda.current_device())
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(lead_us * rate))
-    a.record()
-    t0 = time.perf_counter()
-    fn()
-    host_us = (time.perf_counter() - t0) * 1e6
-    b.record()
-    b.synchronize()
+    host_s = []
+
+    def call() -> None:
+        t0 = time.perf_counter()
+        fn()
+        host_s.append(time.perf_counter() - t0)
+
+    gpu_ms = elapsed_ms(call)
+    host_us = host_s[0] * 1e6
     if host_us > 0.8 * lead_us:
         raise RuntimeError(f"the host took {host_us:.0f} us behind a {lead_us:.0f} us lead: pass a longer lead_us")
-    return a.elapsed_time(b) * 1000.0, host_us
+    return gpu_ms * 1000.0, host_us
 
 
 def williams_order(n: int, r: int) -> list[int]:
