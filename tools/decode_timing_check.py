@@ -143,7 +143,7 @@ def main() -> int:
                        **_methods(run_once, calls)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        del entries, keep
+        del entries, keep, more, held
         torch.cuda.empty_cache()
     print("shape | graph | per_replay us (median of rounds) | back_to_back us | ratio")
     for batch, ctx in shapes:
