@@ -47,7 +47,7 @@
 // (scale bytes), KVD_QZ (0 uniform, 1 lloyd_max), the record layout KVD_REC and KVD_OFF_<section>,
 // KVD_SFX (name suffix); lloyd_max: KVD_KTH0..3 / KVD_KTL0..3 (K table levels, byte i of word i / 4 =
 // entry i), KVD_KSC (f32 bits of 1 / SC), the same KVD_VTH*, KVD_VTL*, KVD_VSC for 4-bit V, and for 2-bit
-// V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Occupancy knobs for A/B runs, unset in the
+// V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Knobs for A/B runs, unset in the
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records). Everything the host needs about the kernel's
@@ -870,6 +870,14 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
 }
 
 // --- tile split: the tiles [t0, t1) of (b, h) ----------------------------------------------------------
+// The live tile count of a sequence as the kernel uses it: n_tiles clamped into [0, cap].
+__device__ __forceinline__ int live_tiles(int n, int cap) { return n < 0 ? 0 : (n > cap ? cap : n); }
+// Tiles of each tile block (split) of a sequence with n live tiles: one grid serves every length.
+__device__ __forceinline__ int tiles_per_split(int n, int S, int min_tps) { return max(min_tps, (n + S - 1) / S); }
+// A table entry clamped into the pool's record slots, so that a corrupt or stale entry reads a record, never
+// outside the pool.
+__device__ __forceinline__ int clamp_slot(int s, int nslots) { return s < 0 ? 0 : (s >= nslots ? nslots - 1 : s); }
+
 template <int NB>
 __device__ void tile_split(unsigned char* smem, const void* q, const unsigned char* pool, const int* table, int b,
                            int h, int Hkv, int G, int cap, int nslots, int t0, int t1, float* po, float* pm,
@@ -887,8 +895,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     const unsigned char* head = pool + (size_t)h * REC;
     const size_t sstride = (size_t)Hkv * REC;
     auto slot_of = [&](int t) {  // record slot of tile t (split-relative), clamped into the pool
-        const int s = t < nloc ? trow[t] : 0;
-        return s < 0 ? 0 : (s >= nslots ? nslots - 1 : s);
+        return clamp_slot(t < nloc ? trow[t] : 0, nslots);
     };
     RecordCopy rc = record_copy(tid);
     FoldLane fl = fold_lane(tid);
@@ -1161,12 +1168,12 @@ __device__ __forceinline__ void prefetch_first_records(const unsigned char* pool
     if (split >= S) return;
     int n;
     asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(n) : "l"(n_tiles + b));
-    n = n < 0 ? 0 : (n > cap ? cap : n);
-    const int tps = max(min_tps, (n + S - 1) / S), t = split * tps + tid;
+    n = live_tiles(n, cap);
+    const int tps = tiles_per_split(n, S, min_tps), t = split * tps + tid;
     if (tid >= tps || t >= n) return;
     int s;
     asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(s) : "l"(table + (size_t)b * cap + t));
-    s = s < 0 ? 0 : (s >= nslots ? nslots - 1 : s);
+    s = clamp_slot(s, nslots);
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pool + ((size_t)s * Hkv + h) * REC), "r"(REC)
                  : "memory");
 }
@@ -1203,9 +1210,8 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
         exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
                    split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
     } else {
-        int n = n_tiles[b];
-        n = n < 0 ? 0 : (n > cap ? cap : n);
-        const int tps = max(min_tps, (n + S - 1) / S);
+        const int n = live_tiles(n_tiles[b], cap);
+        const int tps = tiles_per_split(n, S, min_tps);
         const int t0 = split * tps, t1 = min(n, t0 + tps);
         if (t0 < t1) {
             tile_split<NB>(smem, q, pool, table, b, h, Hkv, G, cap, nslots, t0, t1, po, pm, pl, slot, q_bf, scale);
