@@ -102,7 +102,7 @@ LM_TABLE_LEVEL = 254
 # --- kernel variants ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecodeVariant:
-    """Compile-time knobs of the decode kernel (occupancy, prefetch) for A/B runs; ``DecodeVariant()`` is shipped.
+    """Compile-time knobs of the decode kernel (occupancy, load order) for A/B runs; ``DecodeVariant()`` is shipped.
 
     Attributes (None: the kernel's own default, which lives in ``csrc/decode.cu`` only):
         ring: cp.async ring slots NS of a tile block, 2..8 (NS - 1 iterations of records in flight; fewer
@@ -114,6 +114,9 @@ class DecodeVariant:
         prefetch: records of its first tiles, 1..8, that a tile block asks L2 for (one bulk prefetch each, sm_90)
             before it waits on the previous kernel of the stream (programmatic dependent launch), so that a
             layer's first record copies overlap the previous kernel's tail; the arithmetic is unchanged.
+        q_first: 1 to have a tile block read its queries before its first record copies instead of after
+            them, so that those loads do not queue behind every block's records at the grid's start; the
+            arithmetic is unchanged.
 
     A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
     shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist
@@ -125,10 +128,12 @@ class DecodeVariant:
     min_blocks: int | None = None
     min_blocks_g8: int | None = None
     prefetch: int | None = None
+    q_first: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
-              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH")}
+              "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
+              "q_first": (1, 1, "qf", "KVD_Q_FIRST")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():

@@ -272,6 +272,31 @@ def test_prefetch_variant_keeps_the_tile_loop():
     assert [rows[1][k] for k in keys] == [rows[0][k] for k in keys], rows
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_q_first_variant_reads_q_before_the_ring_s_first_copies(which):
+    """q_first moves the tile split's query loads (LDG.E.U16, fp16 q) ahead of its ring's first record copies:
+    between the block barrier before them and the last query load, the shipped kernel issues the ring's
+    cp.async copies (LDGSTS) of its first records, the variant none; the kernel's loads are the same kinds."""
+    from collections import Counter
+
+    from kvarn_cutlass.cli.sass import disassemble, kernel_opcodes
+
+    require_disassembler()
+
+    def prologue(variant):
+        ks = decode.decode_spec(TileSpec("k4v2_g128", 128), variant)
+        ops = kernel_opcodes(disassemble(build(ks, "sm90").cubin), ks.kernel_names[which])
+        last_q = max(k for k, o in enumerate(ops) if o.startswith("LDG.E.U16"))
+        bar = max(k for k, o in enumerate(ops[:last_q]) if o.startswith("BAR.SYNC"))
+        loads = Counter(o for o in ops if o.startswith(("LDG", "LDGSTS")))
+        return sum(o.startswith("LDGSTS") for o in ops[bar:last_q]), loads
+
+    copies, loads = prologue(decode.DecodeVariant())
+    copies_qf, loads_qf = prologue(decode.DecodeVariant(q_first=1))
+    assert copies >= 2 * 8 and copies_qf == 0, (copies, copies_qf)
+    assert set(loads_qf) == set(loads), (loads, loads_qf)
+
+
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
 # What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
 # resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are
@@ -297,14 +322,14 @@ OCCUPANCY_CLAIMS = [
 def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
-                 "ring=2,prefetch=1"):
+                 "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
     assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
     assert V(ring=2, prefetch=1).suffix == "_ns2_pf1" and V(prefetch=2).defines() == {"KVD_PREFETCH": 2}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

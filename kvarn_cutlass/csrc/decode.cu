@@ -50,7 +50,8 @@
 // V KVD_VC0, KVD_VA0, KVD_VG1 (f32 bits of c[0], a0, g1). Knobs for A/B runs, unset in the
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
-// it waits on the previous kernel; see prefetch_first_records). Everything the host needs about the kernel's
+// it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
+// first record copies; see tile_split). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
@@ -900,6 +901,17 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     RecordCopy rc = record_copy(tid);
     FoldLane fl = fold_lane(tid);
     const unsigned ring_s = smem_u32(ring);
+#ifdef KVD_Q_FIRST
+    // q of this warp's heads (w + j NW) read before the ring's first copies: its loads then do not queue behind
+    // the records of every block of the grid, which all start at once (the fold of tile 0 needs both)
+    float qx[NB][D / 32];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+        const size_t row = ((size_t)(b * Hkv + h) * G + w + j * NW) * D + lane * (D / 32);
+#pragma unroll
+        for (int k = 0; k < D / 32; ++k) qx[j][k] = w + j * NW < G ? ld_in(q, row + k, q_bf) : 0.f;
+    }
+#endif
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nit) {
@@ -918,6 +930,17 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     // q_rot = WHT(q) unnormalized, one warp per head
     {
         constexpr int CPL = D / 32;
+#ifdef KVD_Q_FIRST
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            const int gg = w + j * NW;
+            if (gg < G) {
+                wht_warp<CPL>(qx[j], lane);
+#pragma unroll
+                for (int k = 0; k < CPL; ++k) qrot[gg * D + lane * CPL + k] = qx[j][k];
+            }
+        }
+#else
         const size_t qbase = (size_t)(b * Hkv + h) * G * D;
         for (int gg = w; gg < G; gg += NW) {
             float x[CPL];
@@ -927,6 +950,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 #pragma unroll
             for (int k = 0; k < CPL; ++k) qrot[gg * D + lane * CPL + k] = x[k];
         }
+#endif
     }
     constexpr float LOG2E = 1.4426950408889634f;
     const float kscale = scale * LOG2E * rsqrtf((float)D);
