@@ -57,6 +57,17 @@ def test_elapsed_ms_brackets_the_work_once_and_syncs_after_the_second_event(monk
     assert ms == 3.0  # the fake's distance from the first record to the second: the work lies between them
 
 
+def test_elapsed_ms_repeats_the_work_between_one_pair_of_events(monkeypatch):
+    log = _Log()
+    monkeypatch.setattr(torch.cuda, "Event", log.event_class())
+    ms = timing.elapsed_ms(lambda: log.calls.append("work"), repeats=3)
+    assert log.calls == ["e1.record", "work", "work", "work", "e2.record", "e2.synchronize"]
+    assert ms == 4.0
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="repeats"):
+            timing.elapsed_ms(lambda: None, repeats=bad)
+
+
 def test_elapsed_ms_propagates_the_work_s_error_unsynchronized(monkeypatch):
     log = _Log()
     monkeypatch.setattr(torch.cuda, "Event", log.event_class())

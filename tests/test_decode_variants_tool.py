@@ -73,7 +73,7 @@ def test_one_shape_with_stand_ins_for_the_gpu(tool, monkeypatch):
     monkeypatch.setattr(tool.decode, "DecodePlan", Plan)
     monkeypatch.setattr(tool.decode, "occupancy", lambda spec, device, v: tool.resources(spec, v)["blocks_per_sm"])
     monkeypatch.setattr(tool, "time_cuda", fake_time)
-    monkeypatch.setattr(tool, "rotation_count", lambda nbytes: 2)
+    monkeypatch.setattr(tool.bench, "rotated_layers", lambda batch, ctx: 2)
     monkeypatch.setattr(tool.bench, "_build_cache", lambda batch, ctx, layers: cache)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     sampled = []

@@ -38,8 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
-from kvarn_cutlass.bench.timing import capture_graph, elapsed_ms, rotation_count, time_cuda  # noqa: E402
-from kvarn_cutlass.format import TileSpec  # noqa: E402
+from kvarn_cutlass.bench.timing import capture_graph, elapsed_ms, time_cuda  # noqa: E402
 
 REPLAYS_PER_SAMPLE = 20
 SAMPLES = 12
@@ -49,12 +48,9 @@ PER_REPLAY_RUNS = 100
 def _methods(run_once, calls: int) -> dict:
     """Both timings of ``run_once`` (a graph's replay holding ``calls`` layers or input sets, or one eager call),
     us per call."""
-    def replays_back_to_back() -> None:
-        for _ in range(REPLAYS_PER_SAMPLE):
-            run_once()
-
     per = time_cuda(run_once, warmup=5, runs=PER_REPLAY_RUNS)
-    samples = [elapsed_ms(replays_back_to_back) * 1000.0 / (REPLAYS_PER_SAMPLE * calls) for _ in range(SAMPLES)]
+    samples = [elapsed_ms(run_once, repeats=REPLAYS_PER_SAMPLE) * 1000.0 / (REPLAYS_PER_SAMPLE * calls)
+               for _ in range(SAMPLES)]
     return {"per_replay_us": round(per.median_us / calls, 2), "per_replay_p10_us": round(per.p10_us / calls, 2),
             "per_replay_p90_us": round(per.p90_us / calls, 2),
             "back_to_back_us": round(statistics.median(samples), 2),
@@ -66,8 +62,7 @@ def _kvarn_entries(batch: int, ctx: int, tag: str) -> tuple[dict, dict, object]:
     graph's per-replay time taken at once after the build."""
     import torch
 
-    spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
-    layers = min(64, rotation_count(max(batch * bench.HKV * -(-(ctx - bench.WINDOW) // 128) * spec.tile_nbytes, 1)))
+    layers = bench.rotated_layers(batch, ctx)
     cache = bench._build_cache(batch, ctx, layers)
     q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
     entries, first = {}, {}
@@ -96,21 +91,17 @@ def _kvarn_entries(batch: int, ctx: int, tag: str) -> tuple[dict, dict, object]:
 
 
 def _cudnn_graph(batch: int, ctx: int) -> tuple:
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sets = min(16, rotation_count(2 * batch * bench.HKV * ctx * bench.D * 2))
-    kv = [(torch.randn(batch, bench.HKV, ctx, bench.D, device="cuda", dtype=torch.float16),
-           torch.randn(batch, bench.HKV, ctx, bench.D, device="cuda", dtype=torch.float16)) for _ in range(sets)]
-    q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
+    kv, q = bench.sdpa_inputs(batch, ctx)
 
     def call(s):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, s[0], s[1], enable_gqa=True)
 
     g = capture_graph(call, kv)
-    return g.replay, sets, (g, kv, q)
+    return g.replay, len(kv), (g, kv, q)
 
 
 def main() -> int:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
 from kvarn_cutlass.bench.timing import (  # noqa: E402
-    capture_graph, elapsed_ms, interleaved_samples, paired_ratios, rotation_count, time_cuda)
+    capture_graph, elapsed_ms, interleaved_samples, paired_ratios, time_cuda)
 from kvarn_cutlass.format import TileSpec  # noqa: E402
 from kvarn_cutlass.runtime import build  # noqa: E402
 
@@ -139,12 +138,8 @@ def graph_sampler(plan, q, layers: int, replays: int):
     outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
     g = capture_graph(lambda i: plan.launch(q, i, outs[i]), list(range(layers)))
 
-    def replays_back_to_back() -> None:
-        for _ in range(replays):
-            g.replay()
-
     def sample() -> float:
-        return elapsed_ms(replays_back_to_back) * 1000.0 / (replays * layers)
+        return elapsed_ms(g.replay, repeats=replays) * 1000.0 / (replays * layers)
 
     sample.keep = (plan, outs, g)  # the graph writes into outs and runs the plan's workspace
     return sample
@@ -172,7 +167,7 @@ def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs
     import torch
 
     spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
-    layers = min(64, rotation_count(max(batch * bench.HKV * math.ceil((ctx - bench.WINDOW) / 128) * spec.tile_nbytes, 1)))
+    layers = bench.rotated_layers(batch, ctx)
     t0 = time.perf_counter()
     cache = bench._build_cache(batch, ctx, layers)
     build_s = time.perf_counter() - t0

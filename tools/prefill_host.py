@@ -60,12 +60,7 @@ def main() -> None:
     torch.cuda.synchronize()
     for _ in range(3):
         attend()
-
-    def twenty() -> None:
-        for _ in range(20):
-            attend()
-
-    print(f"fused kernel at context {cache.seq_len(0)}: {elapsed_ms(twenty) / 20 * 1e3:.1f} us per call "
+    print(f"fused kernel at context {cache.seq_len(0)}: {elapsed_ms(attend, repeats=20) / 20 * 1e3:.1f} us per call "
           "(20 back to back)")
 
     prof = cProfile.Profile()

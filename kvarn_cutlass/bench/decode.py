@@ -51,6 +51,26 @@ SDPA_CUDNN_REF_US = {
 }
 
 
+def rotated_layers(batch: int, ctx: int) -> int:
+    """Layers of a ``batch`` x ``ctx`` cache the timed graphs rotate through (at most 64): enough that their tile
+    records together exceed the L2 (``rotation_count``), so no replay reads records the previous one left there."""
+    from ..format import TileSpec
+
+    tile_bytes = batch * HKV * math.ceil((ctx - WINDOW) / 128) * TileSpec(preset=PRESET, head_dim=D).tile_nbytes
+    return min(64, rotation_count(max(tile_bytes, 1)))
+
+
+def sdpa_inputs(batch: int, ctx: int):
+    """(K/V sets, q) of fp16 SDPA at ``batch`` x ``ctx``: [batch, HKV, ctx, D] K and V per set, as many sets (at
+    most 16) as rotate past the L2, and one [batch, HQ, 1, D] query."""
+    import torch
+
+    sets = min(16, rotation_count(2 * batch * HKV * ctx * D * 2))
+    kv = [(torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.float16),
+           torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.float16)) for _ in range(sets)]
+    return kv, torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16)
+
+
 def _build_cache(batch: int, ctx: int, layers: int, quantizer: str = "uniform"):
     import torch
 
@@ -85,8 +105,7 @@ def _time_kvarn(batch: int, ctx: int, opts: BenchOptions, splits_list=None, min_
 
     from ..decode import DecodePlan, decode_attention
 
-    tile_bytes = batch * HKV * math.ceil((ctx - WINDOW) / 128) * 13824
-    layers = min(64, rotation_count(max(tile_bytes, 1)))
+    layers = rotated_layers(batch, ctx)
     cache = _build_cache(batch, ctx, layers, quantizer)
     nbytes = _kvarn_bytes(cache)
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16)
@@ -142,13 +161,9 @@ def _time_sdpa(batch: int, ctx: int, opts: BenchOptions) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    set_bytes = 2 * batch * HKV * ctx * D * 2
-    sets = min(16, rotation_count(set_bytes))
-    kv = [(torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.float16),
-           torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.float16)) for _ in range(sets)]
-    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16)
+    kv, q = sdpa_inputs(batch, ctx)
     runs = 20 if opts.quick else 100
-    out: dict[str, Any] = {"fp16_bytes": set_bytes}
+    out: dict[str, Any] = {"fp16_bytes": 2 * batch * HKV * ctx * D * 2}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         def call(s, backend=backend):
             with sdpa_kernel(backend):

@@ -69,15 +69,19 @@ def _stats(samples_us: list[float], calls: int, graph: bool) -> Timing:
     return Timing(statistics.median(ordered), ordered[0], pick(0.1), pick(0.9), len(ordered), calls, graph)
 
 
-def elapsed_ms(fn: Callable[[], Any]) -> float:
-    """GPU milliseconds of the work ``fn`` enqueues on the current stream: a CUDA event recorded before and one
-    after it, then one synchronize on the second. ``fn`` must only enqueue (no synchronization inside), so that
-    the time is the stream's, with the host's launch gaps where the host is slower than the GPU."""
+def elapsed_ms(fn: Callable[[], Any], repeats: int = 1) -> float:
+    """GPU milliseconds of the work ``fn`` enqueues on the current stream, called ``repeats`` times back to back:
+    a CUDA event recorded before the calls and one after them, then one synchronize on the second. ``fn`` must
+    only enqueue (no synchronization inside), so that the time is the stream's, with the host's launch gaps where
+    the host is slower than the GPU."""
     import torch
 
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(repeats):
+        fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
