@@ -483,9 +483,13 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # The d128 k4v2 A/B candidates keep TE (so E) and every floating-point operation of the shipped kernel
 # (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit. The prefetch ones
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
-# q_first ones read the queries in another order and place (G = 8: two heads a warp).
+# q_first ones read the queries in another order and place (G = 8: two heads a warp); split_k sums the score
+# MMAs' integer k-steps in another order.
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1"]
+                "ring=2,prefetch=1,q_first=1", "split_k=1", "ring=2,split_k=1"]
+# Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
+# the reference on its own, and its graph to its own eager launch.
+ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "split_k=1,run_max=1"]
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
@@ -530,13 +534,38 @@ def test_occupancy_variant_equals_the_default_on_ragged_lengths(variant, splits)
             assert rel(got[b : b + 1], reference.attention(q[b : b + 1], cc, 0)) < TOL, f"seed={S}, b={b}"
 
 
-@pytest.mark.parametrize("variant", OCC_VARIANTS)
+@pytest.mark.parametrize("variant", ARITH_VARIANTS)
+@pytest.mark.parametrize("quantizer", ["uniform", "lloyd_max"])
+def test_arithmetic_variant_matches_the_reference(variant, quantizer):
+    """Ragged lengths with poisoned slots (G = 4 and 8, splits 3 and 9) and peaked queries (logits ~100, so the
+    running max moves by more than TAU inside a split, the rescale the variant takes off the common path):
+    finite and within 1e-3 of the reference, as the default is."""
+    D, Hkv, W, T = 128, 2, 256, 128
+    spec = kc.TileSpec("k4v2_g128", D, quantizer=quantizer)
+    lengths = [200, 5 * T + W, 1, 3000, 3 * T + W + 1]
+    caches = [make_cache(1, Hkv, D, n=n, window=W, seed=120 + i, quantizer=quantizer) for i, n in enumerate(lengths)]
+    inputs = _ragged_inputs(spec, caches, max(cc.num_tiles(0) for cc in caches) + 2, W)
+    v = decode.DecodeVariant.parse(variant)
+    for G, qscale in ((4, 1), (8, 1), (4, 12), (8, 12)):
+        S = 130 + G + qscale
+        q = _randn(_gen(S), len(lengths), Hkv * G, 1, D, scale=qscale)
+        for splits in (3, 9):
+            got = _ragged_decode(spec, inputs, q, splits, v)
+            torch.cuda.synchronize()
+            assert torch.isfinite(got).all(), f"seed={S}, {variant}, G={G}"
+            for b, cc in enumerate(caches):
+                err = rel(got[b : b + 1], reference.attention(q[b : b + 1], cc, 0))
+                assert err < TOL, f"seed={S}, {variant}, G={G}, splits={splits}, b={b}: {err}"
+
+
+@pytest.mark.parametrize("variant", OCC_VARIANTS + ARITH_VARIANTS)
 def test_occupancy_variant_graph_replay_equals_the_default(variant):
-    """A graph of the variant's plan, replayed while the cache grows across tile boundaries, equals the default
-    plan's eager launch at the same splits bit for bit at every step."""
+    """A graph of the variant's plan, replayed while the cache grows across tile boundaries, equals the eager
+    launch at the same splits bit for bit at every step: the default's (the variant's own for ARITH_VARIANTS)."""
     B, Hkv, G, D = 2, 2, 4, 128
     c = make_cache(B, Hkv, D, n=1000, window=256, max_seq_len=4096, seed=90)
-    default = decode.DecodePlan(c, splits=5, variant=decode.DecodeVariant())
+    same = decode.DecodeVariant.parse(variant) if variant in ARITH_VARIANTS else decode.DecodeVariant()
+    default = decode.DecodePlan(c, splits=5, variant=same)
     plan = decode.DecodePlan(c, splits=5, variant=decode.DecodeVariant.parse(variant))
     g = decode.DecodeGraph(c, 0, Hkv * G, torch.float16, plan=plan)
     S = 91

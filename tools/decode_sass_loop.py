@@ -75,6 +75,11 @@ def tile_loop(ins) -> tuple[int, int]:
 
 def walk(ins, folds: bool, rounds: int) -> int:
     """Instructions one warp issues in one iteration of the tile loop (see the module docstring)."""
+    return len(walk_ops(ins, folds, rounds))
+
+
+def walk_ops(ins, folds: bool, rounds: int) -> list[str]:
+    """The opcodes one warp issues in one iteration of the tile loop, in issue order (see the module docstring)."""
     lo, hi = tile_loop(ins)
     idx = {x[0]: i for i, x in enumerate(ins)}
     body = [x for x in ins if lo <= x[0] <= hi]
@@ -88,12 +93,12 @@ def walk(ins, folds: bool, rounds: int) -> int:
         if o.startswith("VOTE.ANY"):
             lazy.add(next(x[0] for x in ins[idx[a]:idx[a] + 16] if x[2] == "BRA" and x[1]))
     taken_back: dict[int, int] = {}
-    i, n = idx[lo], 0
+    i, ops = idx[lo], []
     while True:
         a, p, o, t = ins[i]
-        n += 1
+        ops.append(o)
         if a == hi:
-            return n
+            return ops
         if o == "BRA" and t is not None:
             if not p:
                 i = idx[t]

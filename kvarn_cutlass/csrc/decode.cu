@@ -51,7 +51,8 @@
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
-// first record copies; see tile_split). Everything the host needs about the kernel's
+// first record copies; see tile_split), KVD_SPLIT_K (the score MMAs' odd k-steps in a second accumulator; uniform
+// only), KVD_RUN_MAX (p~ against the running max; see warp_tile). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
@@ -666,6 +667,15 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
         acc[nb][0][2] = acc[nb][1][2] = ci.z;
         acc[nb][0][3] = acc[nb][1][3] = ci.w;
     }
+#ifdef KVD_SPLIT_K
+    // the odd k-steps accumulate apart from the even ones (two chains of KS / 2 dependent MMAs, not one of KS),
+    // added once after the last: integer sums, so the scores are the default's bit for bit
+    int acc_odd[NB][2][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int m = 0; m < 2; ++m) acc_odd[nb][m][0] = acc_odd[nb][m][1] = acc_odd[nb][m][2] = acc_odd[nb][m][3] = 0;
+#endif
 #endif
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
@@ -710,11 +720,26 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
         const unsigned a1[4] = {y0 & 0x0F0F0F0Fu, y0 & 0xF0F0F0F0u, y1 & 0x0F0F0F0Fu, y1 & 0xF0F0F0F0u};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
+#ifdef KVD_SPLIT_K
+            int(&d0)[4] = s & 1 ? acc_odd[nb][0] : acc[nb][0];
+            int(&d1)[4] = s & 1 ? acc_odd[nb][1] : acc[nb][1];
+            mma_u8s8(d0, a0, bf[nb].x, bf[nb].y, d0);
+            mma_u8s8(d1, a1, bf[nb].x, bf[nb].y, d1);
+#else
             mma_u8s8(acc[nb][0], a0, bf[nb].x, bf[nb].y, acc[nb][0]);
             mma_u8s8(acc[nb][1], a1, bf[nb].x, bf[nb].y, acc[nb][1]);
+#endif
         }
 #endif
     }
+#if !KVD_QZ && defined(KVD_SPLIT_K)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nb][m][c] += acc_odd[nb][m][c];
+#endif
     float rsc[4], tsc[4], tmn[4];  // tokens tb + 4g + [0, 4)
     ld_scales<4>(rec + OFF_RS, tb + 4 * g, rsc);
     ld_scales<4>(rec + OFF_TSTEP, tb + 4 * g, tsc);
@@ -748,6 +773,23 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
             sc[2 * m + 1] = fmaf((float)(acc[nb][m][2] * LFOLD + acc[nb][m][3]), kf.y, kf.z) * rsc[2 * m + 1];
 #endif
         }
+#ifdef KVD_RUN_MAX
+        // p~ against the running max m itself (<= 2^TAU): the tile's head maximum is needed only when one of the
+        // warp's scores exceeds m + TAU, which every lane sees in its own scores, so the common path has no
+        // reduction before the exponentials. Every lane votes (the padding heads too: their m becomes finite
+        // on the first tile, and their scores, 0 from zero fragments, never exceed it again).
+        const float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+        if (__any_sync(0xffffffffu, smax > st.m[nb] + TAU)) {  // rare after the first tiles
+            const float mn = fmaxf(st.m[nb], head_max(smax));
+            const float al = ex2(st.m[nb] - mn);  // 0 on the first tile (m = -inf)
+#pragma unroll
+            for (int i = 0; i < NOV; ++i) st.o[nb][i] *= al;
+            st.l[nb] *= al;
+            st.m[nb] = mn;
+        }
+        const float mt = st.m[nb];
+        constexpr float fm = 1.f;
+#else
         const float mt = head_max(fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])));
         if (__any_sync(0xffffffffu, hd < G && mt > st.m[nb] + TAU)) {  // rare after the first tiles
             const float mn = fmaxf(st.m[nb], mt);
@@ -758,6 +800,7 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
             st.m[nb] = mn;
         }
         const float fm = ex2(mt - st.m[nb]);  // <= 2^TAU
+#endif
         float pt[4], w[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
