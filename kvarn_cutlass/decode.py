@@ -122,6 +122,9 @@ class DecodeVariant:
         run_max: 1 to take the exponentials of a tile against the running max itself (<= 2^TAU) instead of the
             tile's head maximum, which is then reduced only when a score exceeds the running max by TAU; the
             outputs differ from the default's by rounding only.
+        trace: 1 for a diagnostic kernel that writes a timeline of each block (``%globaltimer`` and ``clock64`` at
+            its phases) into the module global ``kvarn_decode_trace_<suffix>`` (``tools/decode_trace.py``); the
+            arithmetic is unchanged.
 
     A knob left None passes no define, so the default variant's kernel spec, cache entry and CUBIN are the
     shipped ones. A set knob joins the kernel names and the module name (``_ns2_mb5``), so variants coexist
@@ -136,12 +139,13 @@ class DecodeVariant:
     q_first: int | None = None
     split_k: int | None = None
     run_max: int | None = None
+    trace: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
               "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "split_k": (1, 1, "sk", "KVD_SPLIT_K"),
-              "run_max": (1, 1, "rm", "KVD_RUN_MAX")}
+              "run_max": (1, 1, "rm", "KVD_RUN_MAX"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():

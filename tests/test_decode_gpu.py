@@ -12,6 +12,8 @@ import torch
 import kvarn_cutlass as kc
 from kvarn_cutlass import decode, reference
 
+from _helpers import load_tool
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -484,9 +486,9 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit. The prefetch ones
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
 # q_first ones read the queries in another order and place (G = 8: two heads a warp); split_k sums the score
-# MMAs' integer k-steps in another order.
+# MMAs' integer k-steps in another order; trace adds only the timeline's stores (tools/decode_trace.py).
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1", "split_k=1", "ring=2,split_k=1"]
+                "ring=2,prefetch=1,q_first=1", "split_k=1", "ring=2,split_k=1", "trace=1"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
 ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "split_k=1,run_max=1"]
@@ -655,3 +657,45 @@ def test_exact_blocks_last_order_gives_the_same_output(monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(outs[0], outs[1]), f"seed={98 + seed}, G={G}"
             assert rel(outs[0], reference.attention(q, c, 0)) < TOL, f"seed={98 + seed}, G={G}"
+
+
+def test_trace_variant_timeline_is_ordered():
+    """The trace kernel's marks read back through tools/decode_trace.py: per block entry <= wait <= first records
+    <= loop end <= partial <= ticket (<= merge end), one merging block per (sequence, KV head) and it the last to
+    take its ticket, the tile blocks' tiles summing to the live tiles; its output is the reference's."""
+    tool = load_tool("decode_trace")
+    B, Hkv, G, D = 2, 2, 4, 128
+    c = make_cache(B, Hkv, D, n=3000, window=256, seed=140)
+    v = decode.DecodeVariant(trace=1)
+    plan = decode.DecodePlan(c, splits=5, variant=v)
+    S = 141
+    q = _randn(_gen(S), B, Hkv * G, 1, D)
+    out = torch.full_like(q, float("nan"))
+    plan.launch(q, 0, out)
+    ptr, size = tool._trace_buffer(plan, c.spec, v)
+    tool._clear(ptr, size)
+    out.fill_(float("nan"))
+    plan.launch(q, 0, out)
+    rows = tool._read(ptr, size)
+    assert rel(out, reference.attention(q, c, 0)) < TOL, f"seed={S}"
+    ws = plan.workspace(G)
+    n = B * Hkv * (ws.splits + ws.exact)
+    assert all(x == 0 for r in rows[n:n + 8] for x in r)  # no block past the grid
+    tiles, merges = 0, []
+    for r in rows[:n]:
+        info = r[7]
+        ntiles, last = (info >> 16) & 0xFFFF, (info >> 33) & 1
+        marks = [r[0], r[1]] + ([r[2], r[3]] if ntiles else []) + [r[4], r[5]] + ([r[6]] if last else [])
+        assert all(m > 0 for m in marks) and marks == sorted(marks), r
+        tiles += ntiles
+        if last:
+            merges.append(r)
+    assert tiles == B * Hkv * c.num_tiles(0)
+    assert len(merges) == B * Hkv
+    per_pair = ws.splits + ws.exact  # a grid this small keeps the (split, h, b) block order (no exact-last flag)
+    for p in range(B * Hkv):
+        pair = rows[p * per_pair:(p + 1) * per_pair]
+        last = [r for r in pair if (r[7] >> 33) & 1]
+        assert len(last) == 1, p
+        # the merging block's ticket came after every block of its pair had written its partial
+        assert last[0][5] >= max(r[4] for r in pair), p

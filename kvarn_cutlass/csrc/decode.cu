@@ -52,7 +52,8 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_SPLIT_K (the score MMAs' odd k-steps in a second accumulator; uniform
-// only), KVD_RUN_MAX (p~ against the running max; see warp_tile). Everything the host needs about the kernel's
+// only), KVD_RUN_MAX (p~ against the running max; see warp_tile), KVD_TRACE (a block timeline for
+// tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
@@ -632,6 +633,38 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
     }
 }
 
+#ifdef KVD_TRACE
+// A diagnostic timeline (tools/decode_trace.py), not a shipped kernel: thread 0 of block i (linear block index,
+// i < TRACE_BLOCKS) writes %globaltimer (ns, comparable across SMs) into field f and clock64 (this SM's cycles)
+// into field 8 + f at mark f: 0 entry, 1 after the programmatic wait, 2 the first tile's records landed (tile
+// blocks), 3 the tile loop done, 4 the partial written, 5 the ticket taken, 6 the final merge done (the merging
+// block); field 7: SM id | tiles << 16 | exact block << 32 | merging block << 33.
+constexpr int TRACE_BLOCKS = 8192, TRACE_FIELDS = 16;
+extern "C" __device__ unsigned long long KVD_NAME(kvarn_decode_trace_)[TRACE_BLOCKS * TRACE_FIELDS];
+__device__ __forceinline__ unsigned long long* trace_row() {
+    const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return threadIdx.x == 0 && blk < TRACE_BLOCKS ? KVD_NAME(kvarn_decode_trace_) + blk * TRACE_FIELDS : nullptr;
+}
+__device__ __forceinline__ void trace_mark(int f) {
+    if (unsigned long long* row = trace_row()) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        row[f] = t;
+        row[8 + f] = clock64();
+    }
+}
+__device__ __forceinline__ void trace_info(unsigned long long bits) {
+    if (unsigned long long* row = trace_row()) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        row[7] = sm | bits;
+    }
+}
+#define KVD_MARK(f) trace_mark(f)
+#else
+#define KVD_MARK(f)
+#endif
+
 // --- one warp's 32 tokens of one tile: scores, online softmax, P' x V --------------------------------------
 template <int NB>
 struct WarpState {
@@ -1018,6 +1051,9 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
     for (int it = 0; it < nit; ++it) {
         cp_async_wait<NS - 2>();
         __syncthreads();  // iteration it landed for every thread; everyone is done with it - 1
+#ifdef KVD_TRACE
+        if (it == 0) KVD_MARK(2);
+#endif
         {
             const int nx = it + NS - 1;
             if (nx < nit) {
@@ -1043,6 +1079,7 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
             warp_tile<NB>(st, sl + jw * REC, fragB + jw * 2 * KS * FRAG_WORDS, kcf + jw * 8, kci + jw * 8, pw, koff, vsw,
                           tb, G, lane);
     }
+    KVD_MARK(3);
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: merge the four warps there
     float* mw = reinterpret_cast<float*>(ring);  // [NW][8]
@@ -1256,6 +1293,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
                                              int E, int min_tps, int flags, float scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ int last;
+    KVD_MARK(0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Programmatic dependent launch (decode.py, $KVARN_DECODE_PDL): the grid may become resident while the
     // previous kernel of the stream (the step's append, another layer's decode sharing the workspace) still
@@ -1267,6 +1305,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+    KVD_MARK(1);
     const int tid = threadIdx.x;
     int split, h, b;
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);
@@ -1287,16 +1326,27 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
             pl[slot + tid] = 0.f;
         }
     }
+    KVD_MARK(4);
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // recomputed: held through the tile loop they cost registers
     // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
     __threadfence();  // this thread's partial writes are visible device-wide before the ticket
     __syncthreads();
     if (tid == 0) last = atomicAdd(tickets + b * Hkv + h, 1) == S + E - 1;
     __syncthreads();
+    KVD_MARK(5);
+#ifdef KVD_TRACE
+    {
+        const int n = live_tiles(n_tiles[b], cap), tps = tiles_per_split(n, S, min_tps);
+        const int tiles = split < S ? max(0, min(n, split * tps + tps) - split * tps) : 0;
+        trace_info((unsigned long long)tiles << 16 | (unsigned long long)(split >= S) << 32 |
+                   (unsigned long long)(last != 0) << 33);
+    }
+#endif
     if (!last) return;
     __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
     if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
     final_merge(smem, po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
+    KVD_MARK(6);
 }
 
 }  // namespace kvd
