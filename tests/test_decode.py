@@ -297,36 +297,6 @@ def test_q_first_variant_reads_q_before_the_ring_s_first_copies(which):
     assert set(loads_qf) == set(loads), (loads, loads_qf)
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_split_k_variant_starts_a_second_score_accumulator(which):
-    """split_k: the score MMAs of the odd k-steps start from zero (an IMMA whose C operand is RZ) instead of
-    accumulating onto the even ones, one such MMA per m-block and n-block more than the shipped loop, whose
-    only zero-started IMMAs are P' x V's; the tile loop holds the same IMMAs."""
-    require_disassembler()
-    import re as _re
-
-    def zero_started(variant):
-        tool = load_tool("decode_sass_loop")
-        from kvarn_cutlass.cli.sass import disassemble
-
-        ks = decode.decode_spec(TileSpec("k4v2_g128", 128), variant)
-        sass = disassemble(build(ks, "sm90").cubin)
-        lo, hi = tool.tile_loop(tool.parse(sass, ks.kernel_names[which]))
-        on, n, total = False, 0, 0
-        for line in sass.split("\n"):
-            if "Function :" in line:
-                on = line.split("Function :")[1].strip() == ks.kernel_names[which]
-            m = _re.search(r"/\*([0-9a-f]{4,})\*/\s+(IMMA\S*)\s+([^;]*);", line) if on else None
-            if m and lo <= int(m.group(1), 16) <= hi:
-                total += 1
-                n += m.group(3).split(",")[-1].strip() == "RZ"
-        return n, total
-
-    base, split = zero_started(decode.DecodeVariant()), zero_started(decode.DecodeVariant(split_k=1))
-    nb = 1 + which
-    assert split[1] == base[1] and split[0] == base[0] + 2 * nb, (base, split)
-
-
 def test_run_max_variant_takes_the_head_max_off_the_common_path():
     """run_max: the one walked tile-loop iteration (the rare rescale not taken) has no cross-lane max before the
     first exponential of the scores: the shipped loop's first MUFU.EX2 after the score MMAs follows SHFL.BFLY
@@ -383,17 +353,17 @@ OCCUPANCY_CLAIMS = [
 def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
-                 "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "split_k=1", "run_max=1",
-                 "ring=2,split_k=1,run_max=1", "trace=1"):
+                 "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "run_max=1",
+                 "ring=2,run_max=1", "trace=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
     assert V(ring=2, min_blocks=5, min_blocks_g8=2).defines() == {"KVD_NS": 2, "KVD_MINB1": 5, "KVD_MINB2": 2}
     assert V(ring=2, prefetch=1).suffix == "_ns2_pf1" and V(prefetch=2).defines() == {"KVD_PREFETCH": 2}
-    assert V(split_k=1, run_max=1).suffix == "_sk1_rm1"
-    assert V(split_k=1, run_max=1).defines() == {"KVD_SPLIT_K": 1, "KVD_RUN_MAX": 1}
+    assert V(run_max=1, trace=1).suffix == "_rm1_tr1"
+    assert V(run_max=1, trace=1).defines() == {"KVD_RUN_MAX": 1, "KVD_TRACE": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=2", "run_max=0", "trace=2"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

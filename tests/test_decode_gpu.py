@@ -485,13 +485,13 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # The d128 k4v2 A/B candidates keep TE (so E) and every floating-point operation of the shipped kernel
 # (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit. The prefetch ones
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
-# q_first ones read the queries in another order and place (G = 8: two heads a warp); split_k sums the score
-# MMAs' integer k-steps in another order; trace adds only the timeline's stores (tools/decode_trace.py).
+# q_first ones read the queries in another order and place (G = 8: two heads a warp); trace adds only the
+# timeline's stores (tools/decode_trace.py).
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1", "split_k=1", "ring=2,split_k=1", "trace=1"]
+                "ring=2,prefetch=1,q_first=1", "trace=1"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
-ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "split_k=1,run_max=1"]
+ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1"]
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),

@@ -51,8 +51,7 @@
 // shipped kernels (decode.DecodeVariant): KVD_NS (ring slots), KVD_MINB1 / KVD_MINB2 (launch-bounds
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
-// first record copies; see tile_split), KVD_SPLIT_K (the score MMAs' odd k-steps in a second accumulator; uniform
-// only), KVD_RUN_MAX (p~ against the running max; see warp_tile), KVD_TRACE (a block timeline for
+// first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile), KVD_TRACE (a block timeline for
 // tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -700,15 +699,6 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
         acc[nb][0][2] = acc[nb][1][2] = ci.z;
         acc[nb][0][3] = acc[nb][1][3] = ci.w;
     }
-#ifdef KVD_SPLIT_K
-    // the odd k-steps accumulate apart from the even ones (two chains of KS / 2 dependent MMAs, not one of KS),
-    // added once after the last: integer sums, so the scores are the default's bit for bit
-    int acc_odd[NB][2][4];
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int m = 0; m < 2; ++m) acc_odd[nb][m][0] = acc_odd[nb][m][1] = acc_odd[nb][m][2] = acc_odd[nb][m][3] = 0;
-#endif
 #endif
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
@@ -753,26 +743,11 @@ __device__ __forceinline__ void warp_tile(WarpState<NB>& st, const unsigned char
         const unsigned a1[4] = {y0 & 0x0F0F0F0Fu, y0 & 0xF0F0F0F0u, y1 & 0x0F0F0F0Fu, y1 & 0xF0F0F0F0u};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-#ifdef KVD_SPLIT_K
-            int(&d0)[4] = s & 1 ? acc_odd[nb][0] : acc[nb][0];
-            int(&d1)[4] = s & 1 ? acc_odd[nb][1] : acc[nb][1];
-            mma_u8s8(d0, a0, bf[nb].x, bf[nb].y, d0);
-            mma_u8s8(d1, a1, bf[nb].x, bf[nb].y, d1);
-#else
             mma_u8s8(acc[nb][0], a0, bf[nb].x, bf[nb].y, acc[nb][0]);
             mma_u8s8(acc[nb][1], a1, bf[nb].x, bf[nb].y, acc[nb][1]);
-#endif
         }
 #endif
     }
-#if !KVD_QZ && defined(KVD_SPLIT_K)
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nb][m][c] += acc_odd[nb][m][c];
-#endif
     float rsc[4], tsc[4], tmn[4];  // tokens tb + 4g + [0, 4)
     ld_scales<4>(rec + OFF_RS, tb + 4 * g, rsc);
     ld_scales<4>(rec + OFF_TSTEP, tb + 4 * g, tsc);
