@@ -7,8 +7,9 @@ The trace kernel is the kernel of ``--variant`` (default: the one the plan picks
 every block writing ``%globaltimer`` (ns, one clock for all SMs) and ``clock64`` (its SM's cycles) at each phase
 (``csrc/decode.cu``, ``trace_mark``): entry, the programmatic wait passed, the first tile's records landed, the
 tile loop done, the partial written, the ticket taken, and, in the block that merges a (sequence, KV head), the
-final merge done. One layer of the bench's cache shape (``bench.decode``) is launched eagerly ``--runs`` times,
-each after a warm-up, with the buffer cleared before; per run the phases are summarized over the blocks
+final merge done. The layers of the bench's cache shape (``bench.decode``: enough of them that no launch finds
+its records in L2) are launched eagerly in turn; ``--runs`` of those launches are traced, each after a warm-up
+round and with the buffer cleared before; per run the phases are summarized over the blocks
 (median and max, us) and the kernel's span split into: the start (first entry to the median first record),
 the tile loops, the spread of the blocks' ends (median end to last end: the wave's tail), and the merge after
 the last ticket. Per shape one JSON line (the median over runs of each summary number) and a table.
@@ -123,7 +124,8 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
 def trace_shape(batch: int, ctx: int, base: decode.DecodeVariant | None, runs: int) -> dict:
     import torch
 
-    cache = bench._build_cache(batch, ctx, 1)
+    layers = bench.rotated_layers(batch, ctx)  # as the bench: no launch finds its records left in L2
+    cache = bench._build_cache(batch, ctx, layers)
     q = torch.randn(batch, bench.HQ, 1, bench.D, device="cuda", dtype=torch.float16)
     if base is None:  # the plan's own kernel, as the bench runs it
         base = decode.DecodePlan(cache).workspace(bench.HQ // bench.HKV).variant
@@ -131,19 +133,25 @@ def trace_shape(batch: int, ctx: int, base: decode.DecodeVariant | None, runs: i
     plan = decode.DecodePlan(cache, variant=variant)
     ws = plan.workspace(bench.HQ // bench.HKV)
     out = torch.full_like(q, float("nan"))
-    plan.launch(q, 0, out)
+    turn = [0]
+
+    def launch() -> None:  # the layers in turn
+        turn[0] = (turn[0] + 1) % layers
+        plan.launch(q, turn[0], out)
+
+    launch()
     ptr, size = _trace_buffer(plan, cache.spec, variant)
     nblocks = batch * bench.HKV * (ws.splits + ws.exact)
     summaries, elapsed = [], []
     for _ in range(runs):
-        for _ in range(3):
-            plan.launch(q, 0, out)
+        for _ in range(max(3, layers)):
+            launch()
         _clear(ptr, size)
-        elapsed.append(elapsed_ms(lambda: plan.launch(q, 0, out)) * 1000.0)
+        elapsed.append(elapsed_ms(launch) * 1000.0)
         summaries.append(summarize(_read(ptr, size), nblocks))
     keys = summaries[0].keys()
-    row = {"batch": batch, "context": ctx, "variant": str(variant), "splits": ws.splits, "exact": ws.exact,
-           "elapsed_us": _med(elapsed)}
+    row = {"batch": batch, "context": ctx, "variant": str(variant), "layers": layers, "splits": ws.splits,
+           "exact": ws.exact, "elapsed_us": _med(elapsed)}
     for k in keys:
         vals = [s[k] for s in summaries if s[k] is not None]
         row[k] = _med(vals) if vals else None
