@@ -117,9 +117,8 @@ class DecodeVariant:
         q_first: 1 to have a tile block read its queries before its first record copies instead of after
             them, so that those loads do not queue behind every block's records at the grid's start; the
             arithmetic is unchanged.
-        merge_ring: batches of partial rows in flight in the final merge, plus one summed (2..16; the shipped
-            kernel has 2): the warp's shared memory split into this many slots of fewer rows each, so more of
-            the merge's L2 round trips overlap; the sums are unchanged.
+        merge_lean: 1 to have the final merge skip a partial row of weight 0 by a warp-uniform branch and add a
+            row to its range (tile or exact) alone, instead of two selects a channel; the sums are unchanged.
         run_max: 1 to take the exponentials of a tile against the running max itself (<= 2^TAU) instead of the
             tile's head maximum, which is then reduced only when a score exceeds the running max by TAU; the
             outputs differ from the default's by rounding only.
@@ -138,14 +137,14 @@ class DecodeVariant:
     min_blocks_g8: int | None = None
     prefetch: int | None = None
     q_first: int | None = None
-    merge_ring: int | None = None
+    merge_lean: int | None = None
     run_max: int | None = None
     trace: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
-              "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "merge_ring": (2, 16, "mr", "KVD_MERGE_RING"),
+              "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "merge_lean": (1, 1, "ml", "KVD_MERGE_LEAN"),
               "run_max": (1, 1, "rm", "KVD_RUN_MAX"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:

@@ -354,7 +354,7 @@ def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
                  "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "run_max=1",
-                 "ring=2,run_max=1", "trace=1", "merge_ring=8", "ring=2,merge_ring=4"):
+                 "ring=2,run_max=1", "trace=1", "merge_lean=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
@@ -363,7 +363,7 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V(run_max=1, trace=1).suffix == "_rm1_tr1"
     assert V(run_max=1, trace=1).defines() == {"KVD_RUN_MAX": 1, "KVD_TRACE": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_ring=1", "merge_ring=17"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=2"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

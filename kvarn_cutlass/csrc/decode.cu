@@ -52,7 +52,7 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_MERGE_RING (batches of partial rows in the final merge's ring; see final_merge), KVD_TRACE (a block timeline for
+// KVD_MERGE_LEAN (the final merge skips empty rows by a warp-uniform branch; see final_merge), KVD_TRACE (a block timeline for
 // tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -1097,25 +1097,15 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 // One warp per head (heads w, w + 4): lane l holds channels [l * CPL, (l + 1) * CPL). At small batch this
 // block's L2 round trips are on the step's latency chain (the rest of the GPU is idle), so they are few: the
 // partial rows go in batches of at most MB rows through the warp's quarter of the (now free) shared memory by
-// cp.async, a ring of MERGE_SLOTS batches (MERGE_SLOTS - 1 in flight while one is summed; KVD_MERGE_RING,
-// decode.DecodeVariant.merge_ring, A/B runs; 2 shipped), the m and l of each block of 32 rows loaded with its
-// first batch, and each
+// cp.async, two batches in flight, the m and l of each block of 32 rows loaded with its first batch, and each
 // range (tile part j < S, exact part j >= S) keeps a running max, moved once per block of 32, so no pass over
 // the maxima comes first. At D = 128 (MB = 12) and S + E = 65: 7 batches, two at a time, where rows loaded
 // into registers 8 at a time after a pass over the maxima took about 12 dependent round trips. A partial with
 // m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the stale row
 // may hold anything (pl is always written).
-#ifdef KVD_MERGE_RING
-constexpr int MERGE_SLOTS = KVD_MERGE_RING;
-#else
-constexpr int MERGE_SLOTS = 2;
-#endif
 constexpr int MERGE_REGION = SMEM / NW / 16 * 16;                    // bytes of shared memory per warp
-constexpr int MERGE_ROWS = MERGE_REGION / (MERGE_SLOTS * D * 4) < 32 ? MERGE_REGION / (MERGE_SLOTS * D * 4) : 32;  // MB
-static_assert(MERGE_SLOTS >= 2 && MERGE_ROWS >= 1, "the merge ring's batches of partial rows must fit in shared memory");
-// The batches in flight reach at most one block of 32 rows ahead, so a block's m and l, loaded with its first
-// batch, are read (at that batch's turn) before the next block's first batch is issued.
-static_assert(MERGE_SLOTS - 1 <= (32 + MERGE_ROWS - 1) / MERGE_ROWS, "merge ring deeper than a block of rows");
+constexpr int MERGE_ROWS = MERGE_REGION / (2 * D * 4) < 32 ? MERGE_REGION / (2 * D * 4) : 32;  // MB
+static_assert(MERGE_ROWS >= 4, "two batches of partial rows per warp must fit in shared memory");
 
 __device__ void final_merge(unsigned char* smem, const float* po, const float* pm, const float* pl, void* out,
                             int b, int h, int Hkv, int G, int S, int E, bool out_bf) {
@@ -1123,21 +1113,21 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int n = S + E;
     const size_t base = (size_t)(b * Hkv + h) * n;
-    float* buf = reinterpret_cast<float*>(smem + w * MERGE_REGION);  // [MERGE_SLOTS][MB][D]
+    float* buf = reinterpret_cast<float*>(smem + w * MERGE_REGION);  // [2][MB][D]
     const unsigned buf_s = smem_u32(buf);
     cp_async_wait<0>();
     __syncwarp();
     for (int gg = w; gg < G; gg += NW) {
         const size_t i0 = base * G + gg;  // partial j of head gg: m, l at i0 + j G, its row at (i0 + j G) D
         // Rows go in blocks of 32 (lane r holds row 32 blk + r's m and l, loaded with the block's first batch),
-        // each block in BPB batches of at most MB rows; batch k (block k / BPB) is copied into buf[k % MERGE_SLOTS].
+        // each block in BPB batches of at most MB rows; batch k (block k / BPB) is copied into buf[k % 2].
         // The running max moves once per block, so the sums do not depend on MB (a variant's shared memory).
         constexpr int BPB = (32 + MB - 1) / MB;
         const int nbat = (n / 32) * BPB + (n % 32 + MB - 1) / MB;
         float m_next = neg_inf(), l_next = 0.f;
         auto issue = [&](int k) {
             const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
-            const unsigned dst = buf_s + ((unsigned)k % MERGE_SLOTS) * MB * D * 4;
+            const unsigned dst = buf_s + (k & 1) * MB * D * 4;
 #pragma unroll 1
             for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
                 const int r = f / CH, c = f % CH;
@@ -1150,12 +1140,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
                 l_next = j < n ? __ldcg(pl + i0 + (size_t)j * G) : 0.f;
             }
         };
-        issue(0);  // n >= 1
-#pragma unroll
-        for (int k = 1; k < MERGE_SLOTS - 1; ++k) {
-            if (k < nbat) issue(k);
-            else cp_async_commit();  // empty groups keep batch k the MERGE_SLOTS-th newest below
-        }
+        issue(0);
         // per range a running max M (online, as the tile loop's softmax: no pass over the maxima first) and
         // L = sum_j 2^(m_j - M) l_j, o = sum_j 2^(m_j - M) o_j
         float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, wj = 0.f, ot[CPL], oe[CPL];
@@ -1163,7 +1148,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
         for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
         for (int k = 0; k < nbat; ++k) {
             const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
-            if (k % BPB == 0) {  // a new block of 32 rows: its weights (before an issue may load the next's)
+            if (k % BPB == 0) {  // a new block of 32 rows: its weights (before issue(k + 1) may load the next's)
                 const float mj = m_next, lj = l_next;
                 const bool tile_l = 32 * blk + lane < S;
                 const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
@@ -1177,18 +1162,22 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
                 if (tile_l) Lt = fmaf(wj, lj, Lt);
                 else Le = fmaf(wj, lj, Le);  // (lanes past n add 0 x 0)
             }
-            // into the slot summed in iteration k - 1 (the __syncwarp at its end); an empty group past the last
-            // batch, so that batch k is always the MERGE_SLOTS-th newest
-            if (k + MERGE_SLOTS - 1 < nbat) issue(k + MERGE_SLOTS - 1);
-            else cp_async_commit();
-            cp_async_wait<MERGE_SLOTS - 1>();
+            if (k + 1 < nbat) issue(k + 1);
+            else cp_async_commit();  // an empty group: batch k is then always the second newest
+            cp_async_wait<1>();
             __syncwarp();  // every lane's copies of batch k are visible to the warp
-            const float* rows = buf + ((unsigned)k % MERGE_SLOTS) * MB * D + lane * CPL;
+            const float* rows = buf + (k & 1) * MB * D + lane * CPL;
 #pragma unroll 2
             for (int r = 0; r < cnt; ++r) {
                 const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
                 const bool tile = j0 + r < S;
+#ifdef KVD_MERGE_LEAN
+                // warp-uniform: a row of weight 0 (an empty split: its stale row is never read) is skipped, and
+                // a row adds to the tile or the exact range only, without a select per channel
+                if (wgt == 0.f) continue;
+#else
                 const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
+#endif
                 float v[CPL];
                 if constexpr (CPL % 4 == 0) {
 #pragma unroll
@@ -1200,13 +1189,23 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
                     const float2 x = *reinterpret_cast<const float2*>(rows + r * D);
                     v[0] = x.x, v[1] = x.y;
                 }
+#ifdef KVD_MERGE_LEAN
+                if (tile) {
+#pragma unroll
+                    for (int e = 0; e < CPL; ++e) ot[e] = fmaf(wgt, v[e], ot[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < CPL; ++e) oe[e] = fmaf(wgt, v[e], oe[e]);
+                }
+#else
 #pragma unroll
                 for (int e = 0; e < CPL; ++e) {
                     ot[e] = wt != 0.f ? fmaf(wt, v[e], ot[e]) : ot[e];
                     oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
                 }
+#endif
             }
-            __syncwarp();  // buf[k % MERGE_SLOTS] is read before batch k + MERGE_SLOTS is copied into it
+            __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
         }
         cp_async_wait<0>();
         Lt = group_sum<32>(Lt);
