@@ -257,17 +257,24 @@ def test_prefetch_variant_reads_only_the_tile_count_and_table_before_the_wait(wh
     assert after(ops) == after(shipped)
 
 
-def test_prefetch_variant_keeps_the_tile_loop():
-    """The prefetch sits before the kernel's wait, outside the tile loop: the loop issues the shipped kernel's
-    warp-instructions an iteration, at the shipped registers and residency."""
-    require_disassembler()
+def _tile_loop_counts(*variants) -> list[dict]:
+    """tools/decode_sass_loop.py's row (d128 k4v2 n1: instructions a warp an iteration, registers, residency) of
+    each variant."""
     tool = load_tool("decode_sass_loop")
     rows = []
-    for variant in (decode.DecodeVariant(), decode.DecodeVariant(prefetch=2)):
+    for variant in variants:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             tool.main(["--only", "d128 k4v2_g128 n1", "--variant", str(variant)])
         rows.append(json.loads(buf.getvalue()))
+    return rows
+
+
+def test_prefetch_variant_keeps_the_tile_loop():
+    """The prefetch sits before the kernel's wait, outside the tile loop: the loop issues the shipped kernel's
+    warp-instructions an iteration, at the shipped registers and residency."""
+    require_disassembler()
+    rows = _tile_loop_counts(decode.DecodeVariant(), decode.DecodeVariant(prefetch=2))
     keys = ("iteration", "max_warp", "registers", "blocks_per_sm")
     assert [rows[1][k] for k in keys] == [rows[0][k] for k in keys], rows
 
@@ -319,12 +326,7 @@ def test_run_max_variant_takes_the_head_max_off_the_common_path():
 
     assert shfl_before_first_ex2(decode.DecodeVariant()) >= 3
     assert shfl_before_first_ex2(decode.DecodeVariant(run_max=1)) == 0
-    rows = []
-    for variant in (decode.DecodeVariant(), decode.DecodeVariant(run_max=1)):
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            tool.main(["--only", "d128 k4v2_g128 n1", "--variant", str(variant)])
-        rows.append(json.loads(buf.getvalue()))
+    rows = _tile_loop_counts(decode.DecodeVariant(), decode.DecodeVariant(run_max=1))
     assert rows[1]["max_warp"] < rows[0]["max_warp"] and rows[1]["blocks_per_sm"] == rows[0]["blocks_per_sm"], rows
 
 
