@@ -52,8 +52,8 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_MERGE_LEAN (the final merge skips empty rows by a warp-uniform branch; see final_merge), KVD_TRACE (a block timeline for
-// tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
+// KVD_MERGE_LEAN (the final merge skips empty rows by a warp-uniform branch; see final_merge), KVD_TRACE (a
+// block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
 #include <cuda_fp16.h>
