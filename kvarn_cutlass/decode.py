@@ -119,6 +119,8 @@ class DecodeVariant:
             arithmetic is unchanged.
         merge_lean: 1 to have the final merge skip a partial row of weight 0 by a warp-uniform branch and add a
             row to its range (tile or exact) alone, instead of two selects a channel; the sums are unchanged.
+        merge_unroll: rows of a batch the final merge's row loop unrolls, 1..16 (the shipped kernel: 2), so that
+            the loads of later rows are issued before the sums of earlier ones; the sums are unchanged.
         run_max: 1 to take the exponentials of a tile against the running max itself (<= 2^TAU) instead of the
             tile's head maximum, which is then reduced only when a score exceeds the running max by TAU; the
             outputs differ from the default's by rounding only.
@@ -138,6 +140,7 @@ class DecodeVariant:
     prefetch: int | None = None
     q_first: int | None = None
     merge_lean: int | None = None
+    merge_unroll: int | None = None
     run_max: int | None = None
     trace: int | None = None
 
@@ -145,6 +148,7 @@ class DecodeVariant:
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
               "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "merge_lean": (1, 1, "ml", "KVD_MERGE_LEAN"),
+              "merge_unroll": (1, 16, "mu", "KVD_MERGE_UNROLL"),
               "run_max": (1, 1, "rm", "KVD_RUN_MAX"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:

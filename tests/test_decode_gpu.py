@@ -486,9 +486,9 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit. The prefetch ones
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
 # q_first ones read the queries in another order and place (G = 8: two heads a warp); trace adds only the
-# timeline's stores (tools/decode_trace.py).
+# timeline's stores (tools/decode_trace.py); the merge variants add the same rows in the same order per range.
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1", "trace=1", "merge_lean=1"]
+                "ring=2,prefetch=1,q_first=1", "trace=1", "merge_lean=1", "merge_lean=1,merge_unroll=8", "merge_unroll=8"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
 ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1"]
@@ -558,6 +558,27 @@ def test_arithmetic_variant_matches_the_reference(variant, quantizer):
             for b, cc in enumerate(caches):
                 err = rel(got[b : b + 1], reference.attention(q[b : b + 1], cc, 0))
                 assert err < TOL, f"seed={S}, {variant}, G={G}, splits={splits}, b={b}: {err}"
+
+
+@pytest.mark.parametrize("variant", ["merge_lean=1", "merge_lean=1,merge_unroll=8", "merge_unroll=8"])
+def test_merge_variant_equals_the_default_over_blocks_of_rows(variant):
+    """The final merge's variants with more partials than one block of 32 rows (S + E up to 108: the running max
+    moves between blocks, a batch straddles the tile / exact boundary, the last block is short, empty splits
+    leave stale rows) and G = 4 and 8: the output is the default's, within 1e-3 of the reference."""
+    B, Hkv, D = 2, 2, 128
+    c = make_cache(B, Hkv, D, n=24000, window=256, seed=150)
+    v = decode.DecodeVariant.parse(variant)
+    for G in (4, 8):
+        S = 150 + G
+        q = _randn(_gen(S), B, Hkv * G, 1, D)
+        for splits in (40, 100, 300):
+            want = torch.full_like(q, float("nan"))
+            decode.DecodePlan(c, splits=splits, min_tps=1, variant=decode.DecodeVariant()).launch(q, 0, want)
+            got = torch.full_like(q, float("nan"))
+            decode.DecodePlan(c, splits=splits, min_tps=1, variant=v).launch(q, 0, got)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"seed={S}, {variant}, G={G}, splits={splits}"
+            assert rel(got, reference.attention(q, c, 0)) < TOL, f"seed={S}"
 
 
 @pytest.mark.parametrize("variant", OCC_VARIANTS + ARITH_VARIANTS)

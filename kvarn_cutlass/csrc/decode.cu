@@ -52,7 +52,8 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_MERGE_LEAN (the final merge skips empty rows by a warp-uniform branch; see final_merge), KVD_TRACE (a
+// KVD_MERGE_LEAN (the final merge adds a batch's tile and exact rows in two runs without selects; see
+// merge_run), KVD_MERGE_UNROLL (rows of the final merge's row loop unrolled), KVD_TRACE (a
 // block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -1103,9 +1104,49 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 // into registers 8 at a time after a pass over the maxima took about 12 dependent round trips. A partial with
 // m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the stale row
 // may hold anything (pl is always written).
+// Rows of a batch the merge's row loop unrolls (KVD_MERGE_UNROLL, decode.DecodeVariant.merge_unroll, A/B runs):
+// the shuffles and shared loads of the unrolled rows can be issued ahead of the first row's sums. A macro, as
+// #pragma unroll takes an integral constant expression and NVRTC's -default-device would make a namespace-scope
+// constant a symbol of the CUBIN.
+#ifdef KVD_MERGE_UNROLL
+#define MERGE_UNROLL KVD_MERGE_UNROLL
+#else
+#define MERGE_UNROLL 2
+#endif
 constexpr int MERGE_REGION = SMEM / NW / 16 * 16;                    // bytes of shared memory per warp
 constexpr int MERGE_ROWS = MERGE_REGION / (2 * D * 4) < 32 ? MERGE_REGION / (2 * D * 4) : 32;  // MB
 static_assert(MERGE_ROWS >= 4, "two batches of partial rows per warp must fit in shared memory");
+
+// Lane's CPL channels of a partial row in shared memory.
+template <int CPL>
+__device__ __forceinline__ void merge_row(const float* row, float (&v)[CPL]) {
+    if constexpr (CPL % 4 == 0) {
+#pragma unroll
+        for (int q4 = 0; q4 < CPL / 4; ++q4) {
+            const float4 x = reinterpret_cast<const float4*>(row)[q4];
+            v[4 * q4] = x.x, v[4 * q4 + 1] = x.y, v[4 * q4 + 2] = x.z, v[4 * q4 + 3] = x.w;
+        }
+    } else {
+        const float2 x = *reinterpret_cast<const float2*>(row);
+        v[0] = x.x, v[1] = x.y;
+    }
+}
+
+#ifdef KVD_MERGE_LEAN
+// Rows [r0, r1) of a batch (partials j0 + r, all of one range) added to that range's sums: lane l's weight wj is row
+// 32 blk + l's. A row of weight 0 (an empty split, whose stale row may hold anything) adds zeros.
+template <int CPL>
+__device__ __forceinline__ void merge_run(const float* rows, int r0, int r1, float wj, int j0, float (&acc)[CPL]) {
+#pragma unroll MERGE_UNROLL
+    for (int r = r0; r < r1; ++r) {
+        const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
+        float v[CPL];
+        merge_row<CPL>(rows + r * D, v);
+#pragma unroll
+        for (int e = 0; e < CPL; ++e) acc[e] = fmaf(wgt, wgt != 0.f ? v[e] : 0.f, acc[e]);
+    }
+}
+#endif
 
 __device__ void final_merge(unsigned char* smem, const float* po, const float* pm, const float* pl, void* out,
                             int b, int h, int Hkv, int G, int S, int E, bool out_bf) {
@@ -1167,44 +1208,27 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
             cp_async_wait<1>();
             __syncwarp();  // every lane's copies of batch k are visible to the warp
             const float* rows = buf + (k & 1) * MB * D + lane * CPL;
-#pragma unroll 2
+#ifdef KVD_MERGE_LEAN
+            // the batch's tile rows, then its exact rows: each run adds to its own range, without a branch or a
+            // select per row and range, so the unrolled rows' loads can go ahead of the sums
+            const int rt = min(cnt, max(0, S - j0));
+            merge_run<CPL>(rows, 0, rt, wj, j0, ot);
+            merge_run<CPL>(rows, rt, cnt, wj, j0, oe);
+#else
+#pragma unroll MERGE_UNROLL
             for (int r = 0; r < cnt; ++r) {
                 const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
                 const bool tile = j0 + r < S;
-#ifdef KVD_MERGE_LEAN
-                // warp-uniform: a row of weight 0 (an empty split: its stale row is never read) is skipped, and
-                // a row adds to the tile or the exact range only, without a select per channel
-                if (wgt == 0.f) continue;
-#else
                 const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
-#endif
                 float v[CPL];
-                if constexpr (CPL % 4 == 0) {
-#pragma unroll
-                    for (int q4 = 0; q4 < CPL / 4; ++q4) {
-                        const float4 x = reinterpret_cast<const float4*>(rows + r * D)[q4];
-                        v[4 * q4] = x.x, v[4 * q4 + 1] = x.y, v[4 * q4 + 2] = x.z, v[4 * q4 + 3] = x.w;
-                    }
-                } else {
-                    const float2 x = *reinterpret_cast<const float2*>(rows + r * D);
-                    v[0] = x.x, v[1] = x.y;
-                }
-#ifdef KVD_MERGE_LEAN
-                if (tile) {
-#pragma unroll
-                    for (int e = 0; e < CPL; ++e) ot[e] = fmaf(wgt, v[e], ot[e]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < CPL; ++e) oe[e] = fmaf(wgt, v[e], oe[e]);
-                }
-#else
+                merge_row<CPL>(rows + r * D, v);
 #pragma unroll
                 for (int e = 0; e < CPL; ++e) {
                     ot[e] = wt != 0.f ? fmaf(wt, v[e], ot[e]) : ot[e];
                     oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
                 }
-#endif
             }
+#endif
             __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
         }
         cp_async_wait<0>();
