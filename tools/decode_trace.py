@@ -42,11 +42,11 @@ def _trace_buffer(plan, spec, variant):
     """(device pointer, bytes) of the trace kernel's module global."""
     from cuda.bindings import driver
 
+    from kvarn_cutlass.runtime.errors import check_driver
+
     kernel = decode._kernels(spec, plan.device, variant)[0]
-    name = f"kvarn_decode_trace_{decode._suffix(spec, variant)}".encode()
-    err, ptr, size = driver.cuModuleGetGlobal(kernel.module._handle, name)
-    if int(err) != 0:
-        raise RuntimeError(f"cuModuleGetGlobal({name!r}): {err}")
+    name = f"kvarn_decode_trace_{decode._suffix(spec, variant)}"
+    ptr, size = check_driver(driver.cuModuleGetGlobal(kernel.module._handle, name.encode()), "cuModuleGetGlobal", name)
     assert size == BLOCKS * FIELDS * 8, size
     return int(ptr), size
 
@@ -55,22 +55,22 @@ def _read(ptr: int, size: int):
     import torch
     from cuda.bindings import driver
 
+    from kvarn_cutlass.runtime.errors import check_driver
+
     torch.cuda.synchronize()
-    host = torch.empty(size // 8, dtype=torch.int64, device="cuda")
-    (err,) = driver.cuMemcpyDtoD(host.data_ptr(), ptr, size)
-    if int(err) != 0:
-        raise RuntimeError(f"cuMemcpyDtoD: {err}")
-    return host.view(BLOCKS, FIELDS).cpu().tolist()
+    buf = torch.empty(size // 8, dtype=torch.int64, device="cuda")
+    check_driver(driver.cuMemcpyDtoD(buf.data_ptr(), ptr, size), "cuMemcpyDtoD")
+    return buf.view(BLOCKS, FIELDS).cpu().tolist()
 
 
 def _clear(ptr: int, size: int) -> None:
     import torch
     from cuda.bindings import driver
 
+    from kvarn_cutlass.runtime.errors import check_driver
+
     torch.cuda.synchronize()
-    (err,) = driver.cuMemsetD8(ptr, 0, size)
-    if int(err) != 0:
-        raise RuntimeError(f"cuMemsetD8: {err}")
+    check_driver(driver.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
     torch.cuda.synchronize()
 
 
@@ -83,8 +83,8 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
     blocks = []
     for r in rows[:nblocks]:
         info = r[7]
-        blocks.append({"t": r[:7], "sm": info & 0xFFFF, "tiles": (info >> 16) & 0xFFFF, "exact": (info >> 32) & 1,
-                       "last": (info >> 33) & 1})
+        blocks.append({"t": r[:7], "clock": r[8:15], "sm": info & 0xFFFF, "tiles": (info >> 16) & 0xFFFF,
+                       "exact": (info >> 32) & 1, "last": (info >> 33) & 1})
     t0 = min(b["t"][0] for b in blocks)
     us = lambda a, b: (b - a) / 1000.0  # noqa: E731
     tile = [b for b in blocks if not b["exact"] and b["tiles"] > 0]
@@ -115,9 +115,7 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
         "tail_us": round(us(statistics.median(ticket_ends), last_ticket), 3),
         "merge_med_us": _med(merges), "merge_max_us": round(max(merges), 3) if merges else None,
         "after_last_ticket_us": us(last_ticket, max(ends)),
-        "loop_cycles_per_tile_med": _med([(b_r[11] - b_r[10]) / max(1, (b_r[7] >> 16) & 0xFFFF)
-                                          for b_r in rows[:nblocks] if not (b_r[7] >> 32) & 1
-                                          and (b_r[7] >> 16) & 0xFFFF]),
+        "loop_cycles_per_tile_med": _med([(b["clock"][3] - b["clock"][2]) / b["tiles"] for b in tile]),
     }
 
 
