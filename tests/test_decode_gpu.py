@@ -682,7 +682,8 @@ def test_exact_blocks_last_order_gives_the_same_output(monkeypatch):
 
 def test_trace_variant_timeline_is_ordered():
     """The trace kernel's marks read back through tools/decode_trace.py: per block entry <= wait <= first records
-    <= loop end <= partial <= ticket (<= merge end), one merging block per (sequence, KV head) and it the last to
+    <= loop end <= partial <= release fence <= ticket (<= acquire fence <= first batch <= rows <= store <= merge
+    end), one merging block per (sequence, KV head) and it the last to
     take its ticket, the tile blocks' tiles summing to the live tiles; its output is the reference's."""
     tool = load_tool("decode_trace")
     B, Hkv, G, D = 2, 2, 4, 128
@@ -706,7 +707,8 @@ def test_trace_variant_timeline_is_ordered():
     for r in rows[:n]:
         info = r[7]
         ntiles, last = (info >> 16) & 0xFFFF, (info >> 33) & 1
-        marks = [r[0], r[1]] + ([r[2], r[3]] if ntiles else []) + [r[4], r[5]] + ([r[6]] if last else [])
+        marks = ([r[0], r[1]] + ([r[2], r[3]] if ntiles else []) + [r[4], r[16], r[5]]
+                 + ([r[17], r[18], r[19], r[20], r[6]] if last else []))
         assert all(m > 0 for m in marks) and marks == sorted(marks), r
         tiles += ntiles
         if last:

@@ -7,7 +7,9 @@ The trace kernel is the kernel of ``--variant`` (default: the one the plan picks
 every block writing ``%globaltimer`` (ns, one clock for all SMs) and ``clock64`` (its SM's cycles) at each phase
 (``csrc/decode.cu``, ``trace_mark``): entry, the programmatic wait passed, the first tile's records landed, the
 tile loop done, the partial written, the ticket taken, and, in the block that merges a (sequence, KV head), the
-final merge done. The layers of the bench's cache shape (``bench.decode``: enough of them that no launch finds
+final merge done; and, without clock64, the release fence before the ticket done and the merge's steps in its
+first head (the acquire fence, the first batch of partial rows visible, the rows added, the output stored). The
+layers of the bench's cache shape (``bench.decode``: enough of them that no launch finds
 its records in L2) are launched eagerly in turn; ``--runs`` of those launches are traced, each after a warm-up
 round and with the buffer cleared before; per run the phases are summarized over the blocks
 (median and max, us) and the kernel's span split into: the start (first entry to the median first record),
@@ -33,7 +35,7 @@ from kvarn_cutlass import decode  # noqa: E402
 from kvarn_cutlass.bench import decode as bench  # noqa: E402
 from kvarn_cutlass.bench.timing import elapsed_ms  # noqa: E402
 
-FIELDS = 16  # csrc/decode.cu TRACE_FIELDS
+FIELDS = 24  # csrc/decode.cu TRACE_FIELDS
 BLOCKS = 8192  # csrc/decode.cu TRACE_BLOCKS
 SHAPES = ((1, 131072), (1, 4096), (16, 32768))
 
@@ -83,8 +85,8 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
     blocks = []
     for r in rows[:nblocks]:
         info = r[7]
-        blocks.append({"t": r[:7], "clock": r[8:15], "sm": info & 0xFFFF, "tiles": (info >> 16) & 0xFFFF,
-                       "exact": (info >> 32) & 1, "last": (info >> 33) & 1})
+        blocks.append({"t": r[:7], "clock": r[8:15], "sub": r[16:21], "sm": info & 0xFFFF,
+                       "tiles": (info >> 16) & 0xFFFF, "exact": (info >> 32) & 1, "last": (info >> 33) & 1})
     t0 = min(b["t"][0] for b in blocks)
     us = lambda a, b: (b - a) / 1000.0  # noqa: E731
     tile = [b for b in blocks if not b["exact"] and b["tiles"] > 0]
@@ -92,6 +94,9 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
     ticket_ends = [b["t"][5] for b in blocks]
     last_ticket = max(ticket_ends)
     merges = [us(b["t"][5], b["t"][6]) for b in blocks if b["last"]]
+    merging = [b for b in blocks if b["last"]]
+    # the merge's steps in its first head (warp 0): ticket -> acquire fence -> first batch -> rows -> store
+    steps = lambda a, b: _med([us(m["sub"][a] if a >= 0 else m["t"][5], m["sub"][b]) for m in merging])  # noqa: E731
     per_sm: dict[int, int] = {}
     for b in blocks:
         per_sm[b["sm"]] = per_sm.get(b["sm"], 0) + 1
@@ -113,7 +118,10 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
         "end_med_us": _med([us(t0, e) for e in ticket_ends]),
         "last_ticket_us": us(t0, last_ticket),
         "tail_us": round(us(statistics.median(ticket_ends), last_ticket), 3),
+        "release_fence_med_us": _med([us(b["t"][4], b["sub"][0]) for b in blocks]),
         "merge_med_us": _med(merges), "merge_max_us": round(max(merges), 3) if merges else None,
+        "merge_acquire_med_us": steps(-1, 1), "merge_first_batch_med_us": steps(1, 2),
+        "merge_rows_med_us": steps(2, 3), "merge_store_med_us": steps(3, 4),
         "after_last_ticket_us": us(last_ticket, max(ends)),
         "loop_cycles_per_tile_med": _med([(b["clock"][3] - b["clock"][2]) / b["tiles"] for b in tile]),
     }
@@ -173,7 +181,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     cols = ("span_us", "elapsed_us", "first_records_at_med_us", "loop_med_us", "loop_max_us", "per_tile_med_us",
-            "end_med_us", "last_ticket_us", "tail_us", "merge_max_us", "after_last_ticket_us")
+            "end_med_us", "last_ticket_us", "tail_us", "merge_max_us", "after_last_ticket_us", "release_fence_med_us",
+            "merge_acquire_med_us", "merge_first_batch_med_us", "merge_rows_med_us", "merge_store_med_us")
     print("shape | variant | S | " + " | ".join(cols))
     for r in rows:
         print(f"b{r['batch']}/{r['context']} | {r['variant']} | {r['splits']} | "

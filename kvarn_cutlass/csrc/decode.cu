@@ -639,8 +639,11 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
 // i < TRACE_BLOCKS) writes %globaltimer (ns, comparable across SMs) into field f and clock64 (this SM's cycles)
 // into field 8 + f at mark f: 0 entry, 1 after the programmatic wait, 2 the first tile's records landed (tile
 // blocks), 3 the tile loop done, 4 the partial written, 5 the ticket taken, 6 the final merge done (the merging
-// block); field 7: SM id | tiles << 16 | exact block << 32 | merging block << 33.
-constexpr int TRACE_BLOCKS = 8192, TRACE_FIELDS = 16;
+// block); field 7: SM id | tiles << 16 | exact block << 32 | merging block << 33. Fields 16-20 split the ticket
+// and the merge (%globaltimer only): 16 the release fence done (every block); in the merging block 17 the acquire
+// fence done, 18 its first head's first batch of partial rows visible to warp 0, 19 that head's rows added, 20
+// that head's output stored.
+constexpr int TRACE_BLOCKS = 8192, TRACE_FIELDS = 24;
 extern "C" __device__ unsigned long long KVD_NAME(kvarn_decode_trace_)[TRACE_BLOCKS * TRACE_FIELDS];
 __device__ __forceinline__ unsigned long long* trace_row() {
     const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -654,6 +657,13 @@ __device__ __forceinline__ void trace_mark(int f) {
         row[8 + f] = clock64();
     }
 }
+__device__ __forceinline__ void trace_time(int f) {
+    if (unsigned long long* row = trace_row()) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        row[f] = t;
+    }
+}
 __device__ __forceinline__ void trace_info(unsigned long long bits) {
     if (unsigned long long* row = trace_row()) {
         unsigned sm;
@@ -662,8 +672,10 @@ __device__ __forceinline__ void trace_info(unsigned long long bits) {
     }
 }
 #define KVD_MARK(f) trace_mark(f)
+#define KVD_TIME(f) trace_time(f)
 #else
 #define KVD_MARK(f)
+#define KVD_TIME(f)
 #endif
 
 // --- one warp's 32 tokens of one tile: scores, online softmax, P' x V --------------------------------------
@@ -1207,6 +1219,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
             else cp_async_commit();  // an empty group: batch k is then always the second newest
             cp_async_wait<1>();
             __syncwarp();  // every lane's copies of batch k are visible to the warp
+            if (k == 0 && gg == w) KVD_TIME(18);
             const float* rows = buf + (k & 1) * MB * D + lane * CPL;
 #ifdef KVD_MERGE_LEAN
             // the batch's tile rows, then its exact rows: each run adds to its own range, without a branch or a
@@ -1232,6 +1245,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
             __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
         }
         cp_async_wait<0>();
+        if (gg == w) KVD_TIME(19);
         Lt = group_sum<32>(Lt);
         Le = group_sum<32>(Le);
         wht_warp<CPL>(ot, lane);  // the deferred inverse WHT of the tile part (1 / sqrt(D) below)
@@ -1248,6 +1262,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
             if (out_bf) reinterpret_cast<__nv_bfloat16*>(out)[ob + k] = __float2bfloat16(r);
             else reinterpret_cast<__half*>(out)[ob + k] = __float2half(r);
         }
+        if (gg == w) KVD_TIME(20);
     }
 }
 
@@ -1346,6 +1361,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // recomputed: held through the tile loop they cost registers
     // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
     __threadfence();  // this thread's partial writes are visible device-wide before the ticket
+    KVD_TIME(16);
     __syncthreads();
     if (tid == 0) last = atomicAdd(tickets + b * Hkv + h, 1) == S + E - 1;
     __syncthreads();
@@ -1360,6 +1376,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
 #endif
     if (!last) return;
     __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
+    KVD_TIME(17);
     if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
     final_merge(smem, po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
     KVD_MARK(6);
