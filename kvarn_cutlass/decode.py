@@ -117,13 +117,12 @@ class DecodeVariant:
         q_first: 1 to have a tile block read its queries before its first record copies instead of after
             them, so that those loads do not queue behind every block's records at the grid's start; the
             arithmetic is unchanged.
-        merge_lean: 1 to have the final merge skip a partial row of weight 0 by a warp-uniform branch and add a
-            row to its range (tile or exact) alone, instead of two selects a channel; the sums are unchanged.
-        merge_unroll: rows of a batch the final merge's row loop unrolls, 1..16 (the shipped kernel: 2), so that
-            the loads of later rows are issued before the sums of earlier ones; the sums are unchanged.
         run_max: 1 to take the exponentials of a tile against the running max itself (<= 2^TAU) instead of the
             tile's head maximum, which is then reduced only when a score exceeds the running max by TAU; the
             outputs differ from the default's by rounding only.
+        ticket: 1 to have thread 0 alone release a block's partial and acquire the others' (a barrier and one
+            acq_rel atomic at GPU scope) instead of an SC fence by every thread on each side of the ticket; the
+            arithmetic is unchanged.
         trace: 1 for a diagnostic kernel that writes a timeline of each block (``%globaltimer`` and ``clock64`` at
             its phases) into the module global ``kvarn_decode_trace_<suffix>`` (``tools/decode_trace.py``); the
             arithmetic is unchanged.
@@ -139,17 +138,15 @@ class DecodeVariant:
     min_blocks_g8: int | None = None
     prefetch: int | None = None
     q_first: int | None = None
-    merge_lean: int | None = None
-    merge_unroll: int | None = None
     run_max: int | None = None
+    ticket: int | None = None
     trace: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
-              "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "merge_lean": (1, 1, "ml", "KVD_MERGE_LEAN"),
-              "merge_unroll": (1, 16, "mu", "KVD_MERGE_UNROLL"),
-              "run_max": (1, 1, "rm", "KVD_RUN_MAX"), "trace": (1, 1, "tr", "KVD_TRACE")}
+              "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "run_max": (1, 1, "rm", "KVD_RUN_MAX"),
+              "ticket": (1, 1, "tk", "KVD_TICKET"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():

@@ -330,31 +330,19 @@ def test_run_max_variant_takes_the_head_max_off_the_common_path():
     assert rows[1]["max_warp"] < rows[0]["max_warp"] and rows[1]["blocks_per_sm"] == rows[0]["blocks_per_sm"], rows
 
 
-def test_merge_lean_row_loop_is_shorter_and_unrolls():
-    """The final merge's row loop (the loop with the row weight's SHFL.IDX and the row's LDS.128): merge_lean issues
-    fewer instructions a row than the shipped loop (no per-channel selects of both ranges), and merge_unroll=8
-    puts 8 rows' shared loads in one iteration."""
+def test_ticket_variant_fences_once_without_sc():
+    """The shipped ticket has every thread fence sequentially consistent at GPU scope on both sides (MEMBAR.SC.GPU
+    twice a kernel); ticket=1 leaves one non-SC fence before its acq_rel atomic (MEMBAR.ALL.GPU, then the
+    atomic and the L1 invalidation of its acquire), in both kernels of the module."""
     require_disassembler()
     from kvarn_cutlass.cli.sass import disassemble
 
-    tool = load_tool("decode_sass_loop")
+    def fences(text):
+        sass = disassemble(build(decode.decode_spec(TileSpec(), decode.DecodeVariant.parse(text)), "sm90").cubin)
+        return {k: len(re.findall(k, sass)) for k in ("MEMBAR.SC.GPU", "MEMBAR.ALL.GPU", "ATOMG", "CCTL.IVALL")}
 
-    def row_loops(text):  # (instructions, LDS.128) of each merge row loop
-        ks = decode.decode_spec(TileSpec("k4v2_g128", 128), decode.DecodeVariant.parse(text))
-        ins = tool.parse(disassemble(build(ks, "sm90").cubin), ks.kernel_names[0])
-        out = []
-        for a, _, o, t in ins:
-            if o == "BRA" and t is not None and t < a:
-                ops = [x[2] for x in ins if t <= x[0] <= a]
-                lds = sum(x.startswith("LDS.128") for x in ops)
-                if any(x.startswith("SHFL.IDX") for x in ops) and lds and not any(x.startswith("IMMA") for x in ops):
-                    out.append((len(ops), lds))
-        return min(out, key=lambda x: x[0] / x[1])
-
-    shipped, lean, lean8 = row_loops("default"), row_loops("merge_lean=1"), row_loops("merge_lean=1,merge_unroll=8")
-    assert shipped[1] == 2 and lean[1] == 2 and lean8[1] == 8, (shipped, lean, lean8)
-    assert lean[0] / lean[1] < 0.75 * shipped[0] / shipped[1], (shipped, lean)
-    assert lean8[0] / lean8[1] <= lean[0] / lean[1], (lean, lean8)
+    assert fences("default") == {"MEMBAR.SC.GPU": 4, "MEMBAR.ALL.GPU": 0, "ATOMG": 2, "CCTL.IVALL": 4}
+    assert fences("ticket=1") == {"MEMBAR.SC.GPU": 0, "MEMBAR.ALL.GPU": 2, "ATOMG": 2, "CCTL.IVALL": 2}
 
 
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
@@ -383,7 +371,7 @@ def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
                  "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "run_max=1",
-                 "ring=2,run_max=1", "trace=1", "merge_lean=1", "merge_lean=1,merge_unroll=8"):
+                 "ring=2,run_max=1", "trace=1", "ticket=1", "ticket=1,trace=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
@@ -392,7 +380,7 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V(run_max=1, trace=1).suffix == "_rm1_tr1"
     assert V(run_max=1, trace=1).defines() == {"KVD_RUN_MAX": 1, "KVD_TRACE": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=2", "merge_unroll=0", "merge_unroll=17"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=1", "ticket=0", "ticket=2"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

@@ -37,7 +37,7 @@
 #    and graphed cuDNN timed both ways the bench and the variant tool time a replay -> $OUT/decode_timing.json
 # 6b''''t. GPU_DECODE_TRACE=1 (or its shapes, "1x131072 16x32768"): tools/decode_trace.py, a decode layer's blocks'
 #    timeline (the trace variant: entry, first records, tile loop, ticket, merge) -> $OUT/decode_trace.json;
-#    GPU_DECODE_TRACE_VARIANT="merge_lean=1" traces that variant instead of each shape's plan
+#    GPU_DECODE_TRACE_VARIANT="ticket=1" traces that variant instead of each shape's plan
 # 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (e.g. "--prompt --profile 30") -> the log
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes

@@ -52,8 +52,7 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_MERGE_LEAN (the final merge adds a batch's tile and exact rows in two runs without selects; see
-// merge_run), KVD_MERGE_UNROLL (rows of the final merge's row loop unrolled), KVD_TRACE (a
+// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see decode_block), KVD_TRACE (a
 // block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -1116,15 +1115,6 @@ __device__ void tile_split(unsigned char* smem, const void* q, const unsigned ch
 // into registers 8 at a time after a pass over the maxima took about 12 dependent round trips. A partial with
 // m = -inf (an empty split) never wrote its row: its weight 0 is applied by a select, because the stale row
 // may hold anything (pl is always written).
-// Rows of a batch the merge's row loop unrolls (KVD_MERGE_UNROLL, decode.DecodeVariant.merge_unroll, A/B runs):
-// the shuffles and shared loads of the unrolled rows can be issued ahead of the first row's sums. A macro, as
-// #pragma unroll takes an integral constant expression and NVRTC's -default-device would make a namespace-scope
-// constant a symbol of the CUBIN.
-#ifdef KVD_MERGE_UNROLL
-#define MERGE_UNROLL KVD_MERGE_UNROLL
-#else
-#define MERGE_UNROLL 2
-#endif
 constexpr int MERGE_REGION = SMEM / NW / 16 * 16;                    // bytes of shared memory per warp
 constexpr int MERGE_ROWS = MERGE_REGION / (2 * D * 4) < 32 ? MERGE_REGION / (2 * D * 4) : 32;  // MB
 static_assert(MERGE_ROWS >= 4, "two batches of partial rows per warp must fit in shared memory");
@@ -1143,22 +1133,6 @@ __device__ __forceinline__ void merge_row(const float* row, float (&v)[CPL]) {
         v[0] = x.x, v[1] = x.y;
     }
 }
-
-#ifdef KVD_MERGE_LEAN
-// Rows [r0, r1) of a batch (partials j0 + r, all of one range) added to that range's sums: lane l's weight wj is row
-// 32 blk + l's. A row of weight 0 (an empty split, whose stale row may hold anything) adds zeros.
-template <int CPL>
-__device__ __forceinline__ void merge_run(const float* rows, int r0, int r1, float wj, int j0, float (&acc)[CPL]) {
-#pragma unroll MERGE_UNROLL
-    for (int r = r0; r < r1; ++r) {
-        const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
-        float v[CPL];
-        merge_row<CPL>(rows + r * D, v);
-#pragma unroll
-        for (int e = 0; e < CPL; ++e) acc[e] = fmaf(wgt, wgt != 0.f ? v[e] : 0.f, acc[e]);
-    }
-}
-#endif
 
 __device__ void final_merge(unsigned char* smem, const float* po, const float* pm, const float* pl, void* out,
                             int b, int h, int Hkv, int G, int S, int E, bool out_bf) {
@@ -1221,14 +1195,7 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
             __syncwarp();  // every lane's copies of batch k are visible to the warp
             if (k == 0 && gg == w) KVD_TIME(18);
             const float* rows = buf + (k & 1) * MB * D + lane * CPL;
-#ifdef KVD_MERGE_LEAN
-            // the batch's tile rows, then its exact rows: each run adds to its own range, without a branch or a
-            // select per row and range, so the unrolled rows' loads can go ahead of the sums
-            const int rt = min(cnt, max(0, S - j0));
-            merge_run<CPL>(rows, 0, rt, wj, j0, ot);
-            merge_run<CPL>(rows, rt, cnt, wj, j0, oe);
-#else
-#pragma unroll MERGE_UNROLL
+#pragma unroll 2
             for (int r = 0; r < cnt; ++r) {
                 const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
                 const bool tile = j0 + r < S;
@@ -1241,7 +1208,6 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
                     oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
                 }
             }
-#endif
             __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
         }
         cp_async_wait<0>();
@@ -1360,11 +1326,27 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     KVD_MARK(4);
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // recomputed: held through the tile loop they cost registers
     // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
+#ifdef KVD_TICKET
+    // Thread 0 alone releases and acquires (the pattern of CUTLASS's generic barrier): the barrier orders every
+    // thread's partial writes before its atomic, whose release is cumulative over them, and orders its acquire
+    // before the other threads' reads of the merge. One atomic at GPU scope instead of an SC fence (MEMBAR.SC.GPU
+    // with an L1 invalidation) by every thread on each side of the ticket.
+    __syncthreads();
+    KVD_TIME(16);
+    if (tid == 0) {
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(tickets + b * Hkv + h)
+                     : "memory");
+        last = before == S + E - 1;
+    }
+    __syncthreads();
+#else
     __threadfence();  // this thread's partial writes are visible device-wide before the ticket
     KVD_TIME(16);
     __syncthreads();
     if (tid == 0) last = atomicAdd(tickets + b * Hkv + h, 1) == S + E - 1;
     __syncthreads();
+#endif
     KVD_MARK(5);
 #ifdef KVD_TRACE
     {
@@ -1375,7 +1357,9 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     }
 #endif
     if (!last) return;
+#ifndef KVD_TICKET
     __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
+#endif
     KVD_TIME(17);
     if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
     final_merge(smem, po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
