@@ -72,3 +72,12 @@ def test_only_the_trace_variant_reads_the_timers():
         counts[str(v)] = (len(re.findall(r"SR_GLOBALTIMERLO", sass)), len(re.findall(r"SR_CLOCKLO", sass)))
     assert counts["default"] == (0, 0)
     assert counts["trace=1"] == (2 * 12, 2 * 7), counts
+
+
+def test_variant_arguments():
+    """--variant plan is the plan's own kernel (None); any other text is a variant, a bad one rejected."""
+    tool = load_tool("decode_trace")
+    assert tool._variant("plan") is None and tool._variant(" plan ") is None
+    assert tool._variant("ticket=1") == decode.DecodeVariant(ticket=1)
+    with pytest.raises(ValueError):
+        tool._variant("ticket=3")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode layer's time goes, block by block: the timeline of ``DecodeVariant(trace=1)`` (GPU).
 
-``python3 tools/decode_trace.py [--shape BxCTX ...] [--variant TEXT] [--runs N] [--json PATH]``
+``python3 tools/decode_trace.py [--shape BxCTX ...] [--variant TEXT ...] [--runs N] [--json PATH]``
 
 The trace kernel is the kernel of ``--variant`` (default: the one the plan picks for the shape) with thread 0 of
 every block writing ``%globaltimer`` (ns, one clock for all SMs) and ``clock64`` (its SM's cycles) at each phase
@@ -164,20 +164,27 @@ def trace_shape(batch: int, ctx: int, base: decode.DecodeVariant | None, runs: i
     return row
 
 
+def _variant(text: str) -> decode.DecodeVariant | None:
+    """A --variant argument: None for "plan" (the plan's own kernel), else the parsed variant."""
+    return None if text.strip() == "plan" else decode.DecodeVariant.parse(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", action="append", help="BATCHxCONTEXT (default: 1x131072, 1x4096, 16x32768)")
-    ap.add_argument("--variant", type=decode.DecodeVariant.parse,
-                    help="the traced kernel's variant (default: the plan's for each shape)")
+    ap.add_argument("--variant", action="append", type=_variant,
+                    help="a traced kernel's variant, repeatable; 'plan' (the default) is the one the plan picks for "
+                         "each shape")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shape] if args.shape else SHAPES
     rows = []
-    for batch, ctx in shapes:
-        row = trace_shape(batch, ctx, args.variant, args.runs)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    for variant in args.variant or [None]:
+        for batch, ctx in shapes:
+            row = trace_shape(batch, ctx, variant, args.runs)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     cols = ("span_us", "elapsed_us", "first_records_at_med_us", "loop_med_us", "loop_max_us", "per_tile_med_us",

@@ -37,7 +37,8 @@
 #    and graphed cuDNN timed both ways the bench and the variant tool time a replay -> $OUT/decode_timing.json
 # 6b''''t. GPU_DECODE_TRACE=1 (or its shapes, "1x131072 16x32768"): tools/decode_trace.py, a decode layer's blocks'
 #    timeline (the trace variant: entry, first records, tile loop, ticket, merge) -> $OUT/decode_trace.json;
-#    GPU_DECODE_TRACE_VARIANT="ticket=1" traces that variant instead of each shape's plan
+#    GPU_DECODE_TRACE_VARIANT="plan ticket=1" traces each of those variants ("plan": each shape's plan's own;
+#    the default when unset)
 # 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (e.g. "--prompt --profile 30") -> the log
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,
 #    the compression kernels' warps per cluster CTA (8 shipped, 4, 16) and per lone CTA (32 shipped, 16): bytes
@@ -285,7 +286,7 @@ fi
 if [ -n "${GPU_DECODE_TRACE:-}" ]; then
   tr_args=(--json "$OUT/decode_trace.json")
   [ "$GPU_DECODE_TRACE" = 1 ] || for s in $GPU_DECODE_TRACE; do tr_args+=(--shape "$s"); done
-  [ -z "${GPU_DECODE_TRACE_VARIANT:-}" ] || tr_args+=(--variant "$GPU_DECODE_TRACE_VARIANT")
+  for v in ${GPU_DECODE_TRACE_VARIANT:-}; do tr_args+=(--variant "$v"); done
   step decode_trace timeout "${GPU_DECODE_TRACE_LIMIT:-240}" python3 tools/decode_trace.py "${tr_args[@]}"
 fi
 
