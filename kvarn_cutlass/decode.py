@@ -123,6 +123,9 @@ class DecodeVariant:
         ticket: 1 to have thread 0 alone release a block's partial and acquire the others' (a barrier and one
             acq_rel atomic at GPU scope) instead of an SC fence by every thread on each side of the ticket; the
             arithmetic is unchanged.
+        merge_copy: 1 to have the final merge issue a batch's row copies unrolled, the lane's addresses set once a
+            batch (the shipped loop computes each copy's 64-bit address anew: 27 instructions a copy); the copies
+            and the arithmetic are unchanged.
         trace: 1 for a diagnostic kernel that writes a timeline of each block (``%globaltimer`` and ``clock64`` at
             its phases) into the module global ``kvarn_decode_trace_<suffix>`` (``tools/decode_trace.py``); the
             arithmetic is unchanged.
@@ -140,13 +143,15 @@ class DecodeVariant:
     q_first: int | None = None
     run_max: int | None = None
     ticket: int | None = None
+    merge_copy: int | None = None
     trace: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
               "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "run_max": (1, 1, "rm", "KVD_RUN_MAX"),
-              "ticket": (1, 1, "tk", "KVD_TICKET"), "trace": (1, 1, "tr", "KVD_TRACE")}
+              "ticket": (1, 1, "tk", "KVD_TICKET"), "merge_copy": (1, 1, "mc", "KVD_MERGE_COPY"),
+              "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():

@@ -345,6 +345,45 @@ def test_ticket_variant_fences_once_without_sc():
     assert fences("ticket=1") == {"MEMBAR.SC.GPU": 0, "MEMBAR.ALL.GPU": 2, "ATOMG": 2, "CCTL.IVALL": 2}
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_merge_copy_variant_sets_addresses_once_a_batch(head_dim):
+    """The final merge's batch copies (LDGSTS after the ticket's atomic): the shipped kernel issues them from a loop
+    that computes each copy's 64-bit address (over 20 instructions a copy); merge_copy=1 issues a batch's copies
+    in one straight run of at most 8 instructions a copy, MB rows' worth (the batch rows fit in the warp's
+    shared memory), in both kernels."""
+    require_disassembler()
+    from kvarn_cutlass.cli.sass import disassemble
+
+    tool = load_tool("decode_sass_loop")
+
+    def merge_copies(text):  # per kernel: (copy loops' instructions per copy, the longest straight run's)
+        ks = decode.decode_spec(TileSpec(head_dim=head_dim), decode.DecodeVariant.parse(text))
+        sass = disassemble(build(ks, "sm90").cubin)
+        out = []
+        for name in ks.kernel_names:
+            ins = tool.parse(sass, name)
+            atom = next(a for a, _, o, _ in ins if o.startswith("ATOMG"))
+            loops = [[x[2] for x in ins if t <= x[0] <= a] for a, _, o, t in ins
+                     if o == "BRA" and t is not None and atom < t < a]
+            loop = [sum(len(ops) for ops in loops if "LDGSTS" in " ".join(ops) and len(ops) < 80)]
+            copies = [i for i, x in enumerate(ins) if x[0] > atom and x[2].startswith("LDGSTS")]
+            runs, run = [], [copies[0]]
+            for i in copies[1:]:
+                if any(x[2].startswith(("BRA", "LDGDEPBAR")) for x in ins[run[-1] + 1:i]):
+                    runs.append(run)
+                    run = [i]
+                else:
+                    run.append(i)
+            runs.append(run)
+            best = max(runs, key=len)
+            out.append((loop[0], (best[-1] - best[0] + 1) / len(best), len(best)))
+        return out
+
+    for (loop, _, _), (lean_loop, lean_per_copy, lean_n) in zip(merge_copies("default"), merge_copies("merge_copy=1")):
+        assert loop > 20, loop  # a loop of one copy
+        assert lean_loop == 0 and lean_n >= 8 and lean_per_copy <= 8, (lean_loop, lean_per_copy, lean_n)
+
+
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
 # What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
 # resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are
@@ -371,7 +410,8 @@ def test_variant_text_form_and_env(monkeypatch):
     V = decode.DecodeVariant
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
                  "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "run_max=1",
-                 "ring=2,run_max=1", "trace=1", "ticket=1", "ticket=1,trace=1"):
+                 "ring=2,run_max=1", "trace=1", "ticket=1", "ticket=1,trace=1", "merge_copy=1",
+                 "ticket=1,merge_copy=1"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
@@ -380,7 +420,7 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V(run_max=1, trace=1).suffix == "_rm1_tr1"
     assert V(run_max=1, trace=1).defines() == {"KVD_RUN_MAX": 1, "KVD_TRACE": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=1", "ticket=0", "ticket=2"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=1", "ticket=0", "ticket=2", "merge_copy=2"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

@@ -487,9 +487,10 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
 # q_first ones read the queries in another order and place (G = 8: two heads a warp); trace adds only the
 # timeline's stores (tools/decode_trace.py); ticket orders the partials with one thread's atomic instead of every
-# thread's fences.
+# thread's fences; merge_copy issues the same copies of partial rows with other address arithmetic.
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1", "trace=1", "ticket=1", "ticket=1,trace=1"]
+                "ring=2,prefetch=1,q_first=1", "trace=1", "ticket=1", "ticket=1,trace=1", "merge_copy=1",
+                "ticket=1,merge_copy=1"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
 ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1"]
@@ -561,12 +562,14 @@ def test_arithmetic_variant_matches_the_reference(variant, quantizer):
                 assert err < TOL, f"seed={S}, {variant}, G={G}, splits={splits}, b={b}: {err}"
 
 
-@pytest.mark.parametrize("variant", ["default", "ticket=1"])
-def test_merge_over_blocks_of_rows(variant):
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["default", "ticket=1", "merge_copy=1", "ticket=1,merge_copy=1"])
+def test_merge_over_blocks_of_rows(variant, D):
     """The final merge with more partials than one block of 32 rows (S + E up to 108: the running max moves
     between blocks, a batch straddles the tile / exact boundary, the last block is short, empty splits leave
-    stale rows) and G = 4 and 8: within 1e-3 of the reference, and a variant's output is the default's."""
-    B, Hkv, D = 2, 2, 128
+    stale rows), G = 4 and 8, each head_dim (merge_copy's rows per copy instruction: 2 at D = 64, 1 at 128,
+    half a row at 256): within 1e-3 of the reference, and a variant's output is the default's."""
+    B, Hkv = 2, 2
     c = make_cache(B, Hkv, D, n=24000, window=256, seed=150)
     v = decode.DecodeVariant.parse(variant)
     for G in (4, 8):

@@ -52,7 +52,8 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see decode_block), KVD_TRACE (a
+// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see decode_block), KVD_MERGE_COPY (the final
+// merge's copies of a batch unrolled, addresses set once a batch; see final_merge), KVD_TRACE (a
 // block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -1155,11 +1156,27 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
         auto issue = [&](int k) {
             const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
             const unsigned dst = buf_s + (k & 1) * MB * D * 4;
+#ifdef KVD_MERGE_COPY
+            // Unrolled over the batch's chunks: chunk lane + 32 i is row RI i + lr's chunk CI i + lc, so the lane's
+            // addresses are set once a batch and each copy adds a constant (a row is G D floats after the last).
+            constexpr int RI = CH >= 32 ? 0 : 32 / CH;  // rows per copy instruction (CH < 32) ...
+            constexpr int CI = CH >= 32 ? 32 : 0;       // ... or chunks of one row (CH >= 32)
+            const int lr = CH >= 32 ? 0 : lane / CH, lc = CH >= 32 ? lane : lane % CH;
+            const size_t row_stride = (size_t)G * D;
+            const float* src = po + (i0 + (size_t)(j0 + lr) * G) * D + lc * 4;
+            const unsigned dst_l = dst + (lr * D + lc * 4) * 4;
+#pragma unroll
+            for (int i = 0; i < (MB * CH + 31) / 32; ++i) {
+                const int r = CH >= 32 ? 32 * i / CH : RI * i, c = CH >= 32 ? 32 * i % CH : 0;
+                if (r + lr < cnt) cp_async16_u32(dst_l + (r * D + c * 4) * 4, src + r * row_stride + c * 4);
+            }
+#else
 #pragma unroll 1
             for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
                 const int r = f / CH, c = f % CH;
                 cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
             }
+#endif
             cp_async_commit();
             if (k % BPB == 0) {
                 const int j = 32 * blk + lane;
