@@ -126,6 +126,10 @@ class DecodeVariant:
         merge_copy: 1 to have the final merge issue a batch's row copies unrolled, the lane's addresses set once a
             batch (the shipped loop computes each copy's 64-bit address anew: 27 instructions a copy); the copies
             and the arithmetic are unchanged.
+        merge_group: splits per merge group, 2..32: a two-level merge, where the last block of each group of
+            splits (tile and exact parts grouped apart) merges the group's partials into one row while other groups
+            still run, and the pair's last group merges one row per group; the sums are regrouped, so the outputs
+            differ from the default's by rounding only.
         trace: 1 for a diagnostic kernel that writes a timeline of each block (``%globaltimer`` and ``clock64`` at
             its phases) into the module global ``kvarn_decode_trace_<suffix>`` (``tools/decode_trace.py``); the
             arithmetic is unchanged.
@@ -144,6 +148,7 @@ class DecodeVariant:
     run_max: int | None = None
     ticket: int | None = None
     merge_copy: int | None = None
+    merge_group: int | None = None
     trace: int | None = None
 
     # field -> (smallest, largest value, name tag, define)
@@ -151,7 +156,7 @@ class DecodeVariant:
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
               "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "run_max": (1, 1, "rm", "KVD_RUN_MAX"),
               "ticket": (1, 1, "tk", "KVD_TICKET"), "merge_copy": (1, 1, "mc", "KVD_MERGE_COPY"),
-              "trace": (1, 1, "tr", "KVD_TRACE")}
+              "merge_group": (2, 32, "mg", "KVD_MERGE_GROUP"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in self._KNOBS.items():
@@ -460,8 +465,9 @@ class DecodeWorkspace:
     """Partials buffers, tickets and the split counts for one (batch, kv heads, head_dim, group).
 
     ``S = splits`` tile splits and ``E = exact`` exact (sink + window) blocks per (sequence, KV head):
-    ``po`` float32 [B, Hkv, S+E, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+E, G]; ``tickets`` int32
-    [B, Hkv], zero between launches (the merging block resets its ticket). Reused across layers and
+    ``po`` float32 [B, Hkv, S+E+M, G, D], ``pm`` / ``pl`` float32 [B, Hkv, S+E+M, G]; ``tickets`` int32
+    [B, Hkv, 1+M], zero between launches (the merging block resets its ticket); M: :func:`merge_groups` (0 but
+    for the ``merge_group`` variant). Reused across layers and
     steps (launches run in stream order; two streams must not share a workspace); graphs capture its
     pointers, so it must stay alive. ``min_tps``: fewest tiles per split block (passed to the kernel).
     ``variant``: the kernel variant the splits and E were planned for, which every launch through this
@@ -476,11 +482,19 @@ class DecodeWorkspace:
         self.exact = exact
         self.min_tps = min_tps or min_tiles_per_split()
         self.variant = decode_variant() if variant is None else variant
-        n = batch * num_kv_heads * (splits + exact) * group
+        groups = merge_groups(splits, exact, self.variant)
+        n = batch * num_kv_heads * (splits + exact + groups) * group
         self.po = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.pm = torch.empty(n, dtype=torch.float32, device=device)
         self.pl = torch.empty(n, dtype=torch.float32, device=device)
-        self.tickets = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
+        self.tickets = torch.zeros(batch * num_kv_heads * (1 + groups), dtype=torch.int32, device=device)
+
+
+def merge_groups(splits: int, exact: int, variant: DecodeVariant) -> int:
+    """Merge groups per (sequence, KV head) of ``variant`` (0 without ``merge_group``): the tile splits' groups and
+    the exact blocks', each a partial row and a ticket of the workspace (``csrc/decode.cu``, ``pair_rows``)."""
+    g = variant.merge_group
+    return 0 if g is None else -(-splits // g) + -(-exact // g)
 
 
 # Model constants of choose_splits (unit: the SM time per tile when the SM's issue is saturated).

@@ -384,6 +384,22 @@ def test_merge_copy_variant_sets_addresses_once_a_batch(head_dim):
         assert lean_loop == 0 and lean_n >= 8 and lean_per_copy <= 8, (lean_loop, lean_per_copy, lean_n)
 
 
+def test_merge_group_workspace_holds_a_row_and_a_ticket_per_group():
+    """merge_group=g adds, per (sequence, KV head), ceil(S / g) + ceil(E / g) partial rows and tickets (the
+    kernel's pair_rows and ticket layout); other variants add none."""
+    V = decode.DecodeVariant
+    assert decode.merge_groups(65, 8, V()) == 0 and decode.merge_groups(65, 8, V(ticket=1)) == 0
+    assert decode.merge_groups(65, 8, V(merge_group=8)) == 9 + 1
+    assert decode.merge_groups(17, 8, V(merge_group=8)) == 3 + 1
+    assert decode.merge_groups(16, 3, V(merge_group=32)) == 1 + 1
+    B, Hkv, G, D, S, E = 2, 3, 4, 64, 17, 5
+    for v, groups in ((V(), 0), (V(merge_group=4), 5 + 2)):
+        ws = decode.DecodeWorkspace(torch.device("cpu"), B, Hkv, G, D, S, E, variant=v)
+        rows = B * Hkv * (S + E + groups) * G
+        assert (ws.po.numel(), ws.pm.numel(), ws.pl.numel()) == (rows * D, rows, rows)
+        assert ws.tickets.numel() == B * Hkv * (1 + groups) and not ws.tickets.any()
+
+
 # --- occupancy variants (docs/perf-notes.md, "Decode occupancy") ---------------------------------------------
 # What each A/B candidate claims for its G <= 4 kernel on sm_90 (this NVRTC): (TileSpec arguments, variant,
 # resident blocks per SM). The set knobs' register bounds hold for any compiler; the defaults' residencies are
@@ -411,7 +427,7 @@ def test_variant_text_form_and_env(monkeypatch):
     for text in ("default", "ring=2", "ring=2,min_blocks=5", "min_blocks=6,min_blocks_g8=2", "prefetch=2",
                  "ring=2,prefetch=1", "q_first=1", "prefetch=2,q_first=1", "run_max=1",
                  "ring=2,run_max=1", "trace=1", "ticket=1", "ticket=1,trace=1", "merge_copy=1",
-                 "ticket=1,merge_copy=1"):
+                 "ticket=1,merge_copy=1", "merge_group=8", "ticket=1,merge_copy=1,merge_group=8"):
         assert str(V.parse(text)) == text
     assert V.parse(" ring = 2 , min_blocks=5 ") == V(ring=2, min_blocks=5) and V.parse("") == V()
     assert V(ring=2, min_blocks=5).suffix == "_ns2_mb5" and V().suffix == ""
@@ -420,7 +436,7 @@ def test_variant_text_form_and_env(monkeypatch):
     assert V(run_max=1, trace=1).suffix == "_rm1_tr1"
     assert V(run_max=1, trace=1).defines() == {"KVD_RUN_MAX": 1, "KVD_TRACE": 1}
     for bad in ("ring", "ring=x", "ring=2,ring=3", "rings=2", "ring=1", "min_blocks=33", "ring=2;min_blocks=5",
-                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=1", "ticket=0", "ticket=2", "merge_copy=2"):
+                "prefetch=0", "prefetch=9", "q_first=0", "q_first=2", "split_k=1", "run_max=0", "trace=2", "merge_lean=1", "ticket=0", "ticket=2", "merge_copy=2", "merge_group=1", "merge_group=33"):
         with pytest.raises(ValueError):
             V.parse(bad)
     with pytest.raises(ValueError):

@@ -52,8 +52,9 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see decode_block), KVD_MERGE_COPY (the final
-// merge's copies of a batch unrolled, addresses set once a batch; see final_merge), KVD_TRACE (a
+// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see ticket_take), KVD_MERGE_COPY (the final
+// merge's copies of a batch unrolled, addresses set once a batch; see merge_head), KVD_MERGE_GROUP (splits per
+// merge group: a two-level merge; see group_merge), KVD_TRACE (a
 // block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -1135,99 +1136,112 @@ __device__ __forceinline__ void merge_row(const float* row, float (&v)[CPL]) {
     }
 }
 
+// Partial rows j < n of one head added per range (rows j < S the tile range, the others the exact range): m and
+// l of row j at i0 + j G, its D channels at (i0 + j G) D. Out: each range's max M and L (the lane's share, for
+// the caller to sum over the warp) and the lane's CPL channels of o. buf / buf_s: the warp's shared memory.
+template <int CPL>
+__device__ __forceinline__ void merge_head(float* buf, unsigned buf_s, const float* po, const float* pm,
+                                           const float* pl, size_t i0, int n, int S, int G, int lane, bool mark,
+                                           float& Mt_out, float& Me_out, float& Lt_out, float& Le_out,
+                                           float (&ot)[CPL], float (&oe)[CPL]) {
+    constexpr int CH = D / 4, MB = MERGE_ROWS;  // CH: 16-byte chunks of a row
+    // Rows go in blocks of 32 (lane r holds row 32 blk + r's m and l, loaded with the block's first batch),
+    // each block in BPB batches of at most MB rows; batch k (block k / BPB) is copied into buf[k % 2].
+    // The running max moves once per block, so the sums do not depend on MB (a variant's shared memory).
+    constexpr int BPB = (32 + MB - 1) / MB;
+    const int nbat = (n / 32) * BPB + (n % 32 + MB - 1) / MB;
+    float m_next = neg_inf(), l_next = 0.f;
+    auto issue = [&](int k) {
+        const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
+        const unsigned dst = buf_s + (k & 1) * MB * D * 4;
+#ifdef KVD_MERGE_COPY
+        // Unrolled over the batch's chunks: chunk lane + 32 i is row RI i + lr's chunk CI i + lc, so the lane's
+        // addresses are set once a batch and each copy adds a constant (a row is G D floats after the last).
+        constexpr int RI = CH >= 32 ? 0 : 32 / CH;  // rows per copy instruction (CH < 32) ...
+        constexpr int CI = CH >= 32 ? 32 : 0;       // ... or chunks of one row (CH >= 32)
+        const int lr = CH >= 32 ? 0 : lane / CH, lc = CH >= 32 ? lane : lane % CH;
+        const size_t row_stride = (size_t)G * D;
+        const float* src = po + (i0 + (size_t)(j0 + lr) * G) * D + lc * 4;
+        const unsigned dst_l = dst + (lr * D + lc * 4) * 4;
+#pragma unroll
+        for (int i = 0; i < (MB * CH + 31) / 32; ++i) {
+            const int r = CH >= 32 ? CI * i / CH : RI * i, c = CH >= 32 ? CI * i % CH : 0;
+            if (r + lr < cnt) cp_async16_u32(dst_l + (r * D + c * 4) * 4, src + r * row_stride + c * 4);
+        }
+#else
+#pragma unroll 1
+        for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
+            const int r = f / CH, c = f % CH;
+            cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
+        }
+#endif
+        cp_async_commit();
+        if (k % BPB == 0) {
+            const int j = 32 * blk + lane;
+            m_next = j < n ? __ldcg(pm + i0 + (size_t)j * G) : neg_inf();
+            l_next = j < n ? __ldcg(pl + i0 + (size_t)j * G) : 0.f;
+        }
+    };
+    issue(0);
+    // per range a running max M (online, as the tile loop's softmax: no pass over the maxima first) and
+    // L = sum_j 2^(m_j - M) l_j, o = sum_j 2^(m_j - M) o_j
+    float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, wj = 0.f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
+    for (int k = 0; k < nbat; ++k) {
+        const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
+        if (k % BPB == 0) {  // a new block of 32 rows: its weights (before issue(k + 1) may load the next's)
+            const float mj = m_next, lj = l_next;
+            const bool tile_l = 32 * blk + lane < S;
+            const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
+            const float ne = fmaxf(Me, group_max<32>(tile_l ? neg_inf() : mj));
+            const float st = Mt == neg_inf() ? 0.f : exp2f(Mt - nt), se = Me == neg_inf() ? 0.f : exp2f(Me - ne);
+            Mt = nt, Me = ne;
+            Lt *= st, Le *= se;
+#pragma unroll
+            for (int e = 0; e < CPL; ++e) ot[e] *= st, oe[e] *= se;
+            wj = mj == neg_inf() ? 0.f : exp2f(mj - (tile_l ? Mt : Me));
+            if (tile_l) Lt = fmaf(wj, lj, Lt);
+            else Le = fmaf(wj, lj, Le);  // (lanes past n add 0 x 0)
+        }
+        if (k + 1 < nbat) issue(k + 1);
+        else cp_async_commit();  // an empty group: batch k is then always the second newest
+        cp_async_wait<1>();
+        __syncwarp();  // every lane's copies of batch k are visible to the warp
+        if (k == 0 && mark) KVD_TIME(18);
+        const float* rows = buf + (k & 1) * MB * D + lane * CPL;
+#pragma unroll 2
+        for (int r = 0; r < cnt; ++r) {
+            const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
+            const bool tile = j0 + r < S;
+            const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
+            float v[CPL];
+            merge_row<CPL>(rows + r * D, v);
+#pragma unroll
+            for (int e = 0; e < CPL; ++e) {
+                ot[e] = wt != 0.f ? fmaf(wt, v[e], ot[e]) : ot[e];
+                oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
+            }
+        }
+        __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
+    }
+    cp_async_wait<0>();
+    Mt_out = Mt, Me_out = Me, Lt_out = Lt, Le_out = Le;
+}
+
+// The last block of (b, h): partials [base, base + n) of the pair (rows < S the tile range) merged per head,
+// the tile range's inverse WHT, both ranges normalized together, out [B, Hkv G, 1, D] written.
 __device__ void final_merge(unsigned char* smem, const float* po, const float* pm, const float* pl, void* out,
-                            int b, int h, int Hkv, int G, int S, int E, bool out_bf) {
-    constexpr int CPL = D / 32, CH = D / 4, MB = MERGE_ROWS;  // CH: 16-byte chunks of a row
+                            int b, int h, int Hkv, int G, size_t base, int n, int S, bool out_bf) {
+    constexpr int CPL = D / 32;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int n = S + E;
-    const size_t base = (size_t)(b * Hkv + h) * n;
     float* buf = reinterpret_cast<float*>(smem + w * MERGE_REGION);  // [2][MB][D]
     const unsigned buf_s = smem_u32(buf);
     cp_async_wait<0>();
     __syncwarp();
     for (int gg = w; gg < G; gg += NW) {
-        const size_t i0 = base * G + gg;  // partial j of head gg: m, l at i0 + j G, its row at (i0 + j G) D
-        // Rows go in blocks of 32 (lane r holds row 32 blk + r's m and l, loaded with the block's first batch),
-        // each block in BPB batches of at most MB rows; batch k (block k / BPB) is copied into buf[k % 2].
-        // The running max moves once per block, so the sums do not depend on MB (a variant's shared memory).
-        constexpr int BPB = (32 + MB - 1) / MB;
-        const int nbat = (n / 32) * BPB + (n % 32 + MB - 1) / MB;
-        float m_next = neg_inf(), l_next = 0.f;
-        auto issue = [&](int k) {
-            const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
-            const unsigned dst = buf_s + (k & 1) * MB * D * 4;
-#ifdef KVD_MERGE_COPY
-            // Unrolled over the batch's chunks: chunk lane + 32 i is row RI i + lr's chunk CI i + lc, so the lane's
-            // addresses are set once a batch and each copy adds a constant (a row is G D floats after the last).
-            constexpr int RI = CH >= 32 ? 0 : 32 / CH;  // rows per copy instruction (CH < 32) ...
-            constexpr int CI = CH >= 32 ? 32 : 0;       // ... or chunks of one row (CH >= 32)
-            const int lr = CH >= 32 ? 0 : lane / CH, lc = CH >= 32 ? lane : lane % CH;
-            const size_t row_stride = (size_t)G * D;
-            const float* src = po + (i0 + (size_t)(j0 + lr) * G) * D + lc * 4;
-            const unsigned dst_l = dst + (lr * D + lc * 4) * 4;
-#pragma unroll
-            for (int i = 0; i < (MB * CH + 31) / 32; ++i) {
-                const int r = CH >= 32 ? 32 * i / CH : RI * i, c = CH >= 32 ? 32 * i % CH : 0;
-                if (r + lr < cnt) cp_async16_u32(dst_l + (r * D + c * 4) * 4, src + r * row_stride + c * 4);
-            }
-#else
-#pragma unroll 1
-            for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
-                const int r = f / CH, c = f % CH;
-                cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
-            }
-#endif
-            cp_async_commit();
-            if (k % BPB == 0) {
-                const int j = 32 * blk + lane;
-                m_next = j < n ? __ldcg(pm + i0 + (size_t)j * G) : neg_inf();
-                l_next = j < n ? __ldcg(pl + i0 + (size_t)j * G) : 0.f;
-            }
-        };
-        issue(0);
-        // per range a running max M (online, as the tile loop's softmax: no pass over the maxima first) and
-        // L = sum_j 2^(m_j - M) l_j, o = sum_j 2^(m_j - M) o_j
-        float Mt = neg_inf(), Me = neg_inf(), Lt = 0.f, Le = 0.f, wj = 0.f, ot[CPL], oe[CPL];
-#pragma unroll
-        for (int k = 0; k < CPL; ++k) ot[k] = oe[k] = 0.f;
-        for (int k = 0; k < nbat; ++k) {
-            const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
-            if (k % BPB == 0) {  // a new block of 32 rows: its weights (before issue(k + 1) may load the next's)
-                const float mj = m_next, lj = l_next;
-                const bool tile_l = 32 * blk + lane < S;
-                const float nt = fmaxf(Mt, group_max<32>(tile_l ? mj : neg_inf()));
-                const float ne = fmaxf(Me, group_max<32>(tile_l ? neg_inf() : mj));
-                const float st = Mt == neg_inf() ? 0.f : exp2f(Mt - nt), se = Me == neg_inf() ? 0.f : exp2f(Me - ne);
-                Mt = nt, Me = ne;
-                Lt *= st, Le *= se;
-#pragma unroll
-                for (int e = 0; e < CPL; ++e) ot[e] *= st, oe[e] *= se;
-                wj = mj == neg_inf() ? 0.f : exp2f(mj - (tile_l ? Mt : Me));
-                if (tile_l) Lt = fmaf(wj, lj, Lt);
-                else Le = fmaf(wj, lj, Le);  // (lanes past n add 0 x 0)
-            }
-            if (k + 1 < nbat) issue(k + 1);
-            else cp_async_commit();  // an empty group: batch k is then always the second newest
-            cp_async_wait<1>();
-            __syncwarp();  // every lane's copies of batch k are visible to the warp
-            if (k == 0 && gg == w) KVD_TIME(18);
-            const float* rows = buf + (k & 1) * MB * D + lane * CPL;
-#pragma unroll 2
-            for (int r = 0; r < cnt; ++r) {
-                const float wgt = __shfl_sync(0xffffffffu, wj, (j0 + r) & 31);
-                const bool tile = j0 + r < S;
-                const float wt = tile ? wgt : 0.f, we = tile ? 0.f : wgt;
-                float v[CPL];
-                merge_row<CPL>(rows + r * D, v);
-#pragma unroll
-                for (int e = 0; e < CPL; ++e) {
-                    ot[e] = wt != 0.f ? fmaf(wt, v[e], ot[e]) : ot[e];
-                    oe[e] = we != 0.f ? fmaf(we, v[e], oe[e]) : oe[e];
-                }
-            }
-            __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
-        }
-        cp_async_wait<0>();
+        float Mt, Me, Lt, Le, ot[CPL], oe[CPL];
+        merge_head<CPL>(buf, buf_s, po, pm, pl, base * G + gg, n, S, G, lane, gg == w, Mt, Me, Lt, Le, ot, oe);
         if (gg == w) KVD_TIME(19);
         Lt = group_sum<32>(Lt);
         Le = group_sum<32>(Le);
@@ -1248,6 +1262,36 @@ __device__ void final_merge(unsigned char* smem, const float* po, const float* p
         if (gg == w) KVD_TIME(20);
     }
 }
+
+#ifdef KVD_MERGE_GROUP
+// Splits per merge group (KVD_MERGE_GROUP, decode.DecodeVariant.merge_group, A/B runs): the last block of a group
+// merges the group's rows while other groups still run, so the pair's last block merges one row per group.
+constexpr int MERGE_GROUP = KVD_MERGE_GROUP;
+
+// The last block of a group: the group's partial rows [base, base + n) of the pair, all of one range (tile: the
+// WHT domain, kept), merged per head into row dst as a split writes its partial (the range's max m, l, and the
+// unnormalized o), so that the final merge takes it as one more partial of that range.
+__device__ void group_merge(unsigned char* smem, float* po, float* pm, float* pl, size_t base, int n, bool tile,
+                            size_t dst, int G) {
+    constexpr int CPL = D / 32;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    float* buf = reinterpret_cast<float*>(smem + w * MERGE_REGION);
+    const unsigned buf_s = smem_u32(buf);
+    cp_async_wait<0>();
+    __syncwarp();
+    for (int gg = w; gg < G; gg += NW) {
+        float Mt, Me, Lt, Le, ot[CPL], oe[CPL];
+        merge_head<CPL>(buf, buf_s, po, pm, pl, base * G + gg, n, tile ? n : 0, G, lane, false, Mt, Me, Lt, Le, ot,
+                        oe);
+        const float L = group_sum<32>(tile ? Lt : Le);
+        const size_t i = dst * G + gg;
+        float* row = po + i * D + lane * CPL;
+#pragma unroll
+        for (int e = 0; e < CPL; ++e) row[e] = tile ? ot[e] : oe[e];
+        if (lane == 0) pm[i] = tile ? Mt : Me, pl[i] = L;
+    }
+}
+#endif
 
 // Block (split, h, b) of the block order (the grid comment at the top). The block index is read with volatile
 // moves, so that a second call recomputes it instead of holding it in registers in between.
@@ -1297,6 +1341,50 @@ __device__ __forceinline__ void prefetch_first_records(const unsigned char* pool
 }
 #endif
 
+// Partial rows per (b, h) in po, pm, pl: the S + E blocks' (the tile splits', then the exact blocks'), and with
+// KVD_MERGE_GROUP one per group of splits (the tile part's groups, then the exact part's).
+__device__ __forceinline__ int pair_rows(int S, int E) {
+#ifdef KVD_MERGE_GROUP
+    return S + E + (S + MERGE_GROUP - 1) / MERGE_GROUP + (E + MERGE_GROUP - 1) / MERGE_GROUP;
+#else
+    return S + E;
+#endif
+}
+
+// Releases the block's partial writes and takes one of the count tickets of *ticket; last (shared memory) is
+// then nonzero in the block that took the last one, in every thread. mark: the trace's release-fence mark.
+__device__ __forceinline__ void ticket_take(int* ticket, int count, bool mark, int tid, int& last) {
+#ifdef KVD_TICKET
+    // Thread 0 alone releases and acquires (the pattern of CUTLASS's generic barrier): the barrier orders every
+    // thread's writes before its atomic, whose release is cumulative over them, and orders its acquire before
+    // the other threads' reads of the merge. One atomic at GPU scope instead of an SC fence (MEMBAR.SC.GPU with
+    // an L1 invalidation) by every thread on each side of the ticket.
+    __syncthreads();
+    if (mark) KVD_TIME(16);
+    if (tid == 0) {
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(ticket) : "memory");
+        last = before == count - 1;
+    }
+    __syncthreads();
+#else
+    __threadfence();  // this thread's writes are visible device-wide before the ticket
+    if (mark) KVD_TIME(16);
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(ticket, 1) == count - 1;
+    __syncthreads();
+#endif
+}
+
+// In the block that took the last ticket: the other blocks' writes acquired (the merge reads them through L2 with
+// ld.cg and cp.async.cg), the ticket reset for the next launch.
+__device__ __forceinline__ void ticket_acquire(int* ticket, int tid) {
+#ifndef KVD_TICKET
+    __threadfence();
+#endif
+    if (tid == 0) *ticket = 0;
+}
+
 // flags: bit 0 = q (and out) bf16, bit 1 = window/sink bf16, bit 2 = the exact blocks after every tile block.
 template <int NB>
 __device__ __forceinline__ void decode_block(const void* q, const unsigned char* pool, const int* table,
@@ -1323,7 +1411,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     const int tid = threadIdx.x;
     int split, h, b;
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);
-    const size_t slot = ((size_t)(b * Hkv + h) * (S + E) + split) * G;
+    const size_t slot = ((size_t)(b * Hkv + h) * pair_rows(S, E) + split) * G;
     const bool q_bf = flags & 1;
     constexpr float LOG2E = 1.4426950408889634f;
     if (split >= S) {
@@ -1342,28 +1430,21 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     }
     KVD_MARK(4);
     block_coords(S, E, Hkv, (flags & 4) != 0, split, h, b);  // recomputed: held through the tile loop they cost registers
-    // ---- ticket: the last of the S + E blocks of (b, h) merges ---------------------------------------------
-#ifdef KVD_TICKET
-    // Thread 0 alone releases and acquires (the pattern of CUTLASS's generic barrier): the barrier orders every
-    // thread's partial writes before its atomic, whose release is cumulative over them, and orders its acquire
-    // before the other threads' reads of the merge. One atomic at GPU scope instead of an SC fence (MEMBAR.SC.GPU
-    // with an L1 invalidation) by every thread on each side of the ticket.
-    __syncthreads();
-    KVD_TIME(16);
-    if (tid == 0) {
-        int before;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(tickets + b * Hkv + h)
-                     : "memory");
-        last = before == S + E - 1;
-    }
-    __syncthreads();
+    // ---- ticket: the last of the S + E blocks of (b, h) merges (with KVD_MERGE_GROUP: the last of each group of
+    // splits merges the group's partials into one row, and the last of those merges the pair's group rows)
+#ifdef KVD_MERGE_GROUP
+    const int ngt = (S + MERGE_GROUP - 1) / MERGE_GROUP, ng = ngt + (E + MERGE_GROUP - 1) / MERGE_GROUP;
+    const bool tile_part = split < S;
+    const int grp = tile_part ? split / MERGE_GROUP : ngt + (split - S) / MERGE_GROUP;
+    const int j0 = tile_part ? split - split % MERGE_GROUP : split - (split - S) % MERGE_GROUP;
+    int* const pair_tickets = tickets + (size_t)(b * Hkv + h) * (1 + ng);  // [0] the pair's, [1 + k] group k's
+    int* const ticket = pair_tickets + 1 + grp;
+    const int count = min(MERGE_GROUP, (tile_part ? S : S + E) - j0);
 #else
-    __threadfence();  // this thread's partial writes are visible device-wide before the ticket
-    KVD_TIME(16);
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(tickets + b * Hkv + h, 1) == S + E - 1;
-    __syncthreads();
+    int* const ticket = tickets + b * Hkv + h;
+    const int count = S + E;
 #endif
+    ticket_take(ticket, count, true, tid, last);
     KVD_MARK(5);
 #ifdef KVD_TRACE
     {
@@ -1374,12 +1455,21 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     }
 #endif
     if (!last) return;
-#ifndef KVD_TICKET
-    __threadfence();  // acquire: the other blocks' partials (read through L2 with ld.cg)
-#endif
+    ticket_acquire(ticket, tid);
     KVD_TIME(17);
-    if (tid == 0) tickets[b * Hkv + h] = 0;  // ready for the next launch
-    final_merge(smem, po, pm, pl, out, b, h, Hkv, G, S, E, q_bf);
+    const size_t pair = (size_t)(b * Hkv + h) * pair_rows(S, E);
+#ifdef KVD_MERGE_GROUP
+    group_merge(smem, po, pm, pl, pair + j0, count, tile_part, pair + S + E + grp, G);
+    ticket_take(pair_tickets, ng, false, tid, last);
+    if (!last) {
+        KVD_MARK(6);  // a group's merge done (the trace's merging blocks are the groups' last blocks)
+        return;
+    }
+    ticket_acquire(pair_tickets, tid);
+    final_merge(smem, po, pm, pl, out, b, h, Hkv, G, pair + S + E, ng, ngt, q_bf);
+#else
+    final_merge(smem, po, pm, pl, out, b, h, Hkv, G, pair, S + E, S, q_bf);
+#endif
     KVD_MARK(6);
 }
 
