@@ -120,12 +120,6 @@ class DecodeVariant:
         run_max: 1 to take the exponentials of a tile against the running max itself (<= 2^TAU) instead of the
             tile's head maximum, which is then reduced only when a score exceeds the running max by TAU; the
             outputs differ from the default's by rounding only.
-        ticket: 1 to have thread 0 alone release a block's partial and acquire the others' (a barrier and one
-            acq_rel atomic at GPU scope) instead of an SC fence by every thread on each side of the ticket; the
-            arithmetic is unchanged.
-        merge_copy: 1 to have the final merge issue a batch's row copies unrolled, the lane's addresses set once a
-            batch (the shipped loop computes each copy's 64-bit address anew: 27 instructions a copy); the copies
-            and the arithmetic are unchanged.
         merge_group: splits per merge group, 2..32: a two-level merge, where the last block of each group of
             splits (tile and exact parts grouped apart) merges the group's partials into one row while other groups
             still run, and the pair's last group merges one row per group; the sums are regrouped, so the outputs
@@ -146,8 +140,6 @@ class DecodeVariant:
     prefetch: int | None = None
     q_first: int | None = None
     run_max: int | None = None
-    ticket: int | None = None
-    merge_copy: int | None = None
     merge_group: int | None = None
     trace: int | None = None
 
@@ -155,7 +147,6 @@ class DecodeVariant:
     _KNOBS = {"ring": (2, 8, "ns", "KVD_NS"), "min_blocks": (1, 32, "mb", "KVD_MINB1"),
               "min_blocks_g8": (1, 32, "mbg", "KVD_MINB2"), "prefetch": (1, 8, "pf", "KVD_PREFETCH"),
               "q_first": (1, 1, "qf", "KVD_Q_FIRST"), "run_max": (1, 1, "rm", "KVD_RUN_MAX"),
-              "ticket": (1, 1, "tk", "KVD_TICKET"), "merge_copy": (1, 1, "mc", "KVD_MERGE_COPY"),
               "merge_group": (2, 32, "mg", "KVD_MERGE_GROUP"), "trace": (1, 1, "tr", "KVD_TRACE")}
 
     def __post_init__(self) -> None:

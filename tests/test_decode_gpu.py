@@ -486,14 +486,12 @@ def test_more_splits_than_tiles_and_one_split(splits):
 # (tests/test_decode.py): at equal splits their outputs must be the default's bit for bit. The prefetch ones
 # read table entries before the wait, so the ragged test's poisoned slots and the growing graph test them; the
 # q_first ones read the queries in another order and place (G = 8: two heads a warp); trace adds only the
-# timeline's stores (tools/decode_trace.py); ticket orders the partials with one thread's atomic instead of every
-# thread's fences; merge_copy issues the same copies of partial rows with other address arithmetic.
+# timeline's stores (tools/decode_trace.py).
 OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetch=2", "ring=2,prefetch=1", "q_first=1",
-                "ring=2,prefetch=1,q_first=1", "trace=1", "ticket=1", "ticket=1,trace=1", "merge_copy=1",
-                "ticket=1,merge_copy=1"]
+                "ring=2,prefetch=1,q_first=1", "trace=1"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
-ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "merge_group=8", "ticket=1,merge_copy=1,merge_group=8"]
+ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "merge_group=8"]
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
@@ -563,15 +561,13 @@ def test_arithmetic_variant_matches_the_reference(variant, quantizer):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("variant", ["default", "ticket=1", "merge_copy=1", "ticket=1,merge_copy=1", "merge_group=8",
-                                     "merge_group=32", "ticket=1,merge_copy=1,merge_group=8"])
+@pytest.mark.parametrize("variant", ["default", "merge_group=8", "merge_group=32"])
 def test_merge_over_blocks_of_rows(variant, D):
     """The final merge with more partials than one block of 32 rows (S + E up to 108: the running max moves
     between blocks, a batch straddles the tile / exact boundary, the last block is short, empty splits leave
-    stale rows), G = 4 and 8, each head_dim (merge_copy's rows per copy instruction: 2 at D = 64, 1 at 128,
+    stale rows), G = 4 and 8, each head_dim (the batch copies' rows per copy instruction: 2 at D = 64, 1 at 128,
     half a row at 256; merge_group's groups of one batch and of several, empty groups of empty splits, a
-    final merge over more than 32 group rows): within 1e-3 of the reference, and the output of a variant that
-    keeps the default's sums is the default's bit for bit."""
+    final merge over more than 32 group rows): within 1e-3 of the reference."""
     B, Hkv = 2, 2
     c = make_cache(B, Hkv, D, n=24000, window=256, seed=150)
     v = decode.DecodeVariant.parse(variant)

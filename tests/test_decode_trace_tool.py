@@ -53,8 +53,8 @@ def test_summary_of_known_timelines():
     assert s["tail_us"] == pytest.approx(30.0 - 21.0)  # ticket ends 21, 26.5, 1, 8.5, 30 us: median 21
     assert s["merge_med_us"] == pytest.approx(3.0)
     assert s["loop_cycles_per_tile_med"] == pytest.approx(4000)
-    assert s["release_fence_med_us"] == pytest.approx(0.3)  # 0.2, 0.6, 0.1, 0.4, 0.3
-    assert s["merge_acquire_med_us"] == pytest.approx(0.5)  # ticket 31000 -> 31500
+    assert s["ticket_barrier_med_us"] == pytest.approx(0.3)  # 0.2, 0.6, 0.1, 0.4, 0.3
+    assert s["merge_reset_med_us"] == pytest.approx(0.5)  # ticket 31000 -> 31500
     assert s["merge_first_batch_med_us"] == pytest.approx(0.6)
     assert s["merge_rows_med_us"] == pytest.approx(1.2) and s["merge_store_med_us"] == pytest.approx(0.5)
 
@@ -78,6 +78,22 @@ def test_variant_arguments():
     """--variant plan is the plan's own kernel (None); any other text is a variant, a bad one rejected."""
     tool = load_tool("decode_trace")
     assert tool._variant("plan") is None and tool._variant(" plan ") is None
-    assert tool._variant("ticket=1") == decode.DecodeVariant(ticket=1)
+    assert tool._variant("merge_group=8") == decode.DecodeVariant(merge_group=8)
     with pytest.raises(ValueError):
-        tool._variant("ticket=3")
+        tool._variant("ticket=1")
+
+
+def test_merge_steps_skip_merging_blocks_without_them():
+    """With merge_group the groups' last blocks are merging blocks too, but only the final merge stamps the merge's
+    steps (fields 18-20): the steps are summarized over the blocks that stamped them."""
+    tool = load_tool("decode_trace")
+    rows = [
+        _row([1000, 1300, 3000, 29000, 30000, 31000, 34000], sm=0, tiles=5, last=True, cycles_per_tile=5000,
+             sub=(30300, 31500, 32100, 33300, 33800)),
+        _row([1000, 1300, 3000, 20000, 21000, 22000, 23000], sm=1, tiles=5, last=True, cycles_per_tile=5000,
+             sub=(21300, 22200, 0, 0, 0)),
+    ]
+    s = tool.summarize(rows, 2)
+    assert s["merging_blocks"] == 2 and s["merge_reset_med_us"] == pytest.approx(0.35)  # 0.5 and 0.2
+    assert s["merge_first_batch_med_us"] == pytest.approx(0.6) and s["merge_rows_med_us"] == pytest.approx(1.2)
+    assert s["merge_store_med_us"] == pytest.approx(0.5)

@@ -7,8 +7,8 @@ The trace kernel is the kernel of ``--variant`` (default: the one the plan picks
 every block writing ``%globaltimer`` (ns, one clock for all SMs) and ``clock64`` (its SM's cycles) at each phase
 (``csrc/decode.cu``, ``trace_mark``): entry, the programmatic wait passed, the first tile's records landed, the
 tile loop done, the partial written, the ticket taken, and, in the block that merges a (sequence, KV head), the
-final merge done; and, without clock64, the release fence before the ticket done and the merge's steps in its
-first head (the acquire fence, the first batch of partial rows visible, the rows added, the output stored). The
+final merge done; and, without clock64, the barrier before the ticket's atomic passed and the merge's steps in
+its first head (the ticket reset, the first batch of partial rows visible, the rows added, the output stored). The
 layers of the bench's cache shape (``bench.decode``: enough of them that no launch finds
 its records in L2) are launched eagerly in turn; ``--runs`` of those launches are traced, each after a warm-up
 round and with the buffer cleared before; per run the phases are summarized over the blocks
@@ -95,8 +95,10 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
     last_ticket = max(ticket_ends)
     merges = [us(b["t"][5], b["t"][6]) for b in blocks if b["last"]]
     merging = [b for b in blocks if b["last"]]
-    # the merge's steps in its first head (warp 0): ticket -> acquire fence -> first batch -> rows -> store
-    steps = lambda a, b: _med([us(m["sub"][a] if a >= 0 else m["t"][5], m["sub"][b]) for m in merging])  # noqa: E731
+    # the merge's steps in its first head (warp 0): ticket -> reset -> first batch -> rows -> store, over the
+    # merging blocks that stamped them (with merge_group, only the final merges stamp 18-20)
+    steps = lambda a, b: _med([us(m["sub"][a] if a >= 0 else m["t"][5], m["sub"][b]) for m in merging  # noqa: E731
+                               if m["sub"][b] and (a < 0 or m["sub"][a])])
     per_sm: dict[int, int] = {}
     for b in blocks:
         per_sm[b["sm"]] = per_sm.get(b["sm"], 0) + 1
@@ -118,9 +120,9 @@ def summarize(rows: list[list[int]], nblocks: int) -> dict:
         "end_med_us": _med([us(t0, e) for e in ticket_ends]),
         "last_ticket_us": us(t0, last_ticket),
         "tail_us": round(us(statistics.median(ticket_ends), last_ticket), 3),
-        "release_fence_med_us": _med([us(b["t"][4], b["sub"][0]) for b in blocks]),
+        "ticket_barrier_med_us": _med([us(b["t"][4], b["sub"][0]) for b in blocks]),
         "merge_med_us": _med(merges), "merge_max_us": round(max(merges), 3) if merges else None,
-        "merge_acquire_med_us": steps(-1, 1), "merge_first_batch_med_us": steps(1, 2),
+        "merge_reset_med_us": steps(-1, 1), "merge_first_batch_med_us": steps(1, 2),
         "merge_rows_med_us": steps(2, 3), "merge_store_med_us": steps(3, 4),
         "after_last_ticket_us": us(last_ticket, max(ends)),
         "loop_cycles_per_tile_med": _med([(b["clock"][3] - b["clock"][2]) / b["tiles"] for b in tile]),
@@ -188,8 +190,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     cols = ("span_us", "elapsed_us", "first_records_at_med_us", "loop_med_us", "loop_max_us", "per_tile_med_us",
-            "end_med_us", "last_ticket_us", "tail_us", "merge_max_us", "after_last_ticket_us", "release_fence_med_us",
-            "merge_acquire_med_us", "merge_first_batch_med_us", "merge_rows_med_us", "merge_store_med_us")
+            "end_med_us", "last_ticket_us", "tail_us", "merge_max_us", "after_last_ticket_us", "ticket_barrier_med_us",
+            "merge_reset_med_us", "merge_first_batch_med_us", "merge_rows_med_us", "merge_store_med_us")
     print("shape | variant | S | " + " | ".join(cols))
     for r in rows:
         print(f"b{r['batch']}/{r['context']} | {r['variant']} | {r['splits']} | "

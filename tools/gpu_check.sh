@@ -37,7 +37,7 @@
 #    and graphed cuDNN timed both ways the bench and the variant tool time a replay -> $OUT/decode_timing.json
 # 6b''''t. GPU_DECODE_TRACE=1 (or its shapes, "1x131072 16x32768"): tools/decode_trace.py, a decode layer's blocks'
 #    timeline (the trace variant: entry, first records, tile loop, ticket, merge) -> $OUT/decode_trace.json;
-#    GPU_DECODE_TRACE_VARIANT="plan ticket=1" traces each of those variants ("plan": each shape's plan's own;
+#    GPU_DECODE_TRACE_VARIANT="plan merge_group=8" traces each of those variants ("plan": each shape's plan's own;
 #    the default when unset)
 # 6b'''''. GPU_HOST_OVERHEAD="ARGS": tools/host_overhead.py ARGS (e.g. "--prompt --profile 30") -> the log
 # 6b5. GPU_COMPRESS_VARIANTS=1 (or the tool's arguments, e.g. "--warps 8 --cta-warps 32"): tools/compress_variants.py,

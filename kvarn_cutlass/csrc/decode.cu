@@ -52,9 +52,7 @@
 // minimum blocks per SM of the G <= 4 / G <= 8 kernel), KVD_PREFETCH (records a tile block asks L2 for before
 // it waits on the previous kernel; see prefetch_first_records), KVD_Q_FIRST (a tile block reads q before its
 // first record copies; see tile_split), KVD_RUN_MAX (p~ against the running max; see warp_tile),
-// KVD_TICKET (the ticket's release and acquire by thread 0 alone; see ticket_take), KVD_MERGE_COPY (the final
-// merge's copies of a batch unrolled, addresses set once a batch; see merge_head), KVD_MERGE_GROUP (splits per
-// merge group: a two-level merge; see group_merge), KVD_TRACE (a
+// KVD_MERGE_GROUP (splits per merge group: a two-level merge; see group_merge), KVD_TRACE (a
 // block timeline for tools/decode_trace.py; see trace_mark). Everything the host needs about the kernel's
 // shared memory is exported in kvarn_decode_layout_<sfx> (see the end of the file).
 
@@ -641,9 +639,9 @@ __device__ __forceinline__ void fold_tiles(const unsigned char* slot, int ntl, i
 // into field 8 + f at mark f: 0 entry, 1 after the programmatic wait, 2 the first tile's records landed (tile
 // blocks), 3 the tile loop done, 4 the partial written, 5 the ticket taken, 6 the final merge done (the merging
 // block); field 7: SM id | tiles << 16 | exact block << 32 | merging block << 33. Fields 16-20 split the ticket
-// and the merge (%globaltimer only): 16 the release fence done (every block); in the merging block 17 the acquire
-// fence done, 18 its first head's first batch of partial rows visible to warp 0, 19 that head's rows added, 20
-// that head's output stored.
+// and the merge (%globaltimer only): 16 the barrier before the ticket's atomic passed (every block); in the
+// merging block 17 the ticket reset, 18 its first head's first batch of partial rows visible to warp 0, 19 that
+// head's rows added, 20 that head's output stored (with KVD_MERGE_GROUP: of the final merge).
 constexpr int TRACE_BLOCKS = 8192, TRACE_FIELDS = 24;
 extern "C" __device__ unsigned long long KVD_NAME(kvarn_decode_trace_)[TRACE_BLOCKS * TRACE_FIELDS];
 __device__ __forceinline__ unsigned long long* trace_row() {
@@ -1154,7 +1152,6 @@ __device__ __forceinline__ void merge_head(float* buf, unsigned buf_s, const flo
     auto issue = [&](int k) {
         const int blk = k / BPB, j0 = 32 * blk + (k % BPB) * MB, cnt = min(min(MB, 32 * blk + 32 - j0), n - j0);
         const unsigned dst = buf_s + (k & 1) * MB * D * 4;
-#ifdef KVD_MERGE_COPY
         // Unrolled over the batch's chunks: chunk lane + 32 i is row RI i + lr's chunk CI i + lc, so the lane's
         // addresses are set once a batch and each copy adds a constant (a row is G D floats after the last).
         constexpr int RI = CH >= 32 ? 0 : 32 / CH;  // rows per copy instruction (CH < 32) ...
@@ -1168,13 +1165,6 @@ __device__ __forceinline__ void merge_head(float* buf, unsigned buf_s, const flo
             const int r = CH >= 32 ? CI * i / CH : RI * i, c = CH >= 32 ? CI * i % CH : 0;
             if (r + lr < cnt) cp_async16_u32(dst_l + (r * D + c * 4) * 4, src + r * row_stride + c * 4);
         }
-#else
-#pragma unroll 1
-        for (int f = lane; f < cnt * CH; f += 32) {  // 16-byte chunk f % CH of row f / CH
-            const int r = f / CH, c = f % CH;
-            cp_async16_u32(dst + (r * D + c * 4) * 4, po + (i0 + (size_t)(j0 + r) * G) * D + c * 4);
-        }
-#endif
         cp_async_commit();
         if (k % BPB == 0) {
             const int j = 32 * blk + lane;
@@ -1351,14 +1341,15 @@ __device__ __forceinline__ int pair_rows(int S, int E) {
 #endif
 }
 
-// Releases the block's partial writes and takes one of the count tickets of *ticket; last (shared memory) is
-// then nonzero in the block that took the last one, in every thread. mark: the trace's release-fence mark.
+// Releases the block's writes and takes one of the count tickets of *ticket; last (shared memory) is then nonzero
+// in the block that took the last one, in every thread, and that block has acquired the other blocks' writes.
+// mark: the trace's mark 16 (the barrier before the atomic passed).
 __device__ __forceinline__ void ticket_take(int* ticket, int count, bool mark, int tid, int& last) {
-#ifdef KVD_TICKET
-    // Thread 0 alone releases and acquires (the pattern of CUTLASS's generic barrier): the barrier orders every
-    // thread's writes before its atomic, whose release is cumulative over them, and orders its acquire before
-    // the other threads' reads of the merge. One atomic at GPU scope instead of an SC fence (MEMBAR.SC.GPU with
-    // an L1 invalidation) by every thread on each side of the ticket.
+    // Thread 0 alone releases and acquires (the pattern of CUTLASS's generic barrier): the first barrier orders
+    // every thread's writes before its atomic, whose release is cumulative over them, and the second orders its
+    // acquire before the other threads' reads of the merge (through L2: ld.cg, cp.async.cg). One atomic at GPU
+    // scope instead of an SC fence (MEMBAR.SC.GPU with an L1 invalidation) by every thread on each side of the
+    // ticket: 0.5 us less at b1/4k (docs/perf-notes.md, "Twenty-fifth session").
     __syncthreads();
     if (mark) KVD_TIME(16);
     if (tid == 0) {
@@ -1367,21 +1358,10 @@ __device__ __forceinline__ void ticket_take(int* ticket, int count, bool mark, i
         last = before == count - 1;
     }
     __syncthreads();
-#else
-    __threadfence();  // this thread's writes are visible device-wide before the ticket
-    if (mark) KVD_TIME(16);
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(ticket, 1) == count - 1;
-    __syncthreads();
-#endif
 }
 
-// In the block that took the last ticket: the other blocks' writes acquired (the merge reads them through L2 with
-// ld.cg and cp.async.cg), the ticket reset for the next launch.
-__device__ __forceinline__ void ticket_acquire(int* ticket, int tid) {
-#ifndef KVD_TICKET
-    __threadfence();
-#endif
+// In the block that took the last ticket: the ticket reset for the next launch (stream-ordered after this one).
+__device__ __forceinline__ void ticket_reset(int* ticket, int tid) {
     if (tid == 0) *ticket = 0;
 }
 
@@ -1455,7 +1435,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     }
 #endif
     if (!last) return;
-    ticket_acquire(ticket, tid);
+    ticket_reset(ticket, tid);
     KVD_TIME(17);
     const size_t pair = (size_t)(b * Hkv + h) * pair_rows(S, E);
 #ifdef KVD_MERGE_GROUP
@@ -1465,7 +1445,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
         KVD_MARK(6);  // a group's merge done (the trace's merging blocks are the groups' last blocks)
         return;
     }
-    ticket_acquire(pair_tickets, tid);
+    ticket_reset(pair_tickets, tid);
     final_merge(smem, po, pm, pl, out, b, h, Hkv, G, pair + S + E, ng, ngt, q_bf);
 #else
     final_merge(smem, po, pm, pl, out, b, h, Hkv, G, pair, S + E, S, q_bf);
