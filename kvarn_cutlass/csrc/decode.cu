@@ -1216,6 +1216,8 @@ __device__ __forceinline__ void merge_head(float* buf, unsigned buf_s, const flo
         __syncwarp();  // buf[k % 2] is read before batch k + 2 is copied into it
     }
     cp_async_wait<0>();
+    // sums kept in locals and copied out once: written through the references inside the loop, ptxas allocates
+    // the merge's registers differently (same instructions, other SASS) than for the measured kernel
     Mt_out = Mt, Me_out = Me, Lt_out = Lt, Le_out = Le;
 }
 
