@@ -103,3 +103,14 @@ def test_one_shape_with_stand_ins_for_the_gpu(tool, monkeypatch):
     text = tool.table(rows)
     assert len(text.splitlines()) == 1 + len(rows) and "ring=2,min_blocks=6" in text
     assert tool.fastest(rows, (16, 32768)) == "ring=2,min_blocks=6"  # the last one timed at its own plan
+
+
+def test_shape_argument(tool):
+    """``--shape BxT`` parses to (batch, context); malformed or non-positive shapes are argparse errors that quote
+    the text."""
+    import argparse
+
+    assert tool.parse_shape("1x32768") == (1, 32768) and tool.parse_shape("16X4096") == (16, 4096)
+    for bad in ("32768", "1x", "ax2", "0x4096", "1x-5", "1x2x3"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            tool.parse_shape(bad)

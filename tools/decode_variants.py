@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time the decode kernel's occupancy variants on the four bar shapes and b16/16k against the shipped kernel (GPU).
 
-``python3 tools/decode_variants.py [--variant TEXT ...] [--runs N] [--json PATH] [--ncu PATH] [--pdl]``
+``python3 tools/decode_variants.py [--variant TEXT ...] [--shape BxT ...] [--runs N] [--json PATH] [--ncu PATH]
+[--pdl]``
 
 Variants are ``decode.DecodeVariant`` text forms (default: :data:`CANDIDATES`, the A/B candidates of
 docs/perf-notes.md "Decode occupancy"); the shipped kernel (``default``) is always timed first. Shapes: the
@@ -74,6 +75,17 @@ NCU_METRICS = ("smsp__inst_executed.avg", "smsp__inst_executed.max",
 # The stall reasons of tools/gpu_check.sh GPU_NCU_STALLS (collected on the H200 before).
 STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "math_pipe_throttle", "wait",
           "not_selected", "dispatch_stall", "lg_throttle", "membar", "branch_resolving", "no_instruction")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"BxT"`` -> (batch, context), both positive; argparse reports the error otherwise."""
+    try:
+        batch, ctx = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not BxT, e.g. 1x32768") from None
+    if batch < 1 or ctx < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: batch and context must be positive")
+    return batch, ctx
 
 
 def resources(spec: TileSpec, variant: decode.DecodeVariant) -> dict:
@@ -251,6 +263,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", type=decode.DecodeVariant.parse,
                     help="a kernel variant (decode.DecodeVariant text form); repeatable; default: the candidates")
+    ap.add_argument("--shape", action="append", type=parse_shape, metavar="BxT",
+                    help="a batch x context shape to time instead of the default ones (e.g. 1x32768); repeatable")
     ap.add_argument("--runs", type=int, default=100, help="timed graph replays per measurement")
     ap.add_argument("--json", type=Path, help="write the rows and extras here")
     ap.add_argument("--ncu", type=Path, help="Nsight Compute reports of the default and the fastest variant here")
@@ -270,7 +284,7 @@ def main(argv=None) -> int:
         print(f"warning: the variants were compiled for sm_90; this is {torch.cuda.get_device_name()}", flush=True)
     t0 = time.perf_counter()
     rows, extras = [], []
-    for batch, ctx in SHAPES:
+    for batch, ctx in args.shape or SHAPES:
         r, e = _time_shape(batch, ctx, variants, args.runs, args.pdl)
         torch.cuda.empty_cache()  # the shape's cache is gone
         if (batch, ctx) in SDPA_SHAPES:

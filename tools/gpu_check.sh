@@ -32,7 +32,8 @@
 # 6b''''. GPU_DECODE_VARIANTS=1 (or "VARIANT ..."): tools/decode_variants.py, the decode kernel's occupancy
 #    variants on the four bar shapes against the shipped kernel -> $OUT/decode_variants.json
 #    (GPU_DECODE_VARIANTS_NCU=1: ncu of the default and the fastest variant -> $OUT/ncu_decode_variants.txt;
-#    GPU_DECODE_PDL=1: the shipped kernel launched plainly and with programmatic dependent launch too)
+#    GPU_DECODE_PDL=1: the shipped kernel launched plainly and with programmatic dependent launch too;
+#    GPU_DECODE_VARIANTS_SHAPES="1x16384 1x32768": those shapes instead of the bar shapes)
 # 6b''''x. GPU_DECODE_TIMING=1 (or its shapes, "16x32768 1x131072"): tools/decode_timing_check.py, the decode layer
 #    and graphed cuDNN timed both ways the bench and the variant tool time a replay -> $OUT/decode_timing.json
 # 6b''''t. GPU_DECODE_TRACE=1 (or its shapes, "1x131072 16x32768"): tools/decode_trace.py, a decode layer's blocks'
@@ -278,6 +279,7 @@ fi
 if [ -n "${GPU_DECODE_VARIANTS:-}" ]; then
   dv_args=(--json "$OUT/decode_variants.json")
   [ "$GPU_DECODE_VARIANTS" = 1 ] || for v in $GPU_DECODE_VARIANTS; do dv_args+=(--variant "$v"); done
+  for s in ${GPU_DECODE_VARIANTS_SHAPES:-}; do dv_args+=(--shape "$s"); done
   [ -z "${GPU_DECODE_VARIANTS_NCU:-}" ] || dv_args+=(--ncu "$OUT/ncu_decode_variants.txt")
   [ -z "${GPU_DECODE_PDL:-}" ] || dv_args+=(--pdl)
   step decode_variants timeout "${GPU_DECODE_VARIANTS_LIMIT:-480}" python3 tools/decode_variants.py "${dv_args[@]}"
