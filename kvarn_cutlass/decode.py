@@ -33,7 +33,8 @@ Kernel variants (docs/perf-notes.md "Decode occupancy"): :class:`DecodeVariant` 
 launch-bounds minimum blocks per SM at compile time (``DecodePlan(variant=)`` or ``$KVARN_DECODE_VARIANT``);
 :func:`residency` gives the resident blocks per SM of a variant from its CUBIN and :func:`choose_splits` plans
 for the residency the variant's kernel has. Plans that name none run :func:`plan_variant`'s choice: the ring-2
-kernel for grids of two or more waves of its blocks (large batch x context), else the shipped one.
+kernel for grids of two or more waves of its blocks (large batch x context), the two-level merge for smaller
+grids with many splits a (sequence, KV head) (batch 1 from 8k), else the shipped one.
 """
 
 from __future__ import annotations
@@ -563,23 +564,35 @@ def choose_splits(batch: int, num_kv_heads: int, cap_tiles: int, device: torch.d
 # (2,176 and 3,200 blocks), 1.02x at b1/128k (584 blocks, about one wave) and 1.02x at b1/4k (200).
 RING2_VARIANT = DecodeVariant(ring=2)
 RING2_MIN_WAVES = 2
+# Below that, the two-level merge (merge_group) where a pair has at least MERGE_GROUP_MIN_SPLITS tile splits: in a
+# grid of about one wave the pair's last block merges S + E rows after every other block has ended, and with
+# groups of MERGE_GROUP_SPLITS the groups' merges run while other blocks still stream records. Measured on the
+# H100 against the shipped kernel at equal splits (docs/perf-notes.md, "Twenty-sixth session"): b1/4k (S = 17)
+# 1.06x, b1/8k (S = 33) 0.973x, b1/12k (49) 0.928x, b1/16k-128k (65) 0.90-0.96x; groups of 12 the fastest of
+# 6, 8, 12, 16 and 24 at every one of these; at batch 16 (ring 2's grids) 0.998-1.005x.
+MERGE_GROUP_VARIANT = DecodeVariant(merge_group=12)
+MERGE_GROUP_MIN_SPLITS = 33
 
 
 def plan_variant(batch: int, num_kv_heads: int, cap_tiles: int, window: int, sink: int, device: torch.device,
                  spec: TileSpec, min_tps: int | None = None) -> DecodeVariant:
     """The kernel variant a plan of this shape runs when none is named: ``$KVARN_DECODE_VARIANT`` when set
-    (A/B runs), else :data:`RING2_VARIANT` where it holds more resident blocks per SM than the shipped kernel
-    and the shipped plan's grid (``batch * num_kv_heads * (S + E)`` blocks, :func:`choose_splits`,
-    :func:`exact_blocks` for buffer capacities ``window`` and ``sink``) is at least RING2_MIN_WAVES waves of
-    them on ``device``; else the shipped kernel."""
+    (A/B runs); else, from the shipped plan (S = :func:`choose_splits`, E = :func:`exact_blocks` for buffer
+    capacities ``window`` and ``sink``, a grid of ``batch * num_kv_heads * (S + E)`` blocks on ``device``):
+    :data:`RING2_VARIANT` where it holds more resident blocks per SM than the shipped kernel and the grid is at
+    least RING2_MIN_WAVES waves of them; else :data:`MERGE_GROUP_VARIANT` where S >= MERGE_GROUP_MIN_SPLITS and
+    it holds as many resident blocks as the shipped kernel; else the shipped kernel."""
     if os.environ.get(VARIANT_ENV, "").strip():
         return decode_variant()
-    occ, occ2 = occupancy(spec, device), occupancy(spec, device, RING2_VARIANT)
-    if occ2 <= occ:
-        return DEFAULT_VARIANT
+    occ = occupancy(spec, device)
     S = choose_splits(batch, num_kv_heads, cap_tiles, device, spec, min_tps, DEFAULT_VARIANT)
     blocks = batch * num_kv_heads * (S + exact_blocks(spec, window, sink, device, DEFAULT_VARIANT))
-    return RING2_VARIANT if blocks >= RING2_MIN_WAVES * sm_count(device) * occ2 else DEFAULT_VARIANT
+    occ2 = occupancy(spec, device, RING2_VARIANT)
+    if occ2 > occ and blocks >= RING2_MIN_WAVES * sm_count(device) * occ2:
+        return RING2_VARIANT
+    if S >= MERGE_GROUP_MIN_SPLITS and occupancy(spec, device, MERGE_GROUP_VARIANT) >= occ:
+        return MERGE_GROUP_VARIANT
+    return DEFAULT_VARIANT
 
 
 # Grids of at least EXACT_LAST_MIN_WAVES waves of resident blocks take every tile block before the exact blocks

@@ -418,6 +418,11 @@ OCCUPANCY_CLAIMS = [
         ("d64_k4v2", {"head_dim": 64}, "ring=2,min_blocks=8", 8),
         ("d256_k4v2", {"head_dim": 256}, "default", 2),
         ("d256_k4v2", {"head_dim": 256}, "ring=2", 3),
+        # plan_variant's two-level merge: as many blocks as the shipped kernel, at every head_dim and preset
+        ("d128_k4v2", {}, "merge_group=12", 4),
+        ("d128_k4v4", {"preset": "k4v4_g128"}, "merge_group=12", 3),
+        ("d64_k4v2", {"head_dim": 64}, "merge_group=12", 6),
+        ("d256_k4v2", {"head_dim": 256}, "merge_group=12", 2),
     ]
 ]
 
@@ -570,30 +575,35 @@ def test_split_plan_of_the_bench_shapes():
 
 
 
-def test_plan_variant_takes_ring2_for_grids_of_two_waves(monkeypatch):
+def test_plan_variant_takes_ring2_for_grids_of_two_waves_and_merge_groups_below(monkeypatch):
     """plan_variant on the bench shapes (8 KV heads, 132 SMs, the shipped kernel 4 resident blocks, ring 2 5, 8
     exact blocks): ring 2 where the shipped plan's grid is at least two waves of ring 2's residency (batch 16:
-    128 x (4 + 8) = 1,536 blocks at 4k and more at longer contexts), the shipped kernel at batch 1 (at most 8 x
-    (65 + 8) = 584 blocks); the shipped kernel wherever ring 2 holds no more blocks; $KVARN_DECODE_VARIANT
-    decides when set."""
-    V, ring2 = decode.DecodeVariant, decode.RING2_VARIANT
-    occ = {V(): 4, ring2: 5}
+    128 x (4 + 8) = 1,536 blocks at 4k and more at longer contexts); below that the two-level merge where the plan
+    has at least 33 splits (batch 1 from 8k: S = 33, 65), the shipped kernel at fewer (b1/4k: S = 17) or where the
+    two-level kernel would hold fewer blocks; the shipped kernel wherever ring 2 holds no more blocks and S is
+    small; $KVARN_DECODE_VARIANT decides when set."""
+    V, ring2, grouped = decode.DecodeVariant, decode.RING2_VARIANT, decode.MERGE_GROUP_VARIANT
+    occ = {V(): 4, ring2: 5, grouped: 4}
     monkeypatch.setattr(decode, "occupancy", lambda spec, device, variant=V(): occ[variant])
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "exact_blocks", lambda spec, window, sink, device=None, variant=None: 8)
     monkeypatch.delenv(decode.VARIANT_ENV, raising=False)
     spec, dev = TileSpec(), torch.device("cuda", 0)
     pick = lambda batch, cap: decode.plan_variant(batch, 8, cap, 256, 0, dev, spec)  # noqa: E731
+    splits = lambda batch, cap: decode.plan_splits(batch * 8, cap, 132, 4, 2)  # noqa: E731
+    assert [splits(1, c) for c in (33, 65, 129, 1025)] == [17, 33, 65, 65]
     assert [pick(16, c) for c in (33, 129, 257, 1025)] == [ring2] * 4
-    assert [pick(1, c) for c in (33, 129, 257, 1025)] == [V()] * 4
-    assert pick(2, 1025) == V() and pick(4, 1025) == ring2  # 16 x 73 = 1,168 blocks; 32 x 73 = 2,336
-    occ[ring2] = 4
-    assert pick(16, 257) == V()
+    assert [pick(1, c) for c in (33, 65, 129, 257, 1025)] == [V()] + [grouped] * 4
+    assert pick(2, 1025) == grouped and pick(4, 1025) == ring2  # 16 x 73 = 1,168 blocks; 32 x 73 = 2,336
+    occ[grouped] = 3
+    assert pick(1, 1025) == V()
+    occ[grouped], occ[ring2] = 4, 4
+    assert pick(16, 1025) == grouped and pick(16, 257) == V()  # the shipped plan's S = 65 and 17
     monkeypatch.setenv(decode.VARIANT_ENV, "ring=2,min_blocks=6")
     assert pick(1, 33) == V(ring=2, min_blocks=6)
     monkeypatch.setenv(decode.VARIANT_ENV, "default")
     occ[ring2] = 5
-    assert pick(16, 257) == V()
+    assert pick(16, 257) == V() and pick(1, 1025) == V()
 
 
 def test_exact_blocks_last_for_grids_of_two_waves(monkeypatch):

@@ -491,7 +491,7 @@ OCC_VARIANTS = ["ring=2", "ring=2,min_blocks=5", "ring=2,min_blocks=6", "prefetc
                 "ring=2,prefetch=1,q_first=1", "trace=1"]
 # Variants whose floating-point work differs from the default's (outputs equal up to rounding): each is held to
 # the reference on its own, and its graph to its own eager launch.
-ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "merge_group=8"]
+ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "merge_group=8", str(decode.MERGE_GROUP_VARIANT)]
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
@@ -561,7 +561,7 @@ def test_arithmetic_variant_matches_the_reference(variant, quantizer):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("variant", ["default", "merge_group=8", "merge_group=32"])
+@pytest.mark.parametrize("variant", ["default", "merge_group=8", str(decode.MERGE_GROUP_VARIANT), "merge_group=32"])
 def test_merge_over_blocks_of_rows(variant, D):
     """The final merge with more partials than one block of 32 rows (S + E up to 108: the running max moves
     between blocks, a batch straddles the tile / exact boundary, the last block is short, empty splits leave
@@ -643,15 +643,16 @@ def test_occupancy_arithmetic_matches_the_driver(preset, D, variant):
     assert decode.occupancy(spec, dev, v) == want[0].blocks
 
 
-def test_default_plan_runs_ring2_on_grids_of_two_waves():
+def test_default_plan_runs_ring2_on_grids_of_two_waves_and_merge_groups_at_batch_1():
     """On the device: ring 2 holds one d128 block per SM more than the shipped kernel, so a plan that names no
-    variant runs it at batch 16 (8 KV heads, 4k context: 128 x (S + E) blocks, two waves and more) and the
-    shipped kernel at batch 1; the ring-2 output equals the shipped kernel's at the same splits bit for bit and
-    the float64 reference within 1e-3."""
+    variant runs it at batch 16 (8 KV heads, 4k context: 128 x (S + E) blocks, two waves and more), and the
+    two-level merge at batch 1 with 33 or more splits (8 KV heads, 1025 tiles: S = 65); the ring-2 output equals
+    the shipped kernel's at the same splits bit for bit; both are within 1e-3 of the float64 reference."""
     spec, dev = kc.TileSpec(), torch.device("cuda")
     V = decode.DecodeVariant
     assert decode.occupancy(spec, dev, decode.RING2_VARIANT) > decode.occupancy(spec, dev)
-    assert decode.plan_variant(1, 8, 1025, 256, 0, dev, spec) == V()
+    assert decode.plan_variant(1, 8, 1025, 256, 0, dev, spec) == decode.MERGE_GROUP_VARIANT
+    assert decode.plan_variant(1, 8, 33, 256, 0, dev, spec) == V()
     c = make_cache(16, 8, 128, n=4096, window=256, seed=97)
     ws = decode.DecodePlan(c).workspace(4)
     assert ws.variant == decode.RING2_VARIANT
@@ -662,6 +663,15 @@ def test_default_plan_runs_ring2_on_grids_of_two_waves():
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     assert rel(got, reference.attention(q, c, 0)) < TOL
+    c1 = make_cache(1, 8, 128, n=16384, window=256, seed=98)
+    plan = decode.DecodePlan(c1)
+    ws1 = plan.workspace(4)
+    assert ws1.variant == decode.MERGE_GROUP_VARIANT and ws1.splits >= decode.MERGE_GROUP_MIN_SPLITS
+    q1 = _randn(_gen(98), 1, 32, 1, 128, scale=8)
+    got1 = torch.full_like(q1, float("nan"))
+    plan.launch(q1, 0, got1)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got1).all() and rel(got1, reference.attention(q1, c1, 0)) < TOL
 
 
 def test_exact_blocks_last_order_gives_the_same_output(monkeypatch):
