@@ -158,12 +158,13 @@ class StepGraph:
         self.appends = StepAppends(cache, self.k, self.v)
         buf0 = cache.buffers(0)
         cap = cache.tile_pool(0).shape[1]
-        # the workspace decode_attention's plan would make (so that both launch the same grid and kernel)
-        variant = dec.decode_variant()
+        # a workspace like the one decode_attention's plan makes (DecodePlan.workspace: the same variant, grid and
+        # kernel), its own so that the graph and eager calls on other streams never share one
+        W, SC = buf0["window_k"].shape[2], buf0["sink_k"].shape[2]
+        variant = dec.plan_variant(B, H, cap, W, SC, dev, cache.spec)
         workspace = dec.DecodeWorkspace(
             dev, B, H, num_q_heads // H, D, dec.choose_splits(B, H, cap, dev, cache.spec, variant=variant),
-            dec.exact_blocks(cache.spec, buf0["window_k"].shape[2], buf0["sink_k"].shape[2], dev, variant),
-            variant=variant,
+            dec.exact_blocks(cache.spec, W, SC, dev, variant), variant=variant,
         )
         prepared: dict = {}
         lens = cache.device_lengths()

@@ -485,6 +485,32 @@ def test_gpu_multi_token_step_graph_matches_the_host_path(form):
     assert completed == {1, 2}, completed
 
 
+def test_gpu_step_graph_runs_the_plans_kernel():
+    """A StepGraph launches the kernel variant and grid that decode_attention's plan picks (``decode.plan_variant``):
+    at batch 1 with 8 KV heads and a 16k capacity (65 splits) the two-level merge, whose sums are grouped
+    differently from the one-level kernel's, so a replay equals the eager decode bit for bit only if both run it."""
+    kw = dict(num_layers=1, batch_size=1, num_kv_heads=8, head_dim=128, window=256, device="cuda", max_seq_len=16384)
+    eager, graphed = KVarNCache(**kw), KVarNCache(**kw)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    k = (torch.randn(1, 8, 5000, 128, generator=g, device="cuda") * 2).half()
+    v = torch.randn(1, 8, 5000, 128, generator=g, device="cuda").half()
+    for c in (eager, graphed):
+        c.append(0, k, v)
+    graph = kc.StepGraph(graphed, num_q_heads=32)
+    ws = kc.decode.get_plan(eager).workspace(4)
+    assert graph._workspace.variant == ws.variant == kc.decode.MERGE_GROUP_VARIANT
+    assert (graph._workspace.splits, graph._workspace.exact) == (ws.splits, ws.exact)
+    for step in range(5):
+        q, k1, v1 = _step_inputs(graph, g)
+        graph.q.copy_(q)
+        graph.k.copy_(k1)
+        graph.v.copy_(v1)
+        out = graph.replay()
+        eager.append(0, k1[0], v1[0])
+        assert torch.equal(out[0], kc.decode_attention(q[0], eager, 0)), f"step {step}"
+    graph.check()
+
+
 def test_gpu_step_graph_bad_arguments():
     c = KVarNCache(1, 1, 2, 64, preset="k4v2_g64", window=64, device="cuda")
     with pytest.raises(ValueError, match="max_seq_len"):
