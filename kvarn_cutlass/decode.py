@@ -65,7 +65,6 @@ __all__ = [
     "decode_spec",
     "decode_variant",
     "plan_variant",
-    "plan_exact_blocks",
     "occupancy",
     "residency",
     "decode_specs",
@@ -609,35 +608,6 @@ def exact_blocks_last(blocks: int, device: torch.device, spec: TileSpec, variant
     return blocks >= EXACT_LAST_MIN_WAVES * sm_count(device) * occupancy(spec, device, variant)
 
 
-# The exact blocks of a grid that is over one wave of resident blocks only by them are merged into fewer, longer
-# ones (several TE-token chunks each) when that fits the grid into one wave: at b1/128k, 8 x (65 + 8) = 584
-# blocks on 528 slots sent 56 blocks into a second wave, up to 11.8 us late (H100 trace, docs/perf-notes.md
-# "Measured: the block timeline"). An exact block may take at most EXACT_CHUNKS_PER_TILE chunks per tile of a
-# split block, so that it ends before them (a chunk, 16 KB of fp16 K and V at d128, takes one unpipelined round
-# trip; a tile, 13.8 KB, streams through the ring).
-EXACT_CHUNKS_PER_TILE = 0.5
-
-
-def plan_exact_blocks(batch: int, num_kv_heads: int, group: int, cap_tiles: int, window: int, sink: int, splits: int,
-                      device: torch.device, spec: TileSpec, variant: DecodeVariant,
-                      min_tps: int | None = None) -> int:
-    """E, the exact blocks per (sequence, KV head) of a plan with ``splits`` tile splits.
-
-    :func:`exact_blocks` (one TE-token chunk of sink ++ window a block), unless the grid ``batch * num_kv_heads *
-    (splits + E)`` is then over one wave of the G <= 4 kernel's resident blocks (:func:`occupancy` on
-    ``device``) and a smaller E fits it into one: then the largest such E, if its blocks' chunks (ceil(chunks /
-    E)) are at most EXACT_CHUNKS_PER_TILE times a split block's tiles at capacity (max(min_tps, ceil(cap_tiles
-    / splits))). G > 4 (``group``) keeps one chunk a block (its kernel holds fewer blocks)."""
-    chunks = exact_blocks(spec, window, sink, device, variant)
-    pairs = batch * num_kv_heads
-    slots = sm_count(device) * occupancy(spec, device, variant)
-    if group > 4 or pairs * (splits + chunks) <= slots:
-        return chunks
-    e = min(chunks, slots // pairs - splits)
-    tps = max(min_tps or min_tiles_per_split(), math.ceil(cap_tiles / splits))
-    return e if e >= 1 and math.ceil(chunks / e) <= EXACT_CHUNKS_PER_TILE * tps else chunks
-
-
 _kernel_cache: dict = {}
 
 
@@ -766,21 +736,17 @@ def _ragged_launch(q, tiles, window_k, window_v, sink_k, sink_v, n_tiles, window
         raise ValueError(f"out must be a contiguous {q.dtype} tensor {list(q.shape)} on {device}")
     variant = (plan_variant(B, Hkv, cap, window_k.shape[2], sink_k.shape[2], device, spec) if workspace is None
                else workspace.variant)
-    W, SC = window_k.shape[2], sink_k.shape[2]
-    chunks = exact_blocks(spec, W, SC, device, variant)
+    E = exact_blocks(spec, window_k.shape[2], sink_k.shape[2], device, variant)
     if workspace is None:
-        S = choose_splits(B, Hkv, cap, device, spec, variant=variant)
-        workspace = DecodeWorkspace(device, B, Hkv, G, D, S,
-                                    plan_exact_blocks(B, Hkv, G, cap, W, SC, S, device, spec, variant), variant=variant)
-    elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim) != (B, Hkv, G, D) \
-            or not 1 <= workspace.exact <= chunks:
+        workspace = DecodeWorkspace(device, B, Hkv, G, D, choose_splits(B, Hkv, cap, device, spec, variant=variant), E,
+                                    variant=variant)
+    elif (workspace.batch, workspace.num_kv_heads, workspace.group, workspace.head_dim, workspace.exact) != (B, Hkv, G, D, E):
         raise ValueError(
             f"workspace is for batch={workspace.batch}, kv_heads={workspace.num_kv_heads}, group={workspace.group}, "
-            f"head_dim={workspace.head_dim}, exact blocks={workspace.exact}; this call needs {B}, {Hkv}, {G}, {D} "
-            f"and 1..{chunks} exact blocks (window {W} + sink {SC} tokens)"
+            f"head_dim={workspace.head_dim}, exact blocks={workspace.exact}; this call needs {B}, {Hkv}, {G}, {D}, {E}"
         )
     q = q.contiguous()
-    S, E = workspace.splits, workspace.exact
+    S = workspace.splits
     flags = ((1 if q.dtype == torch.bfloat16 else 0) | (2 if window_k.dtype == torch.bfloat16 else 0)
              | (4 if exact_blocks_last(B * Hkv * (S + E), device, spec, variant) else 0))
     args = (q, tiles, tile_table, window_k, window_v, sink_k, sink_v, n_tiles, window_len, sink_len, workspace.po,
@@ -814,13 +780,10 @@ class DecodePlan:
         min_tps: fewest tiles per split block; default :func:`min_tiles_per_split`.
         variant: the kernel variant every launch of the plan runs (:class:`DecodeVariant`); default: per
             workspace, :func:`plan_variant` of the cache's shape (``$KVARN_DECODE_VARIANT`` when set).
-        exact: exact (sink + window) blocks per (sequence, KV head), 1 .. :func:`exact_blocks` of the cache's
-            buffers for the plan's variant (fewer blocks take several TE-token chunks each; checked when the
-            first workspace is made); default :func:`plan_exact_blocks`.
     """
 
     def __init__(self, cache: KVarNCache, splits: int | None = None, min_tps: int | None = None,
-                 variant: DecodeVariant | None = None, exact: int | None = None):
+                 variant: DecodeVariant | None = None):
         _check_cache(cache)
         if cache.device.type != "cuda":
             raise ValueError(f"cache must be on a CUDA device for decode_attention, got {cache.device}")
@@ -835,9 +798,6 @@ class DecodePlan:
         if variant is not None and not isinstance(variant, DecodeVariant):
             raise TypeError(f"variant must be a DecodeVariant or None, got {type(variant).__name__}")
         self.variant = variant  # None: plan_variant, per workspace
-        if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int) or exact < 1):
-            raise ValueError(f"exact must be a positive int, got {exact!r}")
-        self.exact_override = exact
         B = cache.batch_size
         self.lens = cache.device_lengths()
         # Stands in for a pool that has no tiles yet (no max_seq_len): the kernel needs a valid pointer,
@@ -871,14 +831,7 @@ class DecodePlan:
                 v = plan_variant(c.batch_size, c.num_kv_heads, max(cap, 1), W, SC, self.device, c.spec, self.min_tps)
             s = self.splits_override or choose_splits(c.batch_size, c.num_kv_heads, max(cap, 1), self.device, c.spec,
                                                       self.min_tps, v)
-            e = self.exact_override
-            if e is None:
-                e = plan_exact_blocks(c.batch_size, c.num_kv_heads, group, max(cap, 1), W, SC, s, self.device, c.spec,
-                                      v, self.min_tps)
-            elif e > exact_blocks(c.spec, W, SC, self.device, v):
-                raise ValueError(f"exact={e}: the cache's window ({W}) and sink ({SC}) make "
-                                 f"{exact_blocks(c.spec, W, SC, self.device, v)} chunks for variant {v}, the most "
-                                 "exact blocks a plan can take")
+            e = exact_blocks(c.spec, W, SC, self.device, v)
             ws = self._workspaces[key] = DecodeWorkspace(self.device, c.batch_size, c.num_kv_heads, group, c.head_dim,
                                                          s, e, self.min_tps, v)
         return ws

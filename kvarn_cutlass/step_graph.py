@@ -162,10 +162,9 @@ class StepGraph:
         # kernel), its own so that the graph and eager calls on other streams never share one
         W, SC = buf0["window_k"].shape[2], buf0["sink_k"].shape[2]
         variant = dec.plan_variant(B, H, cap, W, SC, dev, cache.spec)
-        S = dec.choose_splits(B, H, cap, dev, cache.spec, variant=variant)
         workspace = dec.DecodeWorkspace(
-            dev, B, H, num_q_heads // H, D, S,
-            dec.plan_exact_blocks(B, H, num_q_heads // H, cap, W, SC, S, dev, cache.spec, variant), variant=variant,
+            dev, B, H, num_q_heads // H, D, dec.choose_splits(B, H, cap, dev, cache.spec, variant=variant),
+            dec.exact_blocks(cache.spec, W, SC, dev, variant), variant=variant,
         )
         prepared: dict = {}
         lens = cache.device_lengths()

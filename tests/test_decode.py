@@ -415,7 +415,7 @@ OCCUPANCY_CLAIMS = [
         ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2", 5),  # 96 registers since the merge's copies were unrolled
         ("d128_k4v4", {"preset": "k4v4_g128"}, "ring=2,min_blocks=5", 5),
         ("d64_k4v2", {"head_dim": 64}, "default", 6),
-        ("d64_k4v2", {"head_dim": 64}, "ring=2", 6),  # bounded at 6 (80 registers): 8 spills, 7 too
+        ("d64_k4v2", {"head_dim": 64}, "ring=2,min_blocks=8", 8),
         ("d256_k4v2", {"head_dim": 256}, "default", 2),
         ("d256_k4v2", {"head_dim": 256}, "ring=2", 3),
         # plan_variant's two-level merge: as many blocks as the shipped kernel, at every head_dim and preset
@@ -604,27 +604,6 @@ def test_plan_variant_takes_ring2_for_grids_of_two_waves_and_merge_groups_below(
     monkeypatch.setenv(decode.VARIANT_ENV, "default")
     occ[ring2] = 5
     assert pick(16, 257) == V() and pick(1, 1025) == V()
-
-
-def test_plan_exact_blocks_fits_one_wave_only_with_long_tile_blocks(monkeypatch):
-    """plan_exact_blocks on the bench shapes (8 KV heads, window 256: 8 one-chunk exact blocks; 132 SMs x 4 slots):
-    b1/128k (S = 65, 16 tiles a split block) fits one wave with one exact block of 8 chunks; b1/64k (8 tiles a
-    block) would need 8 chunks against 8 tiles, more than half, so it keeps 8 blocks; grids that fit one wave
-    already (b1/4k), grids of several waves (batch 16), G > 4 and a residency that fits the grid keep 8; a
-    partial fit takes the largest E that fits."""
-    occ = {"n": 4}
-    monkeypatch.setattr(decode, "occupancy", lambda spec, device, variant=None: occ["n"])
-    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
-    monkeypatch.setattr(decode, "exact_blocks", lambda spec, window, sink, device=None, variant=None: 8)
-    spec, dev, V = TileSpec(), torch.device("cuda", 0), decode.DecodeVariant()
-    plan = lambda batch, cap, S, group=4: decode.plan_exact_blocks(batch, 8, group, cap, 256, 0, S, dev, spec, V)  # noqa: E731
-    assert plan(1, 1024, 65) == 1  # 8 x 66 = 528
-    assert plan(1, 512, 65) == 8 and plan(1, 32, 17) == 8 and plan(16, 256, 17) == 8
-    assert plan(1, 1024, 65, group=8) == 8
-    assert plan(1, 1024, 63) == 3  # 8 x (63 + 3) = 528; 3 chunks against 17 tiles
-    assert plan(1, 1024, 66) == 8  # 8 x 67 > 528: no E fits
-    occ["n"] = 5
-    assert plan(1, 1024, 65) == 8  # 584 blocks fit 660 slots
 
 
 def test_exact_blocks_last_for_grids_of_two_waves(monkeypatch):

@@ -495,7 +495,7 @@ ARITH_VARIANTS = ["run_max=1", "ring=2,run_max=1", "merge_group=8", str(decode.M
 # Every claimed variant (tests/test_decode.py OCCUPANCY_CLAIMS): (preset, head_dim, variant).
 OCC_ALL = [("k4v2_g128", 128, v) for v in ["default"] + OCC_VARIANTS] + [
     ("k4v4_g128", 128, "default"), ("k4v4_g128", 128, "ring=2"), ("k4v4_g128", 128, "ring=2,min_blocks=5"),
-    ("k4v2_g128", 64, "default"), ("k4v2_g128", 64, "ring=2"),
+    ("k4v2_g128", 64, "default"), ("k4v2_g128", 64, "ring=2,min_blocks=8"),
     ("k4v2_g128", 256, "default"), ("k4v2_g128", 256, "ring=2"),
 ]
 
@@ -691,41 +691,6 @@ def test_exact_blocks_last_order_gives_the_same_output(monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(outs[0], outs[1]), f"seed={98 + seed}, G={G}"
             assert rel(outs[0], reference.attention(q, c, 0)) < TOL, f"seed={98 + seed}, G={G}"
-
-
-@pytest.mark.parametrize("D,preset,quantizer,dtype", [(128, "k4v2_g128", "uniform", torch.float16),
-                                                     (64, "k4v4_g128", "lloyd_max", torch.bfloat16),
-                                                     (256, "k4v2_g128", "uniform", torch.float16)])
-def test_exact_blocks_of_several_chunks(D, preset, quantizer, dtype):
-    """Fewer exact blocks than chunks (``DecodePlan(exact=E)``): each block takes ceil(chunks / E) chunks of TE
-    tokens and combines them online. Over a sink of 128 tokens (a block's chunks straddle the sink / window end), a
-    window part-full (n = 200: no tiles, chunks past the live tokens empty), full windows behind tiles, large
-    logits (q x 12: the running max moves from chunk to chunk) and G = 4 and 8: every E from 1 to the chunk count
-    within 1e-3 of the float64 reference, and E = chunks (one chunk a block) the default plan's output bit for bit."""
-    for seed, (B, n, sink) in enumerate([(2, 200, 0), (2, 3000, 128), (1, 700, 128)]):
-        c = make_cache(B, 2, D, preset=preset, n=n, window=256, sink=sink, seed=160 + seed, dtype=dtype,
-                       quantizer=quantizer)
-        buf = c.buffers(0)
-        chunks = decode.exact_blocks(c.spec, buf["window_k"].shape[2], buf["sink_k"].shape[2], None,
-                                     decode.DecodeVariant())
-        assert chunks >= 3
-        for G, qscale in ((4, 12), (8, 1)):
-            S = 160 + seed + G
-            q = _randn(_gen(S), B, 2 * G, 1, D, dtype=dtype, scale=qscale)
-            want = torch.full_like(q, float("nan"))
-            decode.DecodePlan(c, splits=3, variant=decode.DecodeVariant()).launch(q, 0, want)
-            ref = reference.attention(q, c, 0)
-            for E in range(1, chunks + 1):
-                got = torch.full_like(q, float("nan"))
-                decode.DecodePlan(c, splits=3, variant=decode.DecodeVariant(), exact=E).launch(q, 0, got)
-                torch.cuda.synchronize()
-                assert torch.isfinite(got).all() and rel(got, ref) < TOL, f"seed={S}, n={n}, G={G}, E={E}"
-                if E == chunks:
-                    assert torch.equal(got, want), f"seed={S}, n={n}, G={G}"
-    with pytest.raises(ValueError, match="exact="):
-        decode.DecodePlan(c, exact=chunks + 1).workspace(4)
-    with pytest.raises(ValueError, match="exact must be a positive int"):
-        decode.DecodePlan(c, exact=0)
 
 
 def test_trace_variant_timeline_is_ordered():

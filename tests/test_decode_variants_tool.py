@@ -44,15 +44,14 @@ def test_ncu_command(tool):
 
 
 def test_one_shape_with_stand_ins_for_the_gpu(tool, monkeypatch):
-    """b16/32k on a small CPU cache: the default's plan picks S0 = 4 and a variant S = 6 (E = 8 exact blocks
-    unless forced: ``default@2``); a launch writes an output that depends only on its split count. The rows:
-    every variant equal to the default at S0, different at its own S, the sweep timed for every variant, the
-    default timed again; the table and the fastest pick."""
+    """b16/32k on a small CPU cache: the default's plan picks S0 = 4 and a variant S = 6; a launch writes an
+    output that depends only on its split count. The rows: every variant equal to the default at S0, different
+    at its own S, the sweep timed for every variant, the default timed again; the table and the fastest pick."""
     launched = []
 
     class Plan:
-        def __init__(self, cache, splits=None, variant=None, exact=None):
-            self.variant, self.exact = variant, exact or 8
+        def __init__(self, cache, splits=None, variant=None):
+            self.variant = variant
             self.splits = splits or (4 if variant == decode.DecodeVariant() else 6)
 
         def launch(self, q, layer, out):
@@ -84,39 +83,26 @@ def test_one_shape_with_stand_ins_for_the_gpu(tool, monkeypatch):
         return lambda: sampled.append(plan.variant) or 10.0 * plan.splits + len(sampled)
 
     monkeypatch.setattr(tool, "graph_sampler", fake_sampler)
-    variants = [tool.Candidate.parse(t) for t in (*tool.CANDIDATES, "default@2")]
+    variants = [decode.DecodeVariant.parse(t) for t in tool.CANDIDATES]
     rows, extra = tool._time_shape(16, 32768, variants, runs=3)
     # the interleaved A/B: every kernel at S0 = 4, warmed once, then rounds in Williams orders
-    kinds = [decode.DecodeVariant()] + [c.variant for c in variants]
+    kinds = [decode.DecodeVariant()] + variants
     rounds = max(tool.INTERLEAVED_ROUNDS, 2 * len(kinds))
-    assert sampled[:5] == kinds
-    assert sampled[5:] == [kinds[i] for r in range(rounds) for i in williams_order(5, r)]
+    assert sampled[:4] == kinds
+    assert sampled[4:] == [kinds[i] for r in range(rounds) for i in williams_order(4, r)]
     assert extra["interleaved_default_us"][1] > 40 and all(0.9 < r["interleaved_vs_default"][0] < 1.1 for r in rows[1:])
     assert "interleaved_vs_default" not in rows[0] and all(
         r["interleaved_vs_default"][1] <= r["interleaved_vs_default"][0] <= r["interleaved_vs_default"][2] for r in rows[1:])
-    assert [r["variant"] for r in rows] == ["default", *tool.CANDIDATES, "default@2"]
-    assert {r["default_splits"] for r in rows} == {4} and [r["splits"] for r in rows] == [4, 6, 6, 6, 4]
+    assert [r["variant"] for r in rows] == ["default", *tool.CANDIDATES]
+    assert {r["default_splits"] for r in rows} == {4} and [r["splits"] for r in rows] == [4, 6, 6, 6]
     assert all(r["equal_to_default"] for r in rows)
-    assert [r["max_abs_diff_vs_default"] for r in rows] == [0, 2, 2, 2, 0]
+    assert rows[0]["max_abs_diff_vs_default"] == 0 and all(r["max_abs_diff_vs_default"] == 2 for r in rows[1:])
     assert all(list(r["sweep_us"]) == [str(s) for s in tool.SWEEPS[(16, 32768)]] for r in rows)
-    assert [r["blocks_per_sm"] for r in rows] == [4, 5, 5, 6, 4]
-    assert [r["exact_blocks"] for r in rows] == [8, 8, 8, 8, 2]
+    assert [r["blocks_per_sm"] for r in rows] == [4, 5, 5, 6] and rows[0]["exact_blocks"] == 8
     assert extra["default_again_us"] < rows[-1]["own_us"] and rows[0]["layers_rotated"] == 2
     text = tool.table(rows)
-    assert len(text.splitlines()) == 1 + len(rows) and "ring=2,min_blocks=6" in text and "default@2" in text
-    assert tool.fastest(rows, (16, 32768)) == "default@2"  # the last one timed at its own plan
-
-
-def test_candidate_text_form(tool):
-    """``VARIANT`` or ``VARIANT@E``: the plan's exact blocks forced to E; malformed forms are argparse errors."""
-    import argparse
-
-    c = tool.Candidate.parse("merge_group=12@1")
-    assert c == tool.Candidate(decode.DecodeVariant(merge_group=12), 1) and str(c) == "merge_group=12@1"
-    assert tool.Candidate.parse("default") == tool.DEFAULT and str(tool.DEFAULT) == "default"
-    for bad in ("default@", "default@x", "ring=1", "ring=2@-1"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            tool.Candidate.parse(bad)
+    assert len(text.splitlines()) == 1 + len(rows) and "ring=2,min_blocks=6" in text
+    assert tool.fastest(rows, (16, 32768)) == "ring=2,min_blocks=6"  # the last one timed at its own plan
 
 
 def test_shape_argument(tool):

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,33 +75,6 @@ NCU_METRICS = ("smsp__inst_executed.avg", "smsp__inst_executed.max",
 # The stall reasons of tools/gpu_check.sh GPU_NCU_STALLS (collected on the H200 before).
 STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "math_pipe_throttle", "wait",
           "not_selected", "dispatch_stall", "lg_throttle", "membar", "branch_resolving", "no_instruction")
-
-
-class Candidate(NamedTuple):
-    """A kernel variant, with the plan's exact blocks per (sequence, KV head) forced to ``exact`` when set (text form
-    ``VARIANT`` or ``VARIANT@E``, e.g. ``default@8``: ``decode.DecodePlan(exact=E)``); None: the plan's own E."""
-
-    variant: decode.DecodeVariant
-    exact: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "Candidate":
-        variant, at, exact = text.partition("@")
-        if at and not exact.isdigit():
-            raise argparse.ArgumentTypeError(f"candidate {text!r}: expected VARIANT or VARIANT@E with E an int")
-        try:
-            return cls(decode.DecodeVariant.parse(variant), int(exact) if at else None)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    def __str__(self) -> str:
-        return str(self.variant) + ("" if self.exact is None else f"@{self.exact}")
-
-    def plan(self, cache, splits: int | None = None):
-        return decode.DecodePlan(cache, splits=splits, variant=self.variant, exact=self.exact)
-
-
-DEFAULT = Candidate(decode.DecodeVariant())
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -191,7 +163,8 @@ def _interleaved(cache, q, layers: int, variants: list, splits: int) -> list[tup
     the default's own entry is its samples' (median, fastest, slowest) us per layer."""
     import statistics
 
-    samplers = [graph_sampler(v.plan(cache, splits), q, layers, INTERLEAVED_REPLAYS) for v in variants]
+    samplers = [graph_sampler(decode.DecodePlan(cache, splits=splits, variant=v), q, layers, INTERLEAVED_REPLAYS)
+                for v in variants]
     for sample in samplers:  # warm
         sample()
     samples = interleaved_samples(samplers, max(INTERLEAVED_ROUNDS, 2 * len(samplers)))
@@ -200,7 +173,7 @@ def _interleaved(cache, q, layers: int, variants: list, splits: int) -> list[tup
         tuple(round(x, 4) for x in paired_ratios(t, ref)) for t in samples[1:]]
 
 
-def _time_shape(batch: int, ctx: int, variants: list[Candidate], runs: int,
+def _time_shape(batch: int, ctx: int, variants: list[decode.DecodeVariant], runs: int,
                 pdl: bool = False) -> tuple[list[dict], dict]:
     """Rows of one shape (see the module docstring) and its extras (cache build time, the default again)."""
     import torch
@@ -217,28 +190,27 @@ def _time_shape(batch: int, ctx: int, variants: list[Candidate], runs: int,
 
     def run(variant, splits=None):
         """(us per layer, outputs of every layer, splits) of a graph of the plan's launches."""
-        plan = variant.plan(cache, splits)
+        plan = decode.DecodePlan(cache, splits=splits, variant=variant)
         outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
         t = time_cuda(lambda i: plan.launch(q, i, outs[i]), list(range(layers)), warmup=5, runs=runs, graph=True)
         torch.cuda.synchronize()
-        ws = plan.workspace(group)
-        return round(t.median_us, 2), outs, ws.splits, ws.exact
+        return round(t.median_us, 2), outs, plan.workspace(group).splits
 
-    default = DEFAULT
-    d_us, d_outs, s0, _ = run(default)
+    default = decode.DecodeVariant()
+    d_us, d_outs, s0 = run(default)
     rows = []
     for v in [default] + variants:
-        at_s0_us, outs, _, e_used = run(v, s0) if v != default else (d_us, d_outs, s0, None)
-        own_us, own_outs, s, _ = (at_s0_us, outs, s0, None) if v == default else run(v)
+        at_s0_us, outs, _ = (d_us, d_outs, s0) if v == default else run(v, s0)
+        own_us, own_outs, s = (at_s0_us, outs, s0) if v == default else run(v)
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(own_outs, d_outs))
         sweep = {str(k): run(v, k)[0] for k in SWEEPS.get((batch, ctx), ())}
         rows.append({"batch": batch, "context": ctx, "variant": str(v), "layers_rotated": layers,
-                     "occupancy_driver": decode.occupancy(spec, cache.device, v.variant), **resources(spec, v.variant),
+                     "occupancy_driver": decode.occupancy(spec, cache.device, v), **resources(spec, v),
                      "default_splits": s0, "default_us": d_us, "at_default_splits_us": at_s0_us,
                      "equal_to_default": all(torch.equal(a, b) for a, b in zip(outs, d_outs)),
                      "splits": s, "own_us": own_us, "max_abs_diff_vs_default": diff, "sweep_us": sweep,
                      "floor_us": round(floor_us, 2),
-                     "exact_blocks": run(v, s0)[3] if e_used is None else e_used})
+                     "exact_blocks": decode.exact_blocks(spec, bench.WINDOW, 0, cache.device, v)})
         print(json.dumps(rows[-1]), flush=True)
     extras = {"batch": batch, "context": ctx, "cache_build_s": round(build_s, 1), "default_again_us": run(default)[0]}
     if variants:  # the A/B that drift cannot bias; a failure here is recorded and leaves the rows above standing
@@ -256,7 +228,7 @@ def _time_shape(batch: int, ctx: int, variants: list[Candidate], runs: int,
         for mode, key in (("0", "plain"), ("1", "pdl")):
             os.environ[decode.PDL_ENV] = mode
             try:
-                us, outs, _, _ = run(default, s0)
+                us, outs, _ = run(default, s0)
             finally:
                 os.environ.pop(decode.PDL_ENV)
             extras.update({f"{key}_us": us,
@@ -289,9 +261,8 @@ def run_ncu(variants: list[str], path: Path) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", action="append", type=Candidate.parse,
-                    help="a kernel variant (decode.DecodeVariant text form), @E to force the plan's exact blocks "
-                         "(e.g. default@8); repeatable; default: the candidates")
+    ap.add_argument("--variant", action="append", type=decode.DecodeVariant.parse,
+                    help="a kernel variant (decode.DecodeVariant text form); repeatable; default: the candidates")
     ap.add_argument("--shape", action="append", type=parse_shape, metavar="BxT",
                     help="a batch x context shape to time instead of the default ones (e.g. 1x32768); repeatable")
     ap.add_argument("--runs", type=int, default=100, help="timed graph replays per measurement")
@@ -301,9 +272,10 @@ def main(argv=None) -> int:
                     help="also time the shipped kernel launched plainly and with programmatic dependent launch "
                          "($KVARN_DECODE_PDL=0 and 1)")
     args = ap.parse_args(argv)
-    variants = [v for v in (args.variant or [Candidate.parse(t) for t in CANDIDATES]) if v != DEFAULT]
+    variants = [v for v in (args.variant or [decode.DecodeVariant.parse(t) for t in CANDIDATES])
+                if v != decode.DecodeVariant()]
     spec = TileSpec(preset=bench.PRESET, head_dim=bench.D)
-    for v in dict.fromkeys([DEFAULT.variant] + [c.variant for c in variants]):  # before CUDA: the spills are reported
+    for v in [decode.DecodeVariant()] + variants:  # before CUDA starts: the compile log has the spills
         print(json.dumps({"variant": str(v), **resources(spec, v)}), flush=True)
 
     import torch
@@ -327,7 +299,6 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=1))
     if args.ncu:
         best = fastest(rows, NCU_SHAPE)
-        best = best.partition("@")[0]  # $KVARN_DECODE_VARIANT names the kernel; a forced E is not passed to ncu
         result["ncu"] = run_ncu(["default"] + ([best] if best != "default" else []), args.ncu)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

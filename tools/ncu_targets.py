@@ -132,7 +132,7 @@ def decode_small() -> None:
     """Small shapes for compute-sanitizer: the one-kernel decode with several splits (the last block's
     merge through the ticket), both dtypes and quantizers, GQA 4 and 8, a sink, ragged via two calls; and the
     plans' other kernels (``decode.plan_variant``: ring 2 and the two-level merge) over 30 one-tile splits, so
-    that the merge groups' tickets and rows run too, and exact blocks of several chunks (``DecodePlan(exact=)``)."""
+    that the merge groups' tickets and rows run too."""
     for dtype, D, G, quantizer in ((torch.float16, 128, 4, "uniform"), (torch.bfloat16, 64, 8, "lloyd_max")):
         cache = kc.KVarNCache(1, 2, 2, D, window=256, sink_tokens=128, dtype=dtype, device="cuda",
                               quantizer=quantizer, max_seq_len=4096)
@@ -144,8 +144,6 @@ def decode_small() -> None:
             kc.decode_attention(q, cache, 0)
             for variant in (kc.decode.RING2_VARIANT, kc.decode.MERGE_GROUP_VARIANT):
                 kc.decode.DecodePlan(cache, splits=30, min_tps=1, variant=variant).launch(q, 0, torch.empty_like(q))
-            for exact in (1, 2):  # exact blocks of several chunks
-                kc.decode.DecodePlan(cache, splits=3, exact=exact).launch(q, 0, torch.empty_like(q))
             k1 = torch.randn(2, 2, 1, D, device="cuda", dtype=dtype, generator=g)
             cache.append(0, k1, torch.randn_like(k1))
     torch.cuda.synchronize()

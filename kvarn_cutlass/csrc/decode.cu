@@ -10,8 +10,7 @@
 //           every length; blocks past the live range write neutral partials). Tile records are found
 //           through the int32 tile table [batch, capacity] (entry = record slot s; record (s, h) starts at
 //           pool + (s * Hkv + h) * REC) and stream through a cp.async ring of NS iterations.
-//   j >= S: exact part, tokens [e*CH*TE, (e+1)*CH*TE) of sink ++ window (e = j - S, CH = ceil(ceil((SC + W) /
-//           TE) / E) chunks of TE tokens: see exact_part), original domain.
+//   j >= S: exact part, tokens [e*TE, (e+1)*TE) of sink ++ window (e = j - S), original domain.
 //   Every block writes a partial (po [B, Hkv, S+E, G, D] unnormalized, pm / pl [B, Hkv, S+E, G], log2
 //   domain), then takes a ticket; the last block of (b, h) merges the S + E partials, applies the inverse
 //   WHT to the tile part, merges the exact part, normalizes and writes out [B, Hq, 1, D]. It resets the
@@ -131,17 +130,12 @@ constexpr int TE = exact_smem(64) <= SMEM_TILE ? 64 : 32;
 constexpr int EX_NP = NT / TE;  // channel parts per token in the exact score phase: 2 or 4
 constexpr int SMEM = SMEM_TILE > exact_smem(TE) ? SMEM_TILE : exact_smem(TE);
 static_assert(NW * 8 * (D + 2) * 4 <= NS * RSLOT, "the warp merge buffers must fit in the ring");
-// Resident blocks per SM the register allocation is bounded for (__launch_bounds__' minimum). The G <= 4 kernel:
-// the blocks its shared memory allows (the SM's shared memory over the block's, with up to 128 bytes of static
-// shared memory and the 1 KiB the driver reserves), at most 5 at head_dim 128 and with lloyd_max (96 registers),
-// 6 at 64 (80), 3 at 256 (168): registers never cost a block that shared memory would allow, up to those counts.
-// Bounded only at 4 blocks (128 registers), ptxas gives this kernel 105 registers at d128 (ring 2 then holds 4
-// blocks instead of 5); bounded so, the tile loop issues 534-550 warp-instructions an iteration at d128 (the
-// kernel before the exact part's chunk loop: 571-586, 95 registers, rematerializing its thread-index addresses
-// in every iteration; docs/perf-notes.md, "Twenty-sixth session"). The G <= 8 kernel: 3 (1 at head_dim 256).
-// KVD_MINB1 / KVD_MINB2 (decode.DecodeVariant.min_blocks / min_blocks_g8, A/B runs) override them: 5 blocks
-// of 128 threads leave 96 registers per thread, 6 leave 80. (No namespace-scope constants for them: NVRTC's
-// -default-device makes each one a symbol of the CUBIN, so the shipped kernels' CUBINs would change.)
+// Resident blocks per SM the register allocation is bounded for (__launch_bounds__' minimum): 4 (128
+// registers) for the G <= 4 kernel, 3 for G <= 8 (twice the score and output registers); head_dim 256
+// halves both. KVD_MINB1 / KVD_MINB2 (decode.DecodeVariant.min_blocks / min_blocks_g8, A/B runs) override
+// them: 5 blocks of 128 threads leave 96 registers per thread, 6 leave 80. (No namespace-scope constants
+// for them: NVRTC's -default-device makes each one a symbol of the CUBIN, so the shipped kernels' CUBINs
+// would change.)
 template <int NB>
 constexpr int minb() {
 #ifdef KVD_MINB1
@@ -150,24 +144,10 @@ constexpr int minb() {
 #ifdef KVD_MINB2
     if (NB == 2) return KVD_MINB2;
 #endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    constexpr int sm_smem = 164 * 1024;
-#else
-    constexpr int sm_smem = 228 * 1024;
-#endif
-    constexpr int by_smem = sm_smem / (align128(SMEM + 128) + 1024);
-    constexpr int most = D >= 256 ? 3 : D >= 128 || QZ ? 5 : 6;
-    return NB == 1 ? (by_smem < most ? by_smem : most) : (D >= 256 ? 1 : 3);
+    return D >= 256 ? (NB == 1 ? 2 : 1) : (NB == 1 ? 4 : 3);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-// threadIdx.x through an asm the compiler cannot move or merge: what a loop body derives from it is computed in
-// the body, not kept in registers across iterations (the exact part's chunk loop shares the tile loop's budget).
-__device__ __forceinline__ int opaque_tid() {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t;
-}
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) { return __byte_perm(a, b, s); }
 // MUFU.EX2 / MUFU.RCP without range fix-ups: arguments here are <= 0 (ex2(-inf) = 0, tiny results flush to 0)
@@ -395,183 +375,137 @@ __device__ __forceinline__ unsigned lut16(unsigned s7, unsigned hmask, unsigned 
 #endif
 
 // --- exact part: sink + window tokens in the original domain (fp16/bf16 K, V), all G heads ---------------
-// The capacities' NCH = ceil((SC + W) / TE) chunks of TE tokens are dealt to the E exact blocks, CH =
-// ceil(NCH / E) consecutive chunks each: block e covers tokens [e*CH*TE, min(n, (e+1)*CH*TE)) of sink ++ window
-// (the plan takes E = NCH, one chunk a block, unless fewer, longer exact blocks keep its grid to one wave:
-// decode.plan_exact_blocks). A chunk's K and V rows arrive with one round of cp.async, then scores, softmax and
-// P.V run from shared memory; the chunks of a block are combined online (running max and sum per head, the
-// accumulators rescaled), so one chunk does exactly the work of the one-chunk form. Writes one partial like a
-// tile split.
+// Block e covers tokens [e*TE, min(n, (e+1)*TE)) of sink ++ window; its K and V rows arrive with one round of
+// cp.async, then scores, softmax and P.V run from shared memory. Writes one partial like a tile split.
 __device__ void exact_part(unsigned char* smem, const void* q, const void* win_k, const void* win_v,
                            const void* sink_k, const void* sink_v, const int* win_len, const int* sink_len,
                            float* po, float* pm, float* pl, size_t slot, int b, int h, int Hkv, int G, int W,
-                           int SC, int E, int e, bool q_bf, bool kv_bf, float sl2) {
-    const int tid = threadIdx.x;
+                           int SC, int e, bool q_bf, bool kv_bf, float sl2) {
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     int sl = sink_len[b], wl = win_len[b];
     sl = sl < 0 ? 0 : (sl > SC ? SC : sl);
     wl = wl < 0 ? 0 : (wl > W ? W : wl);
     const int n = sl + wl;
-    const int nch = (SC + W + TE - 1) / TE, ch = (nch + E - 1) / E;
-    const int tb = e * ch * TE, te = min(n, tb + ch * TE);  // this block's tokens [tb, te)
-    if (te <= tb) {
+    const int t0 = e * TE;
+    const int cnt = min(TE, n - t0);
+    if (cnt <= 0) {
         if (tid < G) { pm[slot + tid] = neg_inf(); pl[slot + tid] = 0.f; }
         return;
     }
     unsigned char* kb = smem;                                   // [TE][D] fp16/bf16
     unsigned char* vb = kb + TE * D * 2;                        // [TE][D]
     float* qs = reinterpret_cast<float*>(vb + TE * D * 2);      // [8][D]
-    float* scp = qs + 8 * D;                                    // [EX_NP][8][TE]; [8] the chunk's rescale in P.V
+    float* scp = qs + 8 * D;                                    // [EX_NP][8][TE]
     float* pr = scp + EX_NP * 8 * TE;                           // [8][TE]
-    float* mst = pr + 8 * TE;                                   // [8] running max
-    float* lst = mst + 8;                                       // [8] running sum
+    float* mst = pr + 8 * TE;                                   // [8]
+    float* lst = mst + 8;                                       // [8]
     float* red = lst + 8;                                       // [NTG][8][D]
+    const size_t sbase = (size_t)(b * Hkv + h) * SC;
+    const size_t wbase = (size_t)(b * Hkv + h) * W;
     constexpr int RCH = D / 8;  // 16-byte chunks per row
-    // K and V rows [t0, t0 + cnt) into kb, vb (one cp.async group). The row bases are recomputed at every call
-    // from an opaque copy of the pair index, so that the loop over chunks keeps no global addresses in registers.
-    auto load_rows = [&](int t0, int cnt) {
-        int pair = b * Hkv + h;
-        asm volatile("" : "+r"(pair));
-        const size_t sbase = (size_t)pair * SC, wbase = (size_t)pair * W;
-        for (int c = tid; c < cnt * RCH; c += NT) {
-            const int r = c / RCH, k = c % RCH, t = t0 + r;
-            const size_t row = t < sl ? sbase + t : wbase + (t - sl);
-            const unsigned char* srk = reinterpret_cast<const unsigned char*>(t < sl ? sink_k : win_k);
-            const unsigned char* srv = reinterpret_cast<const unsigned char*>(t < sl ? sink_v : win_v);
-            cp_async16(kb + r * D * 2 + k * 16, srk + row * D * 2 + k * 16);
-            cp_async16(vb + r * D * 2 + k * 16, srv + row * D * 2 + k * 16);
-        }
-        cp_async_commit();
-    };
-    load_rows(tb, min(TE, te - tb));
+    for (int c = tid; c < cnt * RCH; c += NT) {
+        const int r = c / RCH, k = c % RCH, t = t0 + r;
+        const size_t row = t < sl ? sbase + t : wbase + (t - sl);
+        const unsigned char* srk = reinterpret_cast<const unsigned char*>(t < sl ? sink_k : win_k);
+        const unsigned char* srv = reinterpret_cast<const unsigned char*>(t < sl ? sink_v : win_v);
+        cp_async16(kb + r * D * 2 + k * 16, srk + row * D * 2 + k * 16);
+        cp_async16(vb + r * D * 2 + k * 16, srv + row * D * 2 + k * 16);
+    }
+    cp_async_commit();
     const size_t qbase = (size_t)(b * Hkv + h) * G * D;
     for (int i = tid; i < G * D; i += NT) qs[i] = ld_in(q, qbase + i, q_bf) * sl2;
-    if (tid < 8) { mst[tid] = neg_inf(); lst[tid] = 0.f; }
-    // P.V: thread (channel pair cp, token group tg); between chunks its sums wait in its own slots of red, so that
-    // they hold no registers through the score phase (the exact part shares the tile blocks' register budget)
+    cp_async_wait<0>();
+    __syncthreads();
+    // --- scores: thread (token t, channel part p) over D / EX_NP channels, 8 at a time --------------
+    {
+        const int t = tid % TE, p = tid / TE;
+        constexpr int CPP = D / EX_NP, NCK = CPP / 8;
+        float s[8];
+#pragma unroll
+        for (int g = 0; g < 8; ++g) s[g] = 0.f;
+        if (t < cnt) {
+            const unsigned char* row = kb + t * D * 2 + p * CPP * 2;
+#pragma unroll 4
+            for (int ck = 0; ck < NCK; ++ck) {
+                const int c8 = (ck + t) % NCK;  // rotated start: the lanes of a phase hit different banks
+                const uint4 u = *reinterpret_cast<const uint4*>(row + c8 * 16);
+                unsigned uw[4] = {u.x, u.y, u.z, u.w};
+                float kv[8];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    if (kv_bf) {
+                        kv[2 * k] = __uint_as_float(uw[k] << 16);
+                        kv[2 * k + 1] = __uint_as_float(uw[k] & 0xffff0000u);
+                    } else {
+                        float2 f = __half22float2(*reinterpret_cast<__half2*>(&uw[k]));
+                        kv[2 * k] = f.x; kv[2 * k + 1] = f.y;
+                    }
+                }
+                const int c0 = p * CPP + c8 * 8;
+#pragma unroll
+                for (int g = 0; g < 8; ++g) {
+                    if (g < G) {
+                        const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c0);
+                        const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c0 + 4);
+                        s[g] += q0.x * kv[0] + q0.y * kv[1] + q0.z * kv[2] + q0.w * kv[3] + q1.x * kv[4] +
+                                q1.y * kv[5] + q1.z * kv[6] + q1.w * kv[7];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) scp[(p * 8 + g) * TE + t] = s[g];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * TE; i += NT) {
+        const int g = i / TE, t = i % TE;
+        float v = 0.f;
+#pragma unroll
+        for (int p = 0; p < EX_NP; ++p) v += scp[(p * 8 + g) * TE + t];
+        pr[g * TE + t] = t < cnt ? v : neg_inf();
+    }
+    __syncthreads();
+    // --- softmax over the block's tokens, one warp per head ----------------------------------------
+    for (int g = w; g < G; g += NW) {
+        constexpr int PL = (TE + 31) / 32;
+        float v[PL], mx = neg_inf();
+#pragma unroll
+        for (int k = 0; k < PL; ++k) {
+            const int t = lane + 32 * k;
+            v[k] = t < TE ? pr[g * TE + t] : neg_inf();
+            mx = fmaxf(mx, v[k]);
+        }
+        mx = group_max<32>(mx);
+        float ps = 0.f;
+#pragma unroll
+        for (int k = 0; k < PL; ++k) {
+            const int t = lane + 32 * k;
+            const float pv = v[k] == neg_inf() ? 0.f : exp2f(v[k] - mx);
+            if (t < TE) pr[g * TE + t] = pv;
+            ps += pv;
+        }
+        ps = group_sum<32>(ps);
+        if (lane == 0) { mst[g] = mx; lst[g] = ps; }
+    }
+    __syncthreads();
+    // --- P.V: thread (channel pair cp, token group tg) ---------------------------------------------
     constexpr int TPG = D / 2;               // threads per token group (2 channels each)
     constexpr int NTG = NT / TPG;            // token groups: 4, 2, 1
-    float acc[8][2];
-#pragma unroll 1
-    for (int t0 = tb; t0 < te; t0 += TE) {
-        // the thread's indices read again in every chunk (opaque_tid), so that the shared memory addresses derived
-        // from them are computed in the chunk instead of held in registers through the loop
-        const int ct = opaque_tid(), lane = ct & 31, w = ct >> 5, cp = ct % TPG, tg = ct / TPG;
-        const int cnt = min(TE, te - t0);
-        cp_async_wait<0>();
-        __syncthreads();
-        // --- scores: thread (token t, channel part p) over D / EX_NP channels, 8 at a time ----------
-        {
-            const int t = ct % TE, p = ct / TE;
-            constexpr int CPP = D / EX_NP, NCK = CPP / 8;
-            float s[8];
-#pragma unroll
-            for (int g = 0; g < 8; ++g) s[g] = 0.f;
-            if (t < cnt) {
-                const unsigned char* row = kb + t * D * 2 + p * CPP * 2;
-#pragma unroll 4
-                for (int ck = 0; ck < NCK; ++ck) {
-                    const int c8 = (ck + t) % NCK;  // rotated start: the lanes of a phase hit different banks
-                    const uint4 u = *reinterpret_cast<const uint4*>(row + c8 * 16);
-                    unsigned uw[4] = {u.x, u.y, u.z, u.w};
-                    float kv[8];
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        if (kv_bf) {
-                            kv[2 * k] = __uint_as_float(uw[k] << 16);
-                            kv[2 * k + 1] = __uint_as_float(uw[k] & 0xffff0000u);
-                        } else {
-                            float2 f = __half22float2(*reinterpret_cast<__half2*>(&uw[k]));
-                            kv[2 * k] = f.x; kv[2 * k + 1] = f.y;
-                        }
-                    }
-                    const int c0 = p * CPP + c8 * 8;
-#pragma unroll
-                    for (int g = 0; g < 8; ++g) {
-                        if (g < G) {
-                            const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c0);
-                            const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c0 + 4);
-                            s[g] += q0.x * kv[0] + q0.y * kv[1] + q0.z * kv[2] + q0.w * kv[3] + q1.x * kv[4] +
-                                    q1.y * kv[5] + q1.z * kv[6] + q1.w * kv[7];
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < 8; ++g)
-                if (g < G) scp[(p * 8 + g) * TE + t] = s[g];
-        }
-        __syncthreads();
-        for (int i = ct; i < G * TE; i += NT) {
-            const int g = i / TE, t = i % TE;
-            float v = 0.f;
-#pragma unroll
-            for (int p = 0; p < EX_NP; ++p) v += scp[(p * 8 + g) * TE + t];
-            pr[g * TE + t] = t < cnt ? v : neg_inf();
-        }
-        __syncthreads();
-        // --- softmax over the chunk's tokens against the running max, one warp per head ---------------
-        for (int g = w; g < G; g += NW) {
-            constexpr int PL = (TE + 31) / 32;
-            float v[PL], mx = mst[g];
-#pragma unroll
-            for (int k = 0; k < PL; ++k) {
-                const int t = lane + 32 * k;
-                v[k] = t < TE ? pr[g * TE + t] : neg_inf();
-                mx = fmaxf(mx, v[k]);
-            }
-            mx = group_max<32>(mx);
-            float ps = 0.f;
-#pragma unroll
-            for (int k = 0; k < PL; ++k) {
-                const int t = lane + 32 * k;
-                const float pv = v[k] == neg_inf() ? 0.f : exp2f(v[k] - mx);
-                if (t < TE) pr[g * TE + t] = pv;
-                ps += pv;
-            }
-            ps = group_sum<32>(ps);
-            if (lane == 0) {
-                // the first chunk: m = -inf, l = 0, the rescale 0 (the accumulators are 0 too)
-                const float r = mst[g] == neg_inf() ? 0.f : exp2f(mst[g] - mx);
-                scp[g] = r;
-                mst[g] = mx;
-                lst[g] = lst[g] * r + ps;
-            }
-        }
-        __syncthreads();
-        // --- P.V ---------------------------------------------------------------------------------------
-        if (t0 == tb) {
-#pragma unroll
-            for (int g = 0; g < 8; ++g) acc[g][0] = acc[g][1] = 0.f;
-        } else {
-#pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                if (g < G) {
-                    const float r = scp[g];
-                    const float2 a = *reinterpret_cast<const float2*>(red + (tg * 8 + g) * D + 2 * cp);
-                    acc[g][0] = a.x * r; acc[g][1] = a.y * r;
-                }
-            }
-        }
-#pragma unroll 4
-        for (int tt = tg; tt < cnt; tt += NTG) {
-            const unsigned u = *reinterpret_cast<const unsigned*>(vb + tt * D * 2 + cp * 4);
-            float v0, v1;
-            if (kv_bf) { v0 = __uint_as_float(u << 16); v1 = __uint_as_float(u & 0xffff0000u); }
-            else { float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u)); v0 = f.x; v1 = f.y; }
-#pragma unroll
-            for (int g = 0; g < 8; ++g)
-                if (g < G) { const float pv = pr[g * TE + tt]; acc[g][0] += pv * v0; acc[g][1] += pv * v1; }
-        }
-        if (t0 + TE < te) {  // the next chunk's rows overwrite kb, vb and its scores scp, pr
-#pragma unroll
-            for (int g = 0; g < 8; ++g)
-                if (g < G)
-                    *reinterpret_cast<float2*>(red + (tg * 8 + g) * D + 2 * cp) = make_float2(acc[g][0], acc[g][1]);
-            __syncthreads();
-            load_rows(t0 + TE, min(TE, te - t0 - TE));
-        }
-    }
     const int cp = tid % TPG, tg = tid / TPG;
+    float acc[8][2];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) acc[g][0] = acc[g][1] = 0.f;
+#pragma unroll 4
+    for (int tt = tg; tt < cnt; tt += NTG) {
+        const unsigned u = *reinterpret_cast<const unsigned*>(vb + tt * D * 2 + cp * 4);
+        float v0, v1;
+        if (kv_bf) { v0 = __uint_as_float(u << 16); v1 = __uint_as_float(u & 0xffff0000u); }
+        else { float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u)); v0 = f.x; v1 = f.y; }
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+            if (g < G) { const float pv = pr[g * TE + tt]; acc[g][0] += pv * v0; acc[g][1] += pv * v1; }
+    }
     if constexpr (NTG > 1) {
 #pragma unroll
         for (int g = 0; g < 8; ++g)
@@ -1464,7 +1398,7 @@ __device__ __forceinline__ void decode_block(const void* q, const unsigned char*
     constexpr float LOG2E = 1.4426950408889634f;
     if (split >= S) {
         exact_part(smem, q, win_k, win_v, sink_k, sink_v, win_len, sink_len, po, pm, pl, slot, b, h, Hkv, G, W, SC,
-                   E, split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
+                   split - S, q_bf, (flags & 2) != 0, scale * LOG2E);
     } else {
         const int n = live_tiles(n_tiles[b], cap);
         const int tps = tiles_per_split(n, S, min_tps);
