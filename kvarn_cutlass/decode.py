@@ -566,7 +566,7 @@ RING2_VARIANT = DecodeVariant(ring=2)
 RING2_MIN_WAVES = 2
 # Below that, the two-level merge (merge_group) where a pair has at least MERGE_GROUP_MIN_SPLITS tile splits: in a
 # grid of about one wave the pair's last block merges S + E rows after every other block has ended, and with
-# groups of MERGE_GROUP_SPLITS the groups' merges run while other blocks still stream records. Measured on the
+# groups of 12 splits the groups' merges run while other blocks still stream records. Measured on the
 # H100 against the shipped kernel at equal splits (docs/perf-notes.md, "Twenty-sixth session"): b1/4k (S = 17)
 # 1.06x, b1/8k (S = 33) 0.973x, b1/12k (49) 0.928x, b1/16k-128k (65) 0.90-0.96x; groups of 12 the fastest of
 # 6, 8, 12, 16 and 24 at every one of these; at batch 16 (ring 2's grids) 0.998-1.005x.
