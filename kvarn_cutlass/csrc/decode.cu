@@ -648,20 +648,19 @@ __device__ __forceinline__ unsigned long long* trace_row() {
     const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     return threadIdx.x == 0 && blk < TRACE_BLOCKS ? KVD_NAME(kvarn_decode_trace_) + blk * TRACE_FIELDS : nullptr;
 }
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 __device__ __forceinline__ void trace_mark(int f) {
     if (unsigned long long* row = trace_row()) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        row[f] = t;
+        row[f] = globaltimer_ns();
         row[8 + f] = clock64();
     }
 }
 __device__ __forceinline__ void trace_time(int f) {
-    if (unsigned long long* row = trace_row()) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        row[f] = t;
-    }
+    if (unsigned long long* row = trace_row()) row[f] = globaltimer_ns();
 }
 __device__ __forceinline__ void trace_info(unsigned long long bits) {
     if (unsigned long long* row = trace_row()) {
