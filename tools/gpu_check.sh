@@ -19,6 +19,8 @@
 # 4. runs the GPU tests one group (test file family) at a time, each under its own time limit, so
 #    that one hanging or slow group cannot eat the device budget of the others
 # 5. runs the given `kvarn-cutlass bench` sections, which merge into docs/benchmarks/<gpu>.json
+# 5b. GPU_BASELINE_TREE=DIR (a carried tree of another revision): the same sections from there too
+#    -> $OUT/baseline-<gpu>.json (see the step)
 # 6. copies that record to $OUT (at once, and again at the end)
 # 6b. GPU_NCU=1: Nsight Compute reports (counters; --clock-control none) of the compress, decode
 #    partials and fused prefill kernels in their bench shapes -> $OUT/ncu.txt (GPU_NCU_STALLS=1: stall
@@ -196,6 +198,19 @@ if [ "$#" -gt 0 ]; then
     tar czf "$OUT/bench-results.tgz" -C "$GPU_BENCH_OUT" .
   fi
   copy_records
+  # 5b. GPU_BASELINE_TREE=DIR: the same bench sections from another revision's tree, right after this tree's on the
+  #     same warm GPU (an A/B of two revisions in one call; each row has its own baseline, e.g. graphed cuDNN, from
+  #     the same run) -> $OUT/baseline-<record>.json. DIR is carried: `git archive REV | tar -x -C .carry/base`
+  #     here, carry=[".whl", ".carry"]; GPU_BASELINE_COMMIT=REV is what its record names as its commit.
+  if [ -n "${GPU_BASELINE_TREE:-}" ] && [ "${#sections[@]}" -gt 0 ]; then
+    base_tree=$(cd "$GPU_BASELINE_TREE" && pwd)
+    step bench_baseline env -C "$base_tree" PYTHONPATH="$base_tree:$PYTHONPATH" \
+      KVARN_GIT_COMMIT="${GPU_BASELINE_COMMIT:-unknown}" KVARN_CUTLASS_CACHE="$KVARN_CUTLASS_CACHE-baseline" \
+      timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}" "${sections[@]}"
+    for record in "$base_tree"/docs/benchmarks/*.json; do
+      [ -f "$record" ] && cp "$record" "$OUT/baseline-$(basename "$record")"
+    done
+  fi
 fi
 
 if [ -n "${GPU_NCU:-}" ]; then
