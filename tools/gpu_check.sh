@@ -202,6 +202,7 @@ if [ "$#" -gt 0 ]; then
   #     same warm GPU (an A/B of two revisions in one call; each row has its own baseline, e.g. graphed cuDNN, from
   #     the same run) -> $OUT/baseline-<record>.json. DIR is carried: `git archive REV | tar -x -C .carry/base`
   #     here, carry=[".whl", ".carry"]; GPU_BASELINE_COMMIT=REV is what its record names as its commit.
+  #     tools/decode_compare.py $OUT/baseline-<record>.json $OUT/<record>.json puts the decode rows side by side.
   if [ -n "${GPU_BASELINE_TREE:-}" ] && [ "${#sections[@]}" -gt 0 ]; then
     base_tree=$(cd "$GPU_BASELINE_TREE" && pwd)
     step bench_baseline env -C "$base_tree" PYTHONPATH="$base_tree:$PYTHONPATH" \
