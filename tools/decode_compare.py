@@ -34,31 +34,27 @@ def _rows(results: dict, key: str) -> dict[tuple[int, int], dict]:
     return {(r["batch"], r["context"]): r for r in results.get(key, [])}
 
 
+def _pairs(base: dict, changed: dict, key: str, extra):
+    """The rows of ``key`` in both results, matched by shape: the graph times, changed / baseline, and ``extra(rb,
+    rc)``'s fields."""
+    b, c = _rows(base, key), _rows(changed, key)
+    return [{"batch": shape[0], "context": shape[1],
+             "baseline_graph_us": b[shape]["graph_us"], "changed_graph_us": c[shape]["graph_us"],
+             "changed_over_baseline": round(c[shape]["graph_us"] / b[shape]["graph_us"], 4),
+             **extra(b[shape], c[shape])} for shape in sorted(b.keys() & c.keys())]
+
+
 def compare(base: dict, changed: dict) -> dict:
     """Per row of both results: the graph times, changed / baseline, and each one's bar ratios."""
-    out: dict = {"rows": [], "lloyd_max_rows": []}
-    b, c = _rows(base, "rows"), _rows(changed, "rows")
-    for shape in sorted(b.keys() & c.keys()):
-        rb, rc = b[shape], c[shape]
-        out["rows"].append({
-            "batch": shape[0], "context": shape[1],
-            "baseline_graph_us": rb["graph_us"], "changed_graph_us": rc["graph_us"],
-            "changed_over_baseline": round(rc["graph_us"] / rb["graph_us"], 4),
+    return {
+        "rows": _pairs(base, changed, "rows", lambda rb, rc: {
             "baseline_cudnn_ratio": round(rb["sdpa_cudnn_graph_us"] / rb["graph_us"], 3),
             "changed_cudnn_ratio": round(rc["sdpa_cudnn_graph_us"] / rc["graph_us"], 3),
             "baseline_floor_fraction": round(rb["floor_us"] / rb["graph_us"], 3),
-            "changed_floor_fraction": round(rc["floor_us"] / rc["graph_us"], 3),
-        })
-    b, c = _rows(base, "lloyd_max_rows"), _rows(changed, "lloyd_max_rows")
-    for shape in sorted(b.keys() & c.keys()):
-        rb, rc = b[shape], c[shape]
-        out["lloyd_max_rows"].append({
-            "batch": shape[0], "context": shape[1],
-            "baseline_graph_us": rb["graph_us"], "changed_graph_us": rc["graph_us"],
-            "changed_over_baseline": round(rc["graph_us"] / rb["graph_us"], 4),
-            "baseline_vs_uniform": rb["time_vs_uniform"], "changed_vs_uniform": rc["time_vs_uniform"],
-        })
-    return out
+            "changed_floor_fraction": round(rc["floor_us"] / rc["graph_us"], 3)}),
+        "lloyd_max_rows": _pairs(base, changed, "lloyd_max_rows", lambda rb, rc: {
+            "baseline_vs_uniform": rb["time_vs_uniform"], "changed_vs_uniform": rc["time_vs_uniform"]}),
+    }
 
 
 def main(argv=None) -> int:
