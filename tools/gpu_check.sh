@@ -205,12 +205,16 @@ if [ "$#" -gt 0 ]; then
   #     tools/decode_compare.py $OUT/baseline-<record>.json $OUT/<record>.json puts the decode rows side by side.
   if [ -n "${GPU_BASELINE_TREE:-}" ] && [ "${#sections[@]}" -gt 0 ]; then
     base_tree=$(cd "$GPU_BASELINE_TREE" && pwd)
+    base_start="$OUT/.baseline_start"
+    touch "$base_start"
     step bench_baseline env -C "$base_tree" PYTHONPATH="$base_tree:$PYTHONPATH" \
       KVARN_GIT_COMMIT="${GPU_BASELINE_COMMIT:-unknown}" KVARN_CUTLASS_CACHE="$KVARN_CUTLASS_CACHE-baseline" \
       timeout "${GPU_BENCH_LIMIT:-300}" python3 -m kvarn_cutlass.cli bench "${bench_args[@]}" "${sections[@]}"
+    # only the record this run wrote: the tree's other records are that revision's old numbers
     for record in "$base_tree"/docs/benchmarks/*.json; do
-      [ -f "$record" ] && cp "$record" "$OUT/baseline-$(basename "$record")"
+      [ "$record" -nt "$base_start" ] && cp "$record" "$OUT/baseline-$(basename "$record")"
     done
+    rm -f "$base_start"
   fi
 fi
 
